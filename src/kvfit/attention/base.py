@@ -1,0 +1,94 @@
+"""The attention backend interface and the per-step metadata every backend translates.
+
+A step's batch is a flat list of tokens from B requests (prefill chunks and decode tokens mixed).
+``AttentionMetadata`` describes it once; each backend's ``plan(meta)`` turns it into whatever its
+kernels need (once per step) and ``forward(q, k, v, layer_id)`` is called per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch layout. Device tensors live on the model's device; ``*_cpu`` lists are
+    host copies for backends that plan on the host (no device->host syncs needed).
+
+    cu_seqlens_q: [B+1] int32, query token offsets of each request in the flat batch.
+    kv_lens:      [B] int32, tokens in the cache for each request *after* this step's store.
+    block_table:  [B, max_pages] int32, the request's page ids (padded with 0).
+    slot_mapping: [T] int64, flat slot (page * page_size + offset) for each new token, -1 = pad.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    kv_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    q_lens_cpu: list[int]
+    kv_lens_cpu: list[int]
+    num_pages_cpu: list[int]
+    is_decode: bool  # every request has exactly one query token
+    # CUDA-graph padding: B may exceed the number of real requests; padded rows have kv_len 0.
+    num_real_reqs: Optional[int] = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.q_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens_cpu)
+
+
+class AttentionBackend:
+    """Owns the attention computation over a KV pool.
+
+    Declares what it supports (``devices``, ``pools``, ``kv_dtypes``, ``page_sizes``, head dims,
+    CUDA graphs); the engine's guard checks a whole combination against these before loading
+    weights. ``forward`` stores the step's new k/v into the pool (quantize on store) and returns
+    attention over all cached tokens (dequantize on read).
+    """
+
+    name: ClassVar[str] = "base"
+    devices: ClassVar[frozenset[str]] = frozenset()
+    pools: ClassVar[frozenset[str]] = frozenset()
+    kv_dtypes: ClassVar[frozenset[str]] = frozenset()
+    page_sizes: ClassVar[Optional[frozenset[int]]] = None  # None = any
+    head_dims: ClassVar[Optional[frozenset[int]]] = None  # None = any
+    supports_cuda_graph: ClassVar[bool] = False
+
+    def __init__(self, pool, compute_dtype: torch.dtype, sm_scale: float,
+                 logit_softcap: Optional[float] = None):
+        self.pool = pool
+        self.compute_dtype = compute_dtype
+        self.sm_scale = sm_scale
+        self.logit_softcap = logit_softcap
+        self.meta: Optional[AttentionMetadata] = None
+
+    @classmethod
+    def is_available(cls) -> Optional[str]:
+        """None when usable here, else the reason (e.g. 'FlashInfer is not installed')."""
+        return None
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Prepare for one step (called once per step, outside CUDA graphs). Mutates self."""
+        self.meta = meta
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer_id: int) -> torch.Tensor:
+        """q [T, q_heads, D], k/v [T, kv_heads, D] (compute dtype) -> out [T, q_heads, D].
+
+        Mutates the pool: stores k and v at ``meta.slot_mapping`` first.
+        """
+        raise NotImplementedError
+
+    # CUDA-graph hooks: backends that support graphs allocate static buffers for a max batch.
+    def init_cuda_graph(self, max_bs: int, max_pages_per_req: int) -> None:
+        raise NotImplementedError(f"{self.name} does not support CUDA graphs")
+
+    def plan_cuda_graph(self, meta: AttentionMetadata) -> None:
+        raise NotImplementedError(f"{self.name} does not support CUDA graphs")

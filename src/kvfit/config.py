@@ -1,0 +1,151 @@
+"""EngineConfig: the one frozen source of every engine setting, and the CLI flags derived from it.
+
+Each field's ``metadata`` carries its help text and flag aliases; ``add_engine_args`` turns the
+fields into argparse flags (``Literal`` types become ``choices``), so a default lives in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Literal, Optional
+
+import torch
+
+from kvfit.kvcache.dtypes import KV_DTYPE_CHOICES, KVFormat, kv_format, resolve_kv_dtype
+
+ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
+KVDtype = Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"]
+Backend = Literal["auto", "torch", "fi", "triton"]
+LoadFormat = Literal["auto", "dummy"]
+Device = Literal["auto", "cpu", "cuda"]
+
+assert set(typing.get_args(KVDtype)) == set(KV_DTYPE_CHOICES)  # one table, checked at import
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _f(default, help: str, aliases: tuple[str, ...] = (), **kw):
+    return field(default=default, metadata={"help": help, "aliases": aliases, **kw})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine setting. Validated in ``__post_init__``; derived values are cached properties."""
+
+    model: str = _f("smollm2-135m", "model: HF directory, .gguf file, config.json (with "
+                    "--load-format dummy) or a known short name (smollm2-135m, qwen2.5-coder-0.5b, "
+                    "gemma3-270m)")
+    tokenizer: Optional[str] = _f(None, "tokenizer directory (default: the model's)")
+    dtype: ModelDtype = _f("auto", "model/compute dtype; auto = the config's dtype on CUDA, "
+                           "float32 on CPU")
+    kv_dtype: KVDtype = _f("auto", "KV-cache element type; auto = the model dtype, fp8 = fp8_e4m3",
+                           aliases=("--kv-cache-dtype",))
+    kv_scales: Optional[str] = _f(None, "per-tensor KV scales: 'auto' (calibrate at start) or a "
+                                  "JSON file {\"k_scale\": [...], \"v_scale\": [...]}; default 1.0")
+    device: Device = _f("auto", "cuda when available, else cpu")
+    attention_backend: Backend = _f("auto", "attention backend; auto = fi on CUDA when FlashInfer "
+                                    "imports, else torch")
+    page_size: int = _f(16, "tokens per KV page", aliases=("--block-size",))
+    memory_ratio: float = _f(0.9, "fraction of free GPU memory the engine may use (weights, "
+                             "activations, KV)", aliases=("--gpu-memory-utilization",))
+    cpu_kv_space_gib: float = _f(4.0, "KV budget on CPU in GiB (capped by free RAM)")
+    num_pages: Optional[int] = _f(None, "KV pages to allocate (overrides the memory budget)")
+    num_tokens: Optional[int] = _f(None, "KV tokens to allocate (overrides the memory budget)")
+    max_model_len: Optional[int] = _f(None, "longest prompt + output (default: the model's context)")
+    max_num_seqs: int = _f(256, "most requests running at once")
+    max_num_batched_tokens: int = _f(2048, "token budget of one step (chunked prefill size)")
+    enforce_eager: bool = _f(False, "disable CUDA graphs", aliases=("--no-cuda-graph",))
+    cuda_graph_max_bs: int = _f(128, "largest decode batch captured in a CUDA graph")
+    load_format: LoadFormat = _f("auto", "dummy = random weights from config.json alone")
+    seed: int = _f(0, "seed for dummy weights and unseeded sampling")
+
+    def __post_init__(self):
+        kv_format(self.kv_dtype) if self.kv_dtype != "auto" else None
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.memory_ratio <= 1.0:
+            raise ValueError(f"memory_ratio must be in (0, 1], got {self.memory_ratio}")
+        for name in ("num_pages", "num_tokens", "max_model_len"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1 when given, got {v}")
+        if self.num_pages is not None and self.num_tokens is not None:
+            raise ValueError("give num_pages or num_tokens, not both")
+        if self.cpu_kv_space_gib <= 0:
+            raise ValueError(f"cpu_kv_space_gib must be > 0, got {self.cpu_kv_space_gib}")
+
+    @cached_property
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA device is available; use --device cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self, config_dtype: Optional[torch.dtype]) -> torch.dtype:
+        """The compute dtype: explicit, else the config's on CUDA (bf16 if none), float32 on CPU."""
+        if self.dtype != "auto":
+            return _TORCH_DTYPES[self.dtype]
+        if self.resolved_device.type == "cuda":
+            return config_dtype if config_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        return torch.float32
+
+    def resolved_kv_dtype(self, model_dtype: torch.dtype) -> KVFormat:
+        """The pool's element format: ``auto`` = the model dtype (default behaviour unchanged)."""
+        return resolve_kv_dtype(self.kv_dtype, model_dtype)
+
+
+_KWARG_NAMES = {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def make_config(**kwargs) -> EngineConfig:
+    """EngineConfig from keyword arguments; a misspelt name is a TypeError naming close matches."""
+    unknown = set(kwargs) - _KWARG_NAMES
+    if unknown:
+        import difflib
+
+        hints = {u: difflib.get_close_matches(u, _KWARG_NAMES, n=1) for u in unknown}
+        msg = ", ".join(f"{u!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for u, h in hints.items())
+        raise TypeError(f"unknown engine argument(s): {msg}")
+    if "kv_cache_dtype" in kwargs:  # vLLM spelling
+        kwargs["kv_dtype"] = kwargs.pop("kv_cache_dtype")
+    return EngineConfig(**kwargs)
+
+
+def _unwrap_optional(tp):
+    if typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """Add one flag per EngineConfig field (``--kv-dtype`` for ``kv_dtype``, plus aliases)."""
+    hints = typing.get_type_hints(EngineConfig)
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in skip:
+            continue
+        tp = _unwrap_optional(hints[f.name])
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
+        kw: dict = {"dest": f.name, "default": f.default, "help": f"{f.metadata['help']} "
+                    f"(default: {f.default})"}
+        if tp is bool:
+            kw["action"] = "store_true"
+        elif typing.get_origin(tp) is Literal:
+            kw["choices"] = list(typing.get_args(tp))
+        else:
+            kw["type"] = tp
+        group.add_argument(*flags, **kw)
+
+
+def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    vals = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+            if hasattr(args, f.name)}
+    vals.update(overrides)
+    return EngineConfig(**vals)

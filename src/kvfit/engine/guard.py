@@ -1,0 +1,61 @@
+"""The start-up guard: check the whole (model, pool, backend, KV dtype, page size, device)
+combination against what the pool and backends declare, before any weight is loaded.
+
+No if-chains on names: each backend class lists its ``devices``, ``pools``, ``kv_dtypes``,
+``page_sizes`` and ``head_dims``; each pool lists its ``supported_kv_dtypes``. A refused
+combination raises ``UnsupportedCombinationError`` naming it and the backends that would work.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from kvfit.attention.registry import BACKENDS, backend_class, unavailable_reason
+from kvfit.errors import UnsupportedCombinationError
+from kvfit.kvcache.dtypes import KVFormat
+from kvfit.kvcache.spec import KVLayerSpec
+
+
+def _reasons(backend_name: str, pool_cls, fmt: KVFormat, page_size: int, device_type: str,
+             head_dims: set[int]) -> list[str]:
+    why = unavailable_reason(backend_name, device_type)
+    if why:
+        return [why]
+    cls = backend_class(backend_name)
+    out = []
+    if pool_cls.name not in cls.pools:
+        out.append(f"{backend_name} does not support the {pool_cls.name} pool "
+                   f"(supports {', '.join(sorted(cls.pools))})")
+    if fmt.name not in cls.kv_dtypes:
+        out.append(f"{backend_name} does not read {fmt.name} KV "
+                   f"(reads {', '.join(sorted(cls.kv_dtypes))})")
+    if cls.page_sizes is not None and page_size not in cls.page_sizes:
+        out.append(f"{backend_name} does not support page size {page_size} "
+                   f"(supports {', '.join(map(str, sorted(cls.page_sizes)))})")
+    if cls.head_dims is not None and not head_dims <= cls.head_dims:
+        out.append(f"{backend_name} does not support head_dim {sorted(head_dims - cls.head_dims)}"
+                   f" (supports {', '.join(map(str, sorted(cls.head_dims)))})")
+    return out
+
+
+def check_combination(backend_name: str, pool_cls, fmt: KVFormat, page_size: int,
+                      device_type: str, layers: Sequence[KVLayerSpec]) -> None:
+    """Raise UnsupportedCombinationError unless the combination is implemented."""
+    reasons = []
+    if fmt.name not in pool_cls.supported_kv_dtypes:
+        reasons.append(f"the {pool_cls.name} pool does not store {fmt.name} "
+                       f"(stores {', '.join(sorted(pool_cls.supported_kv_dtypes))})")
+    head_dims = {l.head_dim for l in layers}
+    reasons += _reasons(backend_name, pool_cls, fmt, page_size, device_type, head_dims)
+    if not reasons:
+        return
+    working = [b for b in BACKENDS if b != backend_name
+               and fmt.name in pool_cls.supported_kv_dtypes
+               and not _reasons(b, pool_cls, fmt, page_size, device_type, head_dims)]
+    combo = (f"backend={backend_name}, pool={pool_cls.name}, kv_dtype={fmt.name}, "
+             f"page_size={page_size}, device={device_type}")
+    hint = (f"; these backends support it: {', '.join(working)} (--attention-backend)"
+            if working else "; no backend here supports it: choose another --kv-dtype or "
+            "--page-size")
+    raise UnsupportedCombinationError(f"unsupported combination ({combo}): "
+                                      + "; ".join(reasons) + hint)

@@ -1,0 +1,211 @@
+"""LLMEngine: requests in, outputs out, one ``step()`` at a time. Not thread-safe: one thread
+(the offline loop or the server's engine thread) drives it."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Optional, Union
+
+import torch
+
+from kvfit.config import EngineConfig
+from kvfit.engine.runner import ModelRunner
+from kvfit.engine.sampler import sample, top_logprobs
+from kvfit.errors import RequestRejected
+from kvfit.kvcache.allocator import PageAllocator
+from kvfit.models.registry import load_tokenizer
+from kvfit.outputs import CompletionOutput, RequestOutput
+from kvfit.sampling_params import SamplingParams
+from kvfit.scheduler.request import Request, Status
+from kvfit.scheduler.scheduler import Scheduler
+
+log = logging.getLogger("kvfit")
+
+
+class LLMEngine:
+    """Owns the runner, the scheduler and every live request (mutated by ``step``/``abort``)."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        from kvfit.models.registry import resolve_model
+
+        src = resolve_model(config.model)
+        try:
+            self.tokenizer = load_tokenizer(src, config.tokenizer)
+        except Exception as e:  # a bare config.json (dummy weights) may come without one
+            if src.kind != "config":
+                raise
+            log.info("no tokenizer for %s (%s): token-id prompts only", config.model, e)
+            self.tokenizer = None
+        self.runner = ModelRunner(config, self.tokenizer)
+        self.max_model_len = self.runner.max_model_len
+        self.vocab_size = self.runner.hf_config.vocab_size
+        self.allocator = PageAllocator(self.runner.pool.num_pages)
+        self.scheduler = Scheduler(self.allocator, config.page_size, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self.eos_ids = self._eos_ids()
+        self._arrival = itertools.count()
+        self._seed_rng = torch.Generator().manual_seed(config.seed)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (getattr(self.runner.hf_config, "eos_token_id", None),
+                    getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, (list, tuple)):
+                ids.update(int(x) for x in src)
+        return ids
+
+    # -- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: Union[str, list[int]],
+                    params: SamplingParams) -> None:
+        """Queue a request, or raise RequestRejected if it could never be served."""
+        if request_id in self.requests:
+            raise RequestRejected(f"request id {request_id!r} is already in use", "request_id")
+        params.validate()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestRejected("this model has no tokenizer: send token ids", "prompt")
+            text, ids = prompt, self.tokenizer(prompt)["input_ids"]
+        else:
+            text, ids = None, [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size}), got "
+                                      f"{bad[0]}", "prompt")
+        if not ids:
+            raise RequestRejected("the prompt is empty", "prompt")
+        room = self.max_model_len - len(ids)
+        if params.max_tokens is None:
+            if room < 1:
+                raise self._too_long(len(ids), 1)
+            params.max_tokens = room
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise self._too_long(len(ids), params.max_tokens)
+        gen = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else int(
+                torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+            gen = torch.Generator(device=self.runner.device).manual_seed(seed)
+        req = Request(request_id, text, ids, params, gen, next(self._arrival))
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def _too_long(self, n_prompt: int, n_out: int) -> RequestRejected:
+        return RequestRejected(
+            f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+            f"requested {n_prompt + n_out} tokens ({n_prompt} in the messages, {n_out} in the "
+            f"completion). Please reduce the length of the messages or completion.", "max_tokens")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish a request as 'abort' and free its pages now. False if unknown/finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None or req.finished:
+            return False
+        self.scheduler.finish(req, "abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> dict:
+        return {"num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting),
+                "pages_used": self.allocator.num_used, "pages_free": self.allocator.num_free,
+                "pages_total": self.allocator.num_pages, "page_size": self.config.page_size,
+                "kv_dtype": self.runner.kv_format.name,
+                "num_preemptions": self.scheduler.num_preemptions,
+                "prompt_tokens_total": self.prompt_tokens_total,
+                "generation_tokens_total": self.generation_tokens_total}
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return []
+        items = batch.items
+        sample_mask = [r.num_computed_tokens + n == r.num_tokens for r, n in items]
+        prompt_lp = [r.wants_prompt_logprobs() and r.num_computed_tokens < r.num_prompt_tokens
+                     for r, n in items]
+        result = self.runner.execute(items, sample_mask, prompt_lp)
+        for i, (req, n) in enumerate(items):
+            if i in result.prompt_rows:
+                start, lp = result.prompt_rows[i]
+                for j in range(n):  # row j predicts the token at position start + j + 1
+                    pos = start + j + 1
+                    if len(req.prompt_logprobs) == pos and pos < req.num_prompt_tokens:
+                        tok = req.prompt_token_ids[pos]
+                        req.prompt_logprobs.append(top_logprobs(lp[j], tok,
+                                                                req.params.prompt_logprobs))
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                self.prompt_tokens_total += min(n, req.num_prompt_tokens - req.num_computed_tokens)
+            req.num_computed_tokens += n
+        samplers = [req for (req, _), s in zip(items, sample_mask) if s]
+        outputs = []
+        if samplers:
+            tokens, logprobs = sample(result.sample_logits, [r.params for r in samplers],
+                                      [r.generator for r in samplers])
+            now = time.monotonic()
+            for row, (req, tok) in enumerate(zip(samplers, tokens)):
+                self._append(req, tok, logprobs[row], now)
+                outputs.append(self._output(req))
+        return outputs
+
+    def _append(self, req: Request, tok: int, lp_row: torch.Tensor, now: float) -> None:
+        p = req.params
+        req.output_token_ids.append(tok)
+        self.generation_tokens_total += 1
+        if req.t_first_token is None:
+            req.t_first_token = now
+        lp = float(lp_row[tok])
+        req.cumulative_logprob += lp
+        if req.logprobs is not None:
+            req.logprobs.append(top_logprobs(lp_row, tok, p.logprobs))
+        reason, stop_reason = None, None
+        if tok in p.stop_token_ids:
+            reason, stop_reason = "stop", tok
+        elif not p.ignore_eos and tok in self.eos_ids:
+            reason = "stop"
+        full = self._decode(req)
+        if reason is None and p.stop:
+            for stop in p.stop:
+                at = full.find(stop)
+                if at >= 0:
+                    full = full[:at]
+                    reason, stop_reason = "stop", stop
+                    break
+        if reason is None and (len(req.output_token_ids) >= p.max_tokens
+                               or req.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is None:
+            # while running, hold back an incomplete UTF-8 sequence and a possible stop prefix
+            full = full.rstrip("\ufffd")
+            hold = max((len(x) for x in p.stop), default=1) - 1
+            full = full[: len(full) - hold] if hold else full
+        req.text = full if len(full) >= len(req.text) or reason is not None else req.text
+        if reason is not None:
+            self.scheduler.finish(req, reason, stop_reason)
+            self.requests.pop(req.request_id, None)
+
+    def _decode(self, req: Request) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(req.output_token_ids,
+                                     skip_special_tokens=req.params.skip_special_tokens)
+
+    @staticmethod
+    def _output(req: Request) -> RequestOutput:
+        comp = CompletionOutput(0, req.text, list(req.output_token_ids),
+                                req.cumulative_logprob if req.logprobs is not None else None,
+                                list(req.logprobs) if req.logprobs is not None else None,
+                                req.finish_reason, req.stop_reason)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp],
+                             req.finished, req.prompt_logprobs,
+                             {"arrival": req.t_arrival, "first_token": req.t_first_token,
+                              "num_preemptions": req.num_preemptions})

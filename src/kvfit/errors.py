@@ -1,0 +1,23 @@
+"""Exception types users see. Each message names the problem and the fix."""
+
+from __future__ import annotations
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """--model names nothing kvfit can load (or a known model whose package is missing)."""
+
+
+class UnsupportedCombinationError(NotImplementedError):
+    """The (model, pool, backend, KV dtype, page size, device) combination is not implemented."""
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served (too long, bad parameter). ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class KVBudgetError(RuntimeError):
+    """The KV cache cannot be sized as asked (not enough memory, context too long)."""

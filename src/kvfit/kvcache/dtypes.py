@@ -1,0 +1,64 @@
+"""The one table of KV-cache element types.
+
+Every place that needs to know what a KV dtype name means (its torch dtype, its element size,
+its finite range, whether it is quantized) reads it from here. Adding a format means adding a row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """One storage format of the paged KV cache.
+
+    name:       the canonical flag value (``fp8_e4m3``).
+    torch_dtype: the element type of the pool tensors.
+    quantized:  True when storing needs a scale and saturation (the value range is narrow).
+    max_finite: the largest finite magnitude of the format; values are clamped to it on store.
+    """
+
+    name: str
+    torch_dtype: torch.dtype
+    quantized: bool
+    max_finite: float
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+
+KV_FORMATS: dict[str, KVFormat] = {
+    "float32": KVFormat("float32", torch.float32, False, torch.finfo(torch.float32).max),
+    "bfloat16": KVFormat("bfloat16", torch.bfloat16, False, torch.finfo(torch.bfloat16).max),
+    "float16": KVFormat("float16", torch.float16, False, torch.finfo(torch.float16).max),
+    "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, True, torch.finfo(torch.float8_e4m3fn).max),
+    "fp8_e5m2": KVFormat("fp8_e5m2", torch.float8_e5m2, True, torch.finfo(torch.float8_e5m2).max),
+}
+
+# Names a user may type for --kv-dtype. ``auto`` follows the model dtype; ``fp8`` means e4m3 as in
+# vLLM. float32 is reachable only through ``auto`` with a float32 model (CPU default).
+KV_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+_ALIASES = {"fp8": "fp8_e4m3", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+_TORCH_TO_NAME = {fmt.torch_dtype: name for name, fmt in KV_FORMATS.items()}
+
+
+def kv_format(name: str) -> KVFormat:
+    """The format for a canonical or alias name; ValueError listing valid names otherwise."""
+    canon = _ALIASES.get(name, name)
+    if canon not in KV_FORMATS:
+        raise ValueError(
+            f"unknown KV dtype {name!r}; valid: {', '.join(KV_DTYPE_CHOICES)}"
+        )
+    return KV_FORMATS[canon]
+
+
+def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> KVFormat:
+    """``auto`` -> the model dtype's format, anything else -> its own format."""
+    if kv_dtype == "auto":
+        return KV_FORMATS[_TORCH_TO_NAME[model_dtype]]
+    return kv_format(kv_dtype)

@@ -1,0 +1,111 @@
+"""KV pools: the GPU/CPU tensors that hold the paged KV cache, and how tokens are stored into them.
+
+A pool owns its tensors and per-layer scales; it never decides which pages a request gets (the
+``PageAllocator`` does, on the CPU). Slots are flat indices ``page * page_size + offset``; a slot
+of -1 marks a padding token (CUDA-graph padding) that must not be stored.
+
+Layout (HND): ``k_caches[layer]`` and ``v_caches[layer]`` are ``[num_pages, num_kv_heads,
+page_size, head_dim]`` so one head's page is contiguous (what the decode kernels read).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Optional, Sequence
+
+import torch
+
+from kvfit.kvcache.dtypes import KV_FORMATS, KVFormat
+from kvfit.kvcache.quant import dequantize, quantize
+from kvfit.kvcache.spec import KVLayerSpec, spec_kv_bytes_per_token
+
+
+class KVPool:
+    """Base of all pools. Subclasses declare which layer kinds and KV formats they hold."""
+
+    name: ClassVar[str] = "KVPool"
+    layer_kinds: ClassVar[frozenset[str]] = frozenset()
+    supported_kv_dtypes: ClassVar[frozenset[str]] = frozenset(KV_FORMATS)
+
+    def __init__(self, layers: Sequence[KVLayerSpec], num_pages: int, page_size: int,
+                 fmt: KVFormat, device: torch.device,
+                 k_scales: Optional[Sequence[float]] = None,
+                 v_scales: Optional[Sequence[float]] = None):
+        self.layers = list(layers)
+        self.num_layers = len(self.layers)
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.fmt = fmt
+        self.dtype = fmt.torch_dtype
+        self.device = device
+        self.k_scales = [1.0] * self.num_layers if k_scales is None else [float(s) for s in k_scales]
+        self.v_scales = [1.0] * self.num_layers if v_scales is None else [float(s) for s in v_scales]
+        if len(self.k_scales) != self.num_layers or len(self.v_scales) != self.num_layers:
+            raise ValueError(f"KV scales need one value per layer ({self.num_layers}), got "
+                             f"{len(self.k_scales)} k and {len(self.v_scales)} v")
+        for s in (*self.k_scales, *self.v_scales):
+            if not (s > 0 and s < float("inf")):
+                raise ValueError(f"KV scales must be finite and > 0, got {s}")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    def priced_bytes(self) -> int:
+        """What the price list says this pool costs."""
+        return self.num_tokens * spec_kv_bytes_per_token(self.layers, self.fmt)
+
+    def allocated_bytes(self) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def set_scales(self, k_scales: Sequence[float], v_scales: Sequence[float]) -> None:
+        """Replace the per-layer scales (only before any token is stored)."""
+        self.k_scales = [float(s) for s in k_scales]
+        self.v_scales = [float(s) for s in v_scales]
+
+
+class MHAKVCache(KVPool):
+    """Full-attention K and V for every layer (MHA/GQA/MQA models)."""
+
+    name = "MHAKVCache"
+    layer_kinds = frozenset({"full"})
+
+    def __init__(self, layers, num_pages, page_size, fmt, device, k_scales=None, v_scales=None):
+        super().__init__(layers, num_pages, page_size, fmt, device, k_scales, v_scales)
+        self.k_caches: list[torch.Tensor] = []
+        self.v_caches: list[torch.Tensor] = []
+        for spec in self.layers:
+            shape = (num_pages, spec.num_kv_heads, page_size, spec.head_dim)
+            self.k_caches.append(torch.empty(shape, dtype=self.dtype, device=device))
+            self.v_caches.append(torch.empty(shape, dtype=self.dtype, device=device))
+
+    def allocated_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k_caches, *self.v_caches))
+
+    def store_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Write k, v ``[T, kv_heads, head_dim]`` into their slots, quantizing to the pool dtype.
+
+        Mutates ``k_caches[layer_id]`` and ``v_caches[layer_id]``. Slots < 0 are skipped.
+        """
+        valid = slot_mapping >= 0
+        if not bool(valid.all()):
+            k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
+        page = slot_mapping // self.page_size
+        off = slot_mapping % self.page_size
+        # advanced indices around a slice: the indexed view is [T, kv_heads, head_dim]
+        self.k_caches[layer_id][page, :, off] = quantize(k, self.fmt, self.k_scales[layer_id])
+        self.v_caches[layer_id][page, :, off] = quantize(v, self.fmt, self.v_scales[layer_id])
+
+    def gather_kv(self, layer_id: int, pages: torch.Tensor, length: int,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``length`` tokens of a request whose page list is ``pages``, dequantized.
+
+        Returns k, v ``[length, kv_heads, head_dim]`` in ``dtype`` (scale applied).
+        """
+        kc = self.k_caches[layer_id][pages]  # [n_pages, H, P, D]
+        vc = self.v_caches[layer_id][pages]
+        h, d = kc.shape[1], kc.shape[3]
+        k = kc.transpose(1, 2).reshape(-1, h, d)[:length]  # [n_pages*P, H, D] -> [length, H, D]
+        v = vc.transpose(1, 2).reshape(-1, h, d)[:length]
+        return (dequantize(k, dtype, self.k_scales[layer_id]),
+                dequantize(v, dtype, self.v_scales[layer_id]))

@@ -1,0 +1,51 @@
+"""The price list of the KV cache: bytes per token, and pages from a byte budget.
+
+NOTE: this is the one function that prices KV bytes. The pools allocate exactly
+``num_pages * page_size * spec_kv_bytes_per_token(...)`` bytes (tests check it to the byte), so the
+token count logged at start is the token count that fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional, Sequence
+
+from kvfit.kvcache.dtypes import KVFormat
+
+
+@dataclass(frozen=True)
+class KVLayerSpec:
+    """What one attention layer keeps per token.
+
+    kind:  ``full`` (every token), ``sliding`` (last ``window`` tokens), or ``mla`` (one latent
+           slab of ``head_dim`` elements per token, num_kv_heads = 1, no separate V).
+    """
+
+    kind: Literal["full", "sliding", "mla"]
+    num_kv_heads: int
+    head_dim: int
+    window: Optional[int] = None
+
+    @property
+    def elems_per_token(self) -> int:
+        per_head = self.head_dim if self.kind == "mla" else 2 * self.head_dim  # K and V
+        return self.num_kv_heads * per_head
+
+
+def spec_kv_bytes_per_token(layers: Sequence[KVLayerSpec], fmt: KVFormat,
+                            kinds: Optional[Sequence[str]] = None) -> int:
+    """Bytes one token costs across ``layers`` (optionally only the given kinds) in format ``fmt``.
+
+    Per-tensor scales live outside the pages and cost no bytes per token; a future per-token or
+    per-block scale mode adds its bytes here.
+    """
+    return sum(l.elems_per_token for l in layers if kinds is None or l.kind in kinds) * fmt.itemsize
+
+
+def solve_num_pages(budget_bytes: int, layers: Sequence[KVLayerSpec], fmt: KVFormat,
+                    page_size: int) -> int:
+    """The most pages of ``page_size`` tokens that fit in ``budget_bytes``."""
+    per_page = spec_kv_bytes_per_token(layers, fmt) * page_size
+    if per_page <= 0:
+        raise ValueError("model has no KV layers to price")
+    return max(0, budget_bytes // per_page)

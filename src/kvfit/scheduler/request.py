@@ -1,0 +1,73 @@
+"""Request: one sequence's state from admission to finish (tokens, pages, sampling state)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+import torch
+
+from kvfit.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """Owns its token lists, its page list (the per-request page table) and its RNG.
+
+    ``num_computed_tokens`` counts tokens whose K/V are in the cache. A request is in prefill
+    while ``num_computed_tokens < num_tokens - 1``; it samples when a step's chunk reaches its
+    last token. Preemption by recompute resets ``num_computed_tokens`` to 0 and drops the pages;
+    output tokens are kept, so the recomputed prefill covers prompt + outputs.
+    """
+
+    def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
+                 params: SamplingParams, generator: Optional[torch.Generator], arrival: int):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.generator = generator
+        self.arrival = arrival
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.pages: list[int] = []
+        self.status = Status.WAITING
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: Optional[object] = None
+        self.logprobs: Optional[list[dict[int, float]]] = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = (
+            [None] if params.prompt_logprobs is not None else None)
+        self.text = ""
+        self.num_preemptions = 0
+        self.t_arrival = time.monotonic()
+        self.t_first_token: Optional[float] = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        p = self.num_prompt_tokens
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def wants_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens

@@ -1,0 +1,124 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Every step, running requests come first (in admission order): each gets
+``min(tokens not yet in the cache, remaining budget)`` tokens, 1 for a decoding request. Pages are
+allocated for what is scheduled; when none are free, the most recently admitted running request
+is preempted (pages freed, progress reset, back to the front of the waiting queue) — the request
+being scheduled preempts itself if it is the last one. Then waiting requests are admitted while
+the token budget, ``max_num_seqs`` and free pages allow. Nothing is ever dropped: requests that
+could never fit are refused by the engine before they get here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvfit.kvcache.allocator import PageAllocator
+from kvfit.scheduler.request import Request, Status
+
+log = logging.getLogger("kvfit")
+
+
+@dataclass
+class ScheduledBatch:
+    """The step's work: (request, number of new tokens) in batch order."""
+
+    items: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.items
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and the page allocator (mutates requests' pages
+    and status). Never touches the GPU."""
+
+    def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        need = self.pages_for(num_tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        if not self.allocator.can_allocate(need):
+            return False
+        req.pages.extend(self.allocator.allocate(need))
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.allocator.free(req.pages)
+        req.pages = []
+        req.num_computed_tokens = 0
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        log.info("preempted request %s (recompute; %d pages free)", req.request_id,
+                 self.allocator.num_free)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            target = req.num_computed_tokens + n
+            while not self._grow(req, target):
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != Status.RUNNING:
+                break  # req preempted itself: everyone after it was preempted too
+            batch.items.append((req, n))
+            budget -= n
+            i += 1
+        if batch.preempted:
+            return batch  # no admissions in a step that had to preempt
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._grow(req, req.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            batch.items.append((req, n))
+            budget -= n
+        return batch
+
+    def finish(self, req: Request, reason: str, stop_reason=None) -> None:
+        """Mark finished and free its pages at once (also used for aborts)."""
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+        elif req.status == Status.WAITING:
+            self.waiting.remove(req)
+        if req.pages:
+            self.allocator.free(req.pages)
+            req.pages = []
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
