@@ -49,7 +49,7 @@ class ModelRunner:
                              f"--load-format dummy for random weights")
         self.hf_config = models.load_hf_config(self.source)
         self.model_cls = models.model_class_for(self.hf_config)
-        cfg_dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+        cfg_dtype = getattr(self.hf_config, "dtype", None)  # transformers 5 maps torch_dtype here
         if isinstance(cfg_dtype, str):
             cfg_dtype = getattr(torch, cfg_dtype, None)
         self.dtype = config.resolved_dtype(cfg_dtype)

@@ -15,7 +15,7 @@ from kvfit.kvcache.dtypes import KVFormat
 def quantize(x: torch.Tensor, fmt: KVFormat, scale: float = 1.0) -> torch.Tensor:
     """x / scale, saturated to fmt's finite range, cast to fmt (returns a new tensor)."""
     if not fmt.quantized:
-        return x.to(fmt.torch_dtype)
+        return (x if scale == 1.0 else x / scale).to(fmt.torch_dtype)
     y = x.float()
     if scale != 1.0:
         y = y / scale

@@ -1,0 +1,230 @@
+"""``kvfit bench quality``: what a KV dtype costs in answers, on a real model.
+
+For each KV dtype (and optionally fp8 with calibrated scales):
+  (a) passkey retrieval at 10/50/90% depth of a long filler context (k keys per depth),
+  (b) greedy agreement with the bf16-KV run on 12 short prompts (identical count, first
+      divergence position),
+  (c) mean and max next-token KL divergence vs bf16 KV over a shipped text, and perplexity.
+The compute dtype is the engine's (float32 on CPU): only the KV storage changes between rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from typing import Optional
+
+import torch
+
+FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
+          "There and back again. ")
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "What is the pass key? The pass key is"
+
+PROMPTS = [
+    "What is the capital of Japan?",
+    "Write a Python function that returns the square of a number.",
+    "Name three primary colors.",
+    "What is 15 plus 27?",
+    "Translate 'good morning' into Spanish.",
+    "Give one tip for sleeping better.",
+    "What does a CPU do, in one sentence?",
+    "List the first five prime numbers.",
+    "What is the boiling point of water in Celsius?",
+    "Write a haiku about the sea.",
+    "Explain what a linked list is in two sentences.",
+    "Who wrote 'Romeo and Juliet'?",
+]
+
+
+def quality_text() -> str:
+    return resources.files("kvfit.bench").joinpath("data/quality_text.txt").read_text()
+
+
+def chat_prompts(tok) -> list[list[int]]:
+    """The 12 prompts through the chat template when there is one, as token ids."""
+    out = []
+    for p in PROMPTS:
+        if getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True)
+            out.append(tok(text, add_special_tokens=False)["input_ids"])
+        else:
+            out.append(tok(p)["input_ids"])
+    return out
+
+
+def passkey_prompt(tok, context: int, depth: float, key: int) -> list[int]:
+    """~``context`` tokens of filler with the needle at ``depth``, ending with the question."""
+    filler_ids = tok(FILLER, add_special_tokens=False)["input_ids"]
+    needle = tok(NEEDLE.format(key=key), add_special_tokens=False)["input_ids"]
+    question = tok(QUESTION, add_special_tokens=False)["input_ids"]
+    bos = tok("", add_special_tokens=True)["input_ids"]
+    room = context - len(needle) - len(question) - len(bos)
+    reps = max(1, room // len(filler_ids))
+    at = round(reps * depth)
+    body = filler_ids * at + needle + filler_ids * (reps - at)
+    return bos + body + question
+
+
+def sequence_logprobs(runner, token_ids: list[int], chunk: int):
+    """Yield log-softmax rows [n, V] for every position of ``token_ids`` (chunked prefill into
+    the runner's pool; pages are taken from the top of the pool and nothing else may run)."""
+    from kvfit.sampling_params import SamplingParams
+    from kvfit.scheduler.request import Request
+
+    ps = runner.pool.page_size
+    need = -(-len(token_ids) // ps)
+    if need > runner.pool.num_pages:
+        raise ValueError(f"text of {len(token_ids)} tokens needs {need} pages, pool has "
+                         f"{runner.pool.num_pages}")
+    req = Request("kl", None, token_ids, SamplingParams(temperature=0, max_tokens=1), None, 0)
+    req.pages = list(range(need))
+    while req.num_computed_tokens < len(token_ids):
+        n = min(chunk, len(token_ids) - req.num_computed_tokens)
+        res = runner.execute([(req, n)], [False], [True])
+        req.num_computed_tokens += n
+        yield res.prompt_rows[0][1]
+
+
+@dataclass
+class Row:
+    name: str
+    needle: dict = field(default_factory=dict)  # depth -> [hits, total]
+    identical: int = 0
+    first_divergence: list = field(default_factory=list)
+    kl_mean: float = 0.0
+    kl_max: float = 0.0
+    ppl: float = 0.0
+    seconds: float = 0.0
+
+
+def run(args) -> tuple[list[Row], dict]:
+    from kvfit import LLM, SamplingParams
+
+    variants = []
+    for name in args.kv_dtypes:
+        variants.append((name, name, None))
+        if args.auto_scales and name.startswith("fp8"):
+            variants.append((f"{name} + auto scales", name, "auto"))
+    rng = random.Random(args.seed)
+    keys = {d: [rng.randint(10000, 99999) for _ in range(args.keys)] for d in args.depths}
+    base_tokens: Optional[list[list[int]]] = None
+    base_lp: Optional[list[torch.Tensor]] = None
+    rows = []
+    meta: dict = {}
+    for label, kv, scales in variants:
+        t0 = time.time()
+        llm = LLM(args.model, kv_dtype=kv, kv_scales=scales, device=args.device,
+                  num_tokens=args.context * len(args.depths) * args.keys + 4096,
+                  max_model_len=args.context + 64, max_num_batched_tokens=args.chunk,
+                  max_num_seqs=64)
+        tok = llm.get_tokenizer()
+        row = Row(label)
+        # (a) passkey
+        prompts, expect = [], []
+        for d in args.depths:
+            for k in keys[d]:
+                prompts.append({"prompt_token_ids": passkey_prompt(tok, args.context, d, k)})
+                expect.append((d, k))
+        meta["context_tokens"] = len(prompts[0]["prompt_token_ids"])
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        for (d, k), o in zip(expect, outs):
+            hit = str(k) in o.outputs[0].text
+            row.needle.setdefault(str(d), [0, 0])
+            row.needle[str(d)][0] += int(hit)
+            row.needle[str(d)][1] += 1
+        # (b) greedy agreement
+        outs = llm.generate([{"prompt_token_ids": p} for p in chat_prompts(tok)],
+                            SamplingParams(temperature=0, max_tokens=args.agree_tokens),
+                            use_tqdm=False)
+        toks = [o.outputs[0].token_ids for o in outs]
+        if base_tokens is None:
+            base_tokens = toks
+        for a, b in zip(toks, base_tokens):
+            if a == b:
+                row.identical += 1
+            else:
+                row.first_divergence.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                                                 min(len(a), len(b))))
+        # (c) KL vs the first row, and perplexity
+        ids = tok(quality_text())["input_ids"][: args.kl_tokens]
+        meta["kl_tokens"] = len(ids)
+        kls, nll = [], []
+        lps = []
+        pos = 0
+        for lp in sequence_logprobs(llm.engine.runner, ids, args.chunk):
+            n = lp.shape[0]
+            tgt = torch.tensor(ids[pos + 1: pos + n + 1])
+            nll.append(-lp[torch.arange(len(tgt)), tgt])
+            if base_lp is None:
+                lps.append(lp)
+            else:
+                ref = base_lp[len(kls)]
+                kls.append((ref.exp() * (ref - lp)).sum(-1))  # KL(base || this) per position
+            pos += n
+        if base_lp is None:
+            base_lp = lps
+            kls = [torch.zeros(1)]
+        kl = torch.cat(kls)
+        row.kl_mean, row.kl_max = float(kl.mean()), float(kl.max())
+        row.ppl = float(torch.cat(nll).mean().exp())
+        row.seconds = time.time() - t0
+        rows.append(row)
+        print(f"[{label}] done in {row.seconds:.0f} s: {format_row(row, args.depths)}", flush=True)
+        del llm
+    return rows, meta
+
+
+def format_row(r: Row, depths) -> str:
+    needle = " | ".join(f"{r.needle[str(d)][0]}/{r.needle[str(d)][1]}" for d in depths)
+    div = (f"{min(r.first_divergence)} / {statistics.median(r.first_divergence):.0f}"
+           if r.first_divergence else "-")
+    return (f"| {r.name} | {needle} | {r.identical}/{len(PROMPTS)} | {div} | {r.kl_mean:.4f} | "
+            f"{r.kl_max:.3f} | {r.ppl:.3f} |")
+
+
+def table(rows, args, meta) -> str:
+    hdr = " | ".join(f"needle @{int(d * 100)}%" for d in args.depths)
+    lines = [f"model {args.model}, compute float32 on {args.device}; passkey context "
+             f"{meta.get('context_tokens')} tokens, {args.keys} keys per depth; agreement "
+             f"{len(PROMPTS)} chat prompts x {args.agree_tokens} greedy tokens vs the first row; "
+             f"KL vs the first row over {meta.get('kl_tokens')} tokens of the shipped text", "",
+             f"| KV dtype | {hdr} | identical | first divergence min / median | mean KL | "
+             f"max KL | perplexity |",
+             "|---|" + "---:|" * (len(args.depths) + 5)]
+    lines += [format_row(r, args.depths) for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="kvfit bench quality", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--kv-dtypes", nargs="+", default=["bfloat16", "fp8_e4m3", "fp8_e5m2"],
+                   help="the first is the baseline for agreement and KL")
+    p.add_argument("--auto-scales", action="store_true",
+                   help="also run each fp8 dtype with --kv-scales auto")
+    p.add_argument("--context", type=int, default=2048, help="passkey context in tokens")
+    p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
+    p.add_argument("--keys", type=int, default=3, help="passkeys per depth")
+    p.add_argument("--agree-tokens", type=int, default=48)
+    p.add_argument("--kl-tokens", type=int, default=3000)
+    p.add_argument("--chunk", type=int, default=1024, help="prefill chunk (tokens per step)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write rows to this JSON file")
+    args = p.parse_args(argv)
+    rows, meta = run(args)
+    out = table(rows, args, meta)
+    print(out)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "meta": meta, "rows": [asdict(r) for r in rows]}, f,
+                      indent=1)
+    return 0
