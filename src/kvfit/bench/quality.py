@@ -78,6 +78,9 @@ def sequence_logprobs(runner, token_ids: list[int], chunk: int):
     from kvfit.sampling_params import SamplingParams
     from kvfit.scheduler.request import Request
 
+    if len(token_ids) > runner.max_model_len:
+        raise ValueError(f"text of {len(token_ids)} tokens is longer than max_model_len "
+                         f"{runner.max_model_len}")
     ps = runner.pool.page_size
     need = -(-len(token_ids) // ps)
     if need > runner.pool.num_pages:
@@ -110,7 +113,8 @@ def run(args) -> tuple[list[Row], dict]:
     variants = []
     for name in args.kv_dtypes:
         variants.append((name, name, None))
-        if args.auto_scales and name.startswith("fp8"):
+        if args.auto_scales is not None and name.startswith("fp8") and (
+                not args.auto_scales or name in args.auto_scales):
             variants.append((f"{name} + auto scales", name, "auto"))
     rng = random.Random(args.seed)
     keys = {d: [rng.randint(10000, 99999) for _ in range(args.keys)] for d in args.depths}
@@ -122,7 +126,8 @@ def run(args) -> tuple[list[Row], dict]:
         t0 = time.time()
         llm = LLM(args.model, kv_dtype=kv, kv_scales=scales, device=args.device,
                   num_tokens=args.context * len(args.depths) * args.keys + 4096,
-                  max_model_len=args.context + 64, max_num_batched_tokens=args.chunk,
+                  max_model_len=max(args.context + 64, args.kl_tokens + 1),
+                  max_num_batched_tokens=args.chunk,
                   max_num_seqs=64)
         tok = llm.get_tokenizer()
         row = Row(label)
@@ -208,8 +213,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--kv-dtypes", nargs="+", default=["bfloat16", "fp8_e4m3", "fp8_e5m2"],
                    help="the first is the baseline for agreement and KL")
-    p.add_argument("--auto-scales", action="store_true",
-                   help="also run each fp8 dtype with --kv-scales auto")
+    p.add_argument("--auto-scales", nargs="*", default=None, metavar="DTYPE",
+                   help="also run these fp8 dtypes (all fp8 ones if none named) with "
+                        "--kv-scales auto")
     p.add_argument("--context", type=int, default=2048, help="passkey context in tokens")
     p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     p.add_argument("--keys", type=int, default=3, help="passkeys per depth")

@@ -1,0 +1,88 @@
+"""Compile our decode kernel variants for sm_90 without a GPU and count what the inner loop does
+(registers, shared memory, SASS instruction classes). Usage: python inspect_decode.py [dump]"""
+
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "../../src"))
+from kvfit.kernels import decode  # noqa: E402
+
+split_k, merge_k, split_fma = decode._build()
+TARGET = GPUTarget("cuda", 90, 32)
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
+
+
+def sig(kv, q="bf16"):
+    return {"Q": f"*{q}", "KC": f"*{kv}", "VC": f"*{kv}", "BT": "*i32", "KVLEN": "*i32",
+            "OUT": f"*{q}", "OP": "*fp32", "LSE": "*fp32", "qk_scale": "fp32", "softcap": "fp32",
+            "window": "i32", "v_scale": "fp32", "stride_qt": "i32", "stride_qh": "i32",
+            "stride_ot": "i32", "stride_oh": "i32", "stride_cp": "i32", "stride_ch": "i32",
+            "stride_bt": "i32", "num_splits": "i32"}
+
+
+def compile_one(fn, kv, consts, num_warps=4, num_stages=3):
+    attrs = {(i,): [["tt.divisibility", 16]] for i in list(range(8)) + list(range(12, 19))}
+    src = ASTSource(fn, sig(kv), constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=TARGET, options={"num_warps": num_warps,
+                                                        "num_stages": num_stages})
+
+
+def sass_counts(k):
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    out = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True,
+                         text=True).stdout
+    ops = collections.Counter()
+    for line in out.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m:
+            ops[m.group(1)] += 1
+    return ops, out
+
+
+def main():
+    base = dict(G=2, G_PAD=16, D=128, PAGE=16, HAS_SOFTCAP=False, HAS_WINDOW=False, SINGLE=False)
+    variants = {
+        "bf16 dot bn64": (split_k, "bf16", dict(base, BLOCK_N=64, F16=False, E5M2=False,
+                                                V_PAIRS=False), 4, 3),
+        "fp8 dot bn128 (v1)": (split_k, "fp8e4nv", dict(base, BLOCK_N=128, F16=True, E5M2=False,
+                                                        V_PAIRS=False), 4, 3),
+        "fp8 dot bn128 v_pairs (v2)": (split_k, "fp8e4nv", dict(base, BLOCK_N=128, F16=True,
+                                                                E5M2=False, V_PAIRS=True), 4, 3),
+        "fp8 fma bn16": (split_fma, "fp8e4nv", dict(base, G_PAD=2, BLOCK_N=16), 4, 2),
+    }
+    dump = len(sys.argv) > 1
+    for name, (fn, kv, consts, nw, ns) in variants.items():
+        try:
+            k = compile_one(fn, kv, consts, nw, ns)
+        except Exception as e:
+            print(f"{name}: compile failed: {type(e).__name__}: {str(e)[:400]}")
+            continue
+        ops, sass = sass_counts(k)
+        keys = ("LDG", "LDS", "STS", "MMA", "F2F", "HADD2", "HMUL2", "PRMT", "FFMA", "FMUL",
+                "FADD", "MUFU", "SHFL", "BAR", "LOP3", "IMAD", "SEL", "FSEL", "FMNMX")
+        agg = collections.Counter()
+        for op, c in ops.items():
+            for key in keys:
+                if key in op.split(".")[0] or (key == "MMA" and "MMA" in op):
+                    agg[op] += c
+                    break
+        print(f"{name}: smem={k.metadata.shared} total={sum(ops.values())}")
+        print("    " + " ".join(f"{o}={c}" for o, c in sorted(agg.items())))
+        if dump:
+            with open(f"/tmp/sass_{name.replace(' ', '_')}.txt", "w") as f:
+                f.write(sass)
+            with open(f"/tmp/ttgir_{name.replace(' ', '_')}.txt", "w") as f:
+                f.write(k.asm["ttgir"])
+
+
+if __name__ == "__main__":
+    main()

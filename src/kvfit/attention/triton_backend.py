@@ -1,0 +1,146 @@
+"""The ``triton`` attention backend: our own kernels (kvfit.kernels) over the MHAKVCache pool.
+
+Per step ``plan`` picks the decode launch configuration (split count from batch size and the
+longest context) or, for steps with prefill chunks, the list of prefill programs. Per layer
+``forward`` stores k/v with the fused quantizing store kernel, then runs paged decode (every
+request has one new token) or paged prefill/extend (anything else, decode tokens of a mixed
+batch included as q_len 1 requests). CUDA graphs: ``init_cuda_graph`` allocates the split-K
+scratch once for the largest batch, ``plan_cuda_graph`` fixes the split count per batch size
+from the largest context a request can have, so a captured grid never changes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from kvfit.attention.base import AttentionBackend, AttentionMetadata
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    devices = frozenset({"cuda"})
+    pools = frozenset({"MHAKVCache"})
+    kv_dtypes = frozenset({"float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"})
+    page_sizes = None  # any (powers of two are fastest)
+    head_dims = frozenset({64, 128, 256})
+    supports_cuda_graph = True
+
+    def __init__(self, pool, compute_dtype: torch.dtype, sm_scale: float,
+                 logit_softcap: Optional[float] = None):
+        super().__init__(pool, compute_dtype, sm_scale, logit_softcap)
+        self._decode_cfg = None
+        self._blocks = None
+        self._block_m = None
+        self._graph_max_len: Optional[int] = None
+        self._scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    @classmethod
+    def is_available(cls) -> Optional[str]:
+        try:
+            import triton  # noqa: F401  (availability check)
+        except ImportError:
+            return "Triton is not installed"
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        return None
+
+    # -- planning (host side, once per step) --------------------------------------------
+    def _layer_shape(self) -> tuple[int, int]:
+        spec = self.pool.layers[0]
+        return spec.num_kv_heads, spec.head_dim
+
+    def _plan_decode(self, meta: AttentionMetadata, max_len: int) -> None:
+        from kvfit.kernels.decode import choose_config
+
+        hkv, d = self._layer_shape()
+        # the group is fixed by the model; q heads are only known at forward, so plan on Hkv
+        self._decode_cfg = choose_config(meta.batch_size, hkv, 1, d, max_len, self.pool.dtype,
+                                         self.compute_dtype)
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Mutates self: the step's metadata and launch plan. Host work only (no syncs)."""
+        self.meta = meta
+        if meta.is_decode:
+            self._plan_decode(meta, max(meta.kv_lens_cpu, default=1))
+            self._blocks = None
+        else:
+            from kvfit.kernels.prefill import prefill_block_m
+
+            _, d = self._layer_shape()
+            self._block_m = prefill_block_m(0, d, self.compute_dtype)
+            self._q_lens = list(meta.q_lens_cpu)
+            self._blocks = {}
+
+    def _prefill_blocks(self, group: int) -> torch.Tensor:
+        from kvfit.kernels.prefill import plan_blocks
+
+        if group not in self._blocks:
+            self._blocks[group] = plan_blocks(self._q_lens, group, self._block_m,
+                                              self.meta.cu_seqlens_q.device)
+        return self._blocks[group]
+
+    # -- per layer ------------------------------------------------------------------------
+    def forward(self, q, k, v, layer_id):
+        from kvfit.kernels.store import store_kv
+
+        meta = self.meta
+        pool = self.pool
+        kc, vc = pool.k_caches[layer_id], pool.v_caches[layer_id]
+        ks, vs = pool.k_scales[layer_id], pool.v_scales[layer_id]
+        store_kv(k, v, kc, vc, meta.slot_mapping, pool.fmt, ks, vs)
+        spec = pool.layers[layer_id]
+        window = spec.window if spec.kind == "sliding" else None
+        out = torch.empty_like(q)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if meta.is_decode:
+            from kvfit.kernels.decode import paged_decode
+
+            cfg = self._decode_cfg
+            scratch = None
+            if self._scratch is not None and cfg.num_splits > 1:
+                n = q.shape[0] * q.shape[1] * cfg.num_splits
+                if n > self._scratch[1].shape[0]:
+                    raise RuntimeError(f"decode scratch holds {self._scratch[1].shape[0]} rows, "
+                                       f"need {n}: more than 16 query heads per KV head")
+                scratch = (self._scratch[0][:n], self._scratch[1][:n])
+            paged_decode(q, kc, vc, meta.block_table, meta.kv_lens, out, self.sm_scale, cfg,
+                         ks, vs, self.logit_softcap, window, scratch)
+        else:
+            from kvfit.kernels.prefill import paged_prefill
+
+            group = q.shape[1] // kc.shape[1]
+            paged_prefill(q, kc, vc, meta.block_table, meta.cu_seqlens_q, meta.kv_lens,
+                          self._prefill_blocks(group), self._block_m, out, self.sm_scale,
+                          ks, vs, self.logit_softcap, window)
+        return out
+
+    # -- CUDA graphs ------------------------------------------------------------------------
+    def init_cuda_graph(self, max_bs: int, max_pages_per_req: int) -> None:
+        """Allocate split-K scratch for ``max_bs`` decode rows at the most splits any batch size
+        gets with contexts up to ``max_pages_per_req`` pages (static across replays)."""
+        from kvfit.kernels.decode import choose_config
+
+        hkv, d = self._layer_shape()
+        self._graph_max_len = max_pages_per_req * self.pool.page_size
+        most = 1
+        for bs in range(1, max_bs + 1):
+            cfg = choose_config(bs, hkv, 1, d, self._graph_max_len, self.pool.dtype,
+                                self.compute_dtype)
+            most = max(most, bs * cfg.num_splits)
+        hq_max = 16 * hkv  # query heads per KV head up to 16; checked at forward
+        dev = self.pool.device
+        self._scratch = (torch.empty((most * hq_max, d), dtype=torch.float32, device=dev),
+                         torch.empty((most * hq_max,), dtype=torch.float32, device=dev))
+
+    def plan_cuda_graph(self, meta: AttentionMetadata) -> None:
+        """Same as ``plan`` for a decode batch, but with the split count fixed by batch size."""
+        if self._graph_max_len is None:
+            raise RuntimeError("init_cuda_graph must be called before plan_cuda_graph")
+        self.meta = meta
+        self._blocks = None
+        self._plan_decode(meta, self._graph_max_len)

@@ -1,0 +1,394 @@
+"""``kvfit bench kernels``: our Triton decode/prefill kernels vs FlashInfer's on identical inputs.
+
+For each head layout x KV dtype x (batch, context) point it fills random HND pages (pages of a
+request scattered at random over the pool), rotates among several copies of the cache so the
+inputs never sit in L2, and times each kernel with ``triton.testing.do_bench`` (median). It prints
+µs, achieved TB/s (KV bytes read / time), % of the copy bandwidth measured in the same run,
+KV elements/s, and the fp8/bf16 speedup; it writes ``kernels.json`` and ``kernels.png`` under
+``--out``. Prefill points time a whole causal prompt (empty prefix) and report TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+
+LAYOUTS = {"qwen3-1.7b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128), "smollm2": (9, 3, 64)}
+L2_BYTES = 60 << 20
+
+
+@dataclass
+class Case:
+    layout: str
+    kv_dtype: str
+    batch: int
+    context: int
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser("kernels", help="time our attention kernels against FlashInfer's")
+    _args(p)
+    return p
+
+
+def _args(p):
+    p.add_argument("--out", default="bench-out/kernels")
+    p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3")
+    p.add_argument("--batches", default="1,8,32,128")
+    p.add_argument("--contexts", default="1024,4096,16384,65536")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-gib", type=float, default=40.0, help="skip points whose KV is larger")
+    p.add_argument("--prefill-contexts", default="1024,4096,16384",
+                   help="prompt lengths for prefill points (batch = 16k tokens / length)")
+    p.add_argument("--no-fi", action="store_true", help="skip FlashInfer")
+    p.add_argument("--no-prefill", action="store_true")
+    p.add_argument("--no-decode", action="store_true")
+    p.add_argument("--fp8-cfg", default="",
+                   help='JSON overrides of choose_config for fp8 points, e.g. {"block_n": 64}')
+    p.add_argument("--explore", action="store_true",
+                   help="sweep our decode launch variants at each point instead of the default")
+
+
+def _torch_dtype(name):
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16,
+            "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[name]
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s of a 2 GiB device-to-device copy, counting bytes read plus written."""
+    import torch
+    import triton
+
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    return 2 * n / (ms * 1e-3)
+
+
+class KVSet:
+    """R copies of one paged KV problem: caches [pages, Hkv, P, D], a shared block table."""
+
+    def __init__(self, hkv, d, kv_dtype, batch, context, page_size, device, seed=0):
+        import torch
+
+        self.dtype = _torch_dtype(kv_dtype)
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        pages_per_req = -(-context // page_size)
+        self.num_pages = batch * pages_per_req + 1
+        self.bytes = 2 * batch * context * hkv * d * itemsize  # KV bytes one call must read
+        copy_bytes = 2 * self.num_pages * hkv * page_size * d * itemsize
+        self.reps = max(1, min(16, math.ceil(4 * L2_BYTES / copy_bytes)))
+        g = torch.Generator(device=device)
+        g.manual_seed(seed)
+        self.caches = []
+        for _ in range(self.reps):
+            pair = []
+            for _kv in range(2):
+                t = torch.empty((self.num_pages, hkv, page_size, d), dtype=self.dtype, device=device)
+                step = max(1, (1 << 27) // (hkv * page_size * d))
+                for p0 in range(0, self.num_pages, step):
+                    chunk = torch.randn(t[p0:p0 + step].shape, generator=g, device=device)
+                    t[p0:p0 + step] = chunk.clamp_(-400, 400).to(self.dtype)
+                pair.append(t)
+            self.caches.append(tuple(pair))
+        perm = torch.randperm(self.num_pages - 1, generator=g, device=device).to(torch.int32) + 1
+        self.block_table = perm[: batch * pages_per_req].view(batch, pages_per_req).contiguous()
+        self.kv_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        self.batch, self.context, self.page_size = batch, context, page_size
+        self.pages_per_req = pages_per_req
+
+
+def _rotating(fns):
+    state = [0]
+
+    def call():
+        fns[state[0] % len(fns)]()
+        state[0] += 1
+
+    return call
+
+
+def time_ours_decode(kv: KVSet, hq, d, cfg) -> float:
+    import torch
+    import triton
+
+    from kvfit.kernels.decode import paged_decode
+
+    qs = [torch.randn(kv.batch, hq, d, device="cuda", dtype=torch.bfloat16) for _ in kv.caches]
+    outs = [torch.empty_like(q) for q in qs]
+    fns = [lambda i=i: paged_decode(qs[i], kv.caches[i][0], kv.caches[i][1], kv.block_table,
+                                    kv.kv_lens, outs[i], d ** -0.5, cfg)
+           for i in range(kv.reps)]
+    return triton.testing.do_bench(_rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3
+
+
+def fi_decode_wrappers(kv: KVSet, hq, hkv, d, use_tc, q_dtype):
+    import flashinfer
+    import torch
+
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=use_tc)
+    indptr = torch.arange(0, kv.batch + 1, dtype=torch.int32, device="cuda") * kv.pages_per_req
+    last = torch.full((kv.batch,), (kv.context - 1) % kv.page_size + 1, dtype=torch.int32,
+                      device="cuda")
+    w.plan(indptr, kv.block_table.flatten(), last, hq, hkv, d, kv.page_size,
+           q_data_type=q_dtype, kv_data_type=kv.dtype, sm_scale=d ** -0.5)
+    return w, ws
+
+
+def time_fi_decode(kv: KVSet, hq, hkv, d, use_tc) -> float:
+    import torch
+    import triton
+
+    w, _ws = fi_decode_wrappers(kv, hq, hkv, d, use_tc, torch.bfloat16)
+    qs = [torch.randn(kv.batch, hq, d, device="cuda", dtype=torch.bfloat16) for _ in kv.caches]
+    outs = [torch.empty_like(q) for q in qs]
+    fns = [lambda i=i: w.run(qs[i], kv.caches[i], out=outs[i]) for i in range(kv.reps)]
+    return triton.testing.do_bench(_rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3
+
+
+def explore_variants(d, fp8):
+    """Decode launch variants swept by --explore, as choose_config overrides."""
+    if fp8:
+        grid = [(128, 4, 3, False, None), (128, 4, 3, True, None), (64, 4, 3, True, 128),
+                (64, 4, 3, True, 96), (128, 4, 3, True, 128), (64, 4, 4, True, 128),
+                (64, 4, 2, True, 128), (32, 4, 4, True, 96)]
+    else:
+        grid = [(64, 4, 3, False, None), (64, 4, 3, False, 128), (128, 8, 3, False, None),
+                (32, 4, 3, False, None)]
+    keys = ("block_n", "num_warps", "num_stages", "v_pairs", "maxnreg")
+    return [dict(zip(keys, g)) for g in grid]
+
+
+def run_decode(args, device, copy_bw, results):
+    import torch
+
+    from kvfit.kernels.decode import choose_config
+
+    layouts = args.layouts.split(",")
+    for layout in layouts:
+        hq, hkv, d = LAYOUTS[layout]
+        for b in map(int, args.batches.split(",")):
+            for ctx in map(int, args.contexts.split(",")):
+                row = {}
+                for kvd in args.kv_dtypes.split(","):
+                    dt = _torch_dtype(kvd)
+                    isz = torch.empty((), dtype=dt).element_size()
+                    need = 2 * b * ctx * hkv * d * isz
+                    if need > args.max_gib * (1 << 30):
+                        print(f"skip {layout} {kvd} b={b} ctx={ctx}: {need / 2**30:.1f} GiB")
+                        continue
+                    kv = KVSet(hkv, d, kvd, b, ctx, args.page_size, device)
+                    rec = {"kind": "decode", "layout": layout, "kv_dtype": kvd, "batch": b,
+                           "context": ctx, "kv_bytes": kv.bytes, "elements": kv.bytes // isz}
+                    over = json.loads(args.fp8_cfg) if (isz == 1 and args.fp8_cfg) else {}
+                    cfg = choose_config(b, hkv, hq // hkv, d, ctx, dt, torch.bfloat16, **over)
+                    if args.explore:
+                        best = None
+                        for over in explore_variants(d, isz == 1):
+                            c = choose_config(b, hkv, hq // hkv, d, ctx, dt, torch.bfloat16,
+                                              **over)
+                            try:
+                                us = time_ours_decode(kv, hq, d, c)
+                            except Exception as e:  # a variant that does not compile/fit
+                                print(f"  variant {c} failed: {type(e).__name__}: {e}"[:200])
+                                continue
+                            rec.setdefault("variants", []).append(
+                                {"cfg": str(c), "us": us, "tbps": kv.bytes / us / 1e6})
+                            print(f"  variant {c}: {us:.1f} us {kv.bytes / us / 1e6:.2f} TB/s")
+                            if best is None or us < best[0]:
+                                best = (us, c)
+                        rec["ours_us"], rec["ours_cfg"] = best[0], str(best[1])
+                    else:
+                        rec["ours_us"] = time_ours_decode(kv, hq, d, cfg)
+                        rec["ours_cfg"] = str(cfg)
+                    if not args.no_fi:
+                        use_tc = hq // hkv >= 4
+                        try:
+                            rec["fi_us"] = time_fi_decode(kv, hq, hkv, d, use_tc)
+                            rec["fi_tc"] = use_tc
+                        except Exception as e:
+                            rec["fi_error"] = f"{type(e).__name__}: {e}"[:300]
+                    for who in ("ours", "fi"):
+                        if f"{who}_us" in rec:
+                            t = rec[f"{who}_us"] * 1e-6
+                            rec[f"{who}_tbps"] = kv.bytes / t / 1e12
+                            rec[f"{who}_pct_copy"] = 100 * kv.bytes / t / copy_bw
+                            rec[f"{who}_elem_per_s"] = rec["elements"] / t
+                    row[kvd] = rec
+                    results.append(rec)
+                    del kv
+                    torch.cuda.empty_cache()
+                    _print_decode(rec)
+                if "bfloat16" in row and "fp8_e4m3" in row:
+                    for who in ("ours", "fi"):
+                        if f"{who}_us" in row["bfloat16"] and f"{who}_us" in row["fp8_e4m3"]:
+                            row["fp8_e4m3"][f"{who}_fp8_speedup"] = (
+                                row["bfloat16"][f"{who}_us"] / row["fp8_e4m3"][f"{who}_us"])
+                    r = row["fp8_e4m3"]
+                    print(f"    fp8/bf16 speedup: ours {r.get('ours_fp8_speedup', 0):.2f}x"
+                          f"  fi {r.get('fi_fp8_speedup', 0):.2f}x")
+
+
+def _print_decode(r):
+    s = (f"decode {r['layout']:>13} {r['kv_dtype']:>9} b={r['batch']:<4} ctx={r['context']:<6}"
+         f" ours {r['ours_us']:9.1f} us {r['ours_tbps']:5.2f} TB/s ({r['ours_pct_copy']:4.0f}%)"
+         f" {r['ours_elem_per_s']:.2e} el/s")
+    if "fi_us" in r:
+        s += f" | fi {r['fi_us']:9.1f} us {r['fi_tbps']:5.2f} TB/s"
+    print(s, flush=True)
+
+
+def time_ours_prefill(kv: KVSet, hq, d, q_len):
+    import torch
+    import triton
+
+    from kvfit.kernels.prefill import paged_prefill, plan_blocks, prefill_block_m
+
+    hkv = kv.caches[0][0].shape[1]
+    bm = prefill_block_m(0, d, torch.bfloat16)
+    blocks = plan_blocks([q_len] * kv.batch, hq // hkv, bm, "cuda")
+    cu = torch.arange(0, kv.batch + 1, dtype=torch.int32, device="cuda") * q_len
+    q = torch.randn(kv.batch * q_len, hq, d, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    fns = [lambda i=i: paged_prefill(q, kv.caches[i][0], kv.caches[i][1], kv.block_table, cu,
+                                     kv.kv_lens, blocks, bm, out, d ** -0.5)
+           for i in range(kv.reps)]
+    return triton.testing.do_bench(_rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3
+
+
+def time_fi_prefill(kv: KVSet, hq, d, q_len):
+    import flashinfer
+    import torch
+    import triton
+
+    hkv = kv.caches[0][0].shape[1]
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "HND", backend="fa2")
+    qo = torch.arange(0, kv.batch + 1, dtype=torch.int32, device="cuda") * q_len
+    indptr = torch.arange(0, kv.batch + 1, dtype=torch.int32, device="cuda") * kv.pages_per_req
+    last = torch.full((kv.batch,), (kv.context - 1) % kv.page_size + 1, dtype=torch.int32,
+                      device="cuda")
+    w.plan(qo, indptr, kv.block_table.flatten(), last, hq, hkv, d, kv.page_size, causal=True,
+           sm_scale=d ** -0.5, q_data_type=torch.bfloat16, kv_data_type=kv.dtype)
+    q = torch.randn(kv.batch * q_len, hq, d, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    fns = [lambda i=i: w.run(q, kv.caches[i], out=out) for i in range(kv.reps)]
+    return triton.testing.do_bench(_rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3
+
+
+def run_prefill(args, device, results):
+    for layout in args.layouts.split(","):
+        hq, hkv, d = LAYOUTS[layout]
+        for ctx in map(int, args.prefill_contexts.split(",")):
+            b = max(1, 16384 // ctx)
+            for kvd in args.kv_dtypes.split(","):
+                kv = KVSet(hkv, d, kvd, b, ctx, args.page_size, device)
+                flops = b * 4 * hq * d * ctx * (ctx + 1) / 2
+                rec = {"kind": "prefill", "layout": layout, "kv_dtype": kvd, "batch": b,
+                       "context": ctx, "flops": flops}
+                rec["ours_us"] = time_ours_prefill(kv, hq, d, ctx)
+                if not args.no_fi:
+                    try:
+                        rec["fi_us"] = time_fi_prefill(kv, hq, d, ctx)
+                    except Exception as e:
+                        rec["fi_error"] = f"{type(e).__name__}: {e}"[:300]
+                for who in ("ours", "fi"):
+                    if f"{who}_us" in rec:
+                        rec[f"{who}_tflops"] = flops / (rec[f"{who}_us"] * 1e-6) / 1e12
+                s = (f"prefill {layout:>13} {kvd:>9} b={b:<3} len={ctx:<6} ours "
+                     f"{rec['ours_us']:9.1f} us {rec['ours_tflops']:6.1f} TFLOP/s")
+                if "fi_us" in rec:
+                    s += (f" | fi {rec['fi_us']:9.1f} us {rec['fi_tflops']:6.1f} TFLOP/s"
+                          f" | ours/fi time {rec['ours_us'] / rec['fi_us']:.2f}")
+                print(s, flush=True)
+                results.append(rec)
+                del kv
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dec = [r for r in results if r["kind"] == "decode"]
+    layouts = sorted({r["layout"] for r in dec})
+    if not layouts:
+        return
+    fig, axes = plt.subplots(1, len(layouts), figsize=(6 * len(layouts), 4.5), squeeze=False)
+    for ax, layout in zip(axes[0], layouts):
+        pts = [r for r in dec if r["layout"] == layout]
+        for kvd in sorted({r["kv_dtype"] for r in pts}):
+            for who, style in (("ours", "-o"), ("fi", "--x")):
+                sel = sorted((r["batch"] * r["context"], r[f"{who}_tbps"]) for r in pts
+                             if r["kv_dtype"] == kvd and f"{who}_tbps" in r)
+                if sel:
+                    ax.plot([x for x, _ in sel], [y for _, y in sel], style,
+                            label=f"{who} {kvd}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch x context (tokens)")
+        ax.set_ylabel("KV TB/s")
+        ax.set_title(f"paged decode, {layout}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``kvfit bench kernels``; returns the exit status."""
+    p = argparse.ArgumentParser(prog="kvfit bench kernels", description=__doc__)
+    _args(p)
+    args = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("kvfit bench kernels needs a CUDA GPU")
+        return 2
+    device = torch.device("cuda")
+    os.makedirs(args.out, exist_ok=True)
+    if not args.no_fi:
+        try:
+            import flashinfer  # noqa: F401
+        except ImportError:
+            print("FlashInfer not installed: timing our kernels only (--no-fi)")
+            args.no_fi = True
+    t0 = time.time()
+    bw = copy_bandwidth(device)
+    print(f"GPU {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    results: list[dict] = []
+    if not args.no_decode:
+        run_decode(args, device, bw, results)
+    if not args.no_prefill:
+        run_prefill(args, device, results)
+    meta = {"gpu": torch.cuda.get_device_name(), "copy_bw_bytes_per_s": bw,
+            "torch": torch.__version__, "args": vars(args), "seconds": time.time() - t0}
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+        import flashinfer as fi
+
+        meta["flashinfer"] = fi.__version__
+    except ImportError:
+        pass
+    with open(os.path.join(args.out, "kernels.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    plot(results, os.path.join(args.out, "kernels.png"))
+    print(f"wrote {args.out}/kernels.json and kernels.png ({time.time() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,343 @@
+"""``kvfit bench seed``: the seed's table on a GPU, for any model or config shape, in one run.
+
+Per KV dtype (bfloat16, fp8_e4m3, fp8_e5m2 by default) it builds the engine's ModelRunner with
+``--load-format dummy`` and reports:
+- KV budget in tokens at a fixed byte budget (the seed's 2.90 GiB) and at the card's ratio
+  (``memory_ratio`` x free memory - weights; activations not subtracted), through the engine's
+  own page solver (``engine.memory.decide_num_pages``);
+- decode throughput (tok/s) at batch 1 and 64 and ~1k and ~16k context: the pages of each request
+  are filled with random KV (decode cost does not depend on the values), then timed decode steps
+  run through the runner's CUDA graphs (or eager, with ``--enforce-eager``);
+- prefill throughput of one 8k-token prompt;
+- the batch-1 physical limit: (weight bytes + KV bytes read per step) / measured copy bandwidth,
+  and the measured fraction of it;
+- with ``--baseline hf``: HF transformers ``generate()`` on the same random-weight shape (decode
+  tok/s at ~1k context, batch 1 and 64, prefill time subtracted).
+Writes ``seed.md`` (markdown table), ``seed.json`` and ``seed.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+GiB = 1 << 30
+DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks",
+                              "configs", "qwen3-1.7b.json")
+
+
+def _args(p):
+    p.add_argument("--model", default=os.path.normpath(DEFAULT_CONFIG),
+                   help="config.json (random weights) or model directory")
+    p.add_argument("--attention-backend", default="triton")
+    p.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3,fp8_e5m2")
+    p.add_argument("--contexts", default="1024,16384")
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per point")
+    p.add_argument("--prefill-len", type=int, default=8192)
+    p.add_argument("--budget-gib", type=float, default=2.90)
+    p.add_argument("--memory-ratio", type=float, default=0.9)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--baseline", choices=["none", "hf"], default="none")
+    p.add_argument("--out", default="bench-out/seed")
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser("seed", help="reproduce the seed's table on the GPU")
+    _args(p)
+    return p
+
+
+def _sync():
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def _fill_pool(pool) -> None:
+    """Random KV in every page (never time on uninitialised memory: NaN patterns, zeros)."""
+    import torch
+
+    g = torch.Generator(device=pool.device).manual_seed(0)
+    for t in (*pool.k_caches, *pool.v_caches):
+        flat = t.view(-1)
+        step = 1 << 28
+        for i in range(0, flat.numel(), step):
+            chunk = torch.randn(min(step, flat.numel() - i), generator=g, device=pool.device)
+            flat[i:i + step] = chunk.to(t.dtype)
+
+
+def decode_point(runner, batch: int, ctx: int, steps: int) -> float:
+    """tok/s of ``steps`` decode steps of ``batch`` requests at context ``ctx`` (pages filled)."""
+    import torch
+
+    from kvfit.attention.meta_builder import build_metadata
+
+    ps = runner.pool.page_size
+    per = -(-(ctx + steps + 4) // ps)
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
+    dev = runner.device
+    toks = torch.randint(0, runner.hf_config.vocab_size, (batch,), device=dev)
+    lens = [ctx] * batch
+
+    def step():
+        nonlocal toks
+        for i in range(batch):
+            lens[i] += 1
+        pos = torch.tensor([n - 1 for n in lens], device=dev)
+        if runner.graphs is not None and runner.graphs.can_run(batch):
+            hidden = runner.graphs.run(toks, pos, lens, tables)
+        else:
+            meta = build_metadata([1] * batch, lens, tables, ps, dev)
+            runner.backend.plan(meta)
+            hidden = runner.model(toks, pos, runner.ctx)
+        toks = runner.model.compute_logits(hidden).argmax(-1)
+
+    with torch.inference_mode():
+        for _ in range(3):
+            step()
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _sync()
+    return batch * steps / (time.perf_counter() - t0)
+
+
+def prefill_point(runner, n: int) -> float:
+    import torch
+
+    from kvfit.attention.meta_builder import build_metadata
+
+    ps = runner.pool.page_size
+    pages = list(range(-(-n // ps)))
+    meta = build_metadata([n], [n], [pages], ps, runner.device)
+    ids = torch.randint(0, runner.hf_config.vocab_size, (n,), device=runner.device)
+    pos = torch.arange(n, device=runner.device)
+    times = []
+    with torch.inference_mode():
+        for _ in range(4):
+            _sync()
+            t0 = time.perf_counter()
+            runner.backend.plan(meta)
+            hidden = runner.model(ids, pos, runner.ctx)
+            runner.model.compute_logits(hidden[-1:])
+            _sync()
+            times.append(time.perf_counter() - t0)
+    return n / min(times[1:])
+
+
+def hf_baseline(model_path: str, contexts, batches, steps: int) -> list[dict]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvfit.models import registry as models
+
+    cfg = models.load_hf_config(models.resolve_model(model_path))
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
+    rows = []
+    for ctx in contexts:
+        for b in batches:
+            ids = torch.randint(0, cfg.vocab_size, (b, ctx), device="cuda")
+
+            def gen(n):
+                _sync()
+                t0 = time.perf_counter()
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                               min_new_tokens=n, do_sample=False)
+                _sync()
+                return time.perf_counter() - t0
+
+            try:
+                gen(2)
+                t1, tn = gen(1), gen(steps + 1)
+                rows.append({"batch": b, "context": ctx, "tok_s": b * steps / (tn - t1)})
+            except torch.OutOfMemoryError:
+                rows.append({"batch": b, "context": ctx, "tok_s": None, "note": "OOM"})
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _estimate_weight_bytes(c) -> int:
+    """bf16 bytes of a Llama-family decoder from its config (to size the pool before loading)."""
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    per_layer = (c.hidden_size * hd * (c.num_attention_heads * 2 + kv * 2)
+                 + 3 * c.hidden_size * c.intermediate_size)
+    emb = c.vocab_size * c.hidden_size * (1 if getattr(c, "tie_word_embeddings", False) else 2)
+    return 2 * (c.num_hidden_layers * per_layer + emb)
+
+
+def run_dtype(args, kvd: str, contexts, batches, bw: float) -> dict:
+    import torch
+
+    from kvfit.config import make_config
+    from kvfit.engine import memory
+    from kvfit.engine.runner import ModelRunner
+    from kvfit.kvcache.dtypes import kv_format
+    from kvfit.kvcache.spec import spec_kv_bytes_per_token
+
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    fmt = kv_format(kvd)
+    ps = args.page_size
+    # size the pool for the largest point that fits the card's ratio
+    max_ctx = max(contexts)
+    need = max(b * (-(-(c + args.steps + 4) // ps)) * ps for b in batches for c in contexts)
+    from kvfit.models import registry as models
+
+    hf_cfg = models.load_hf_config(models.resolve_model(args.model))
+    layers = models.model_class_for(hf_cfg).kv_layer_specs(hf_cfg)
+    per_tok = spec_kv_bytes_per_token(layers, fmt)
+    t0 = time.time()
+    weight_bytes = _estimate_weight_bytes(hf_cfg)
+    card_budget = int(free * args.memory_ratio) - weight_bytes - 2 * GiB  # 2 GiB activations
+    fit_tokens = card_budget // per_tok
+    tokens = min(need, fit_tokens)
+    cfg = make_config(model=args.model, load_format="dummy", kv_dtype=kvd, device="cuda",
+                      attention_backend=args.attention_backend, page_size=ps,
+                      num_tokens=tokens, max_model_len=max_ctx + args.steps + 8,
+                      max_num_seqs=max(batches), cuda_graph_max_bs=max(batches),
+                      max_num_batched_tokens=args.prefill_len,
+                      enforce_eager=args.enforce_eager)
+    runner = ModelRunner(cfg)
+    _fill_pool(runner.pool)
+    rec = {"kv_dtype": kvd, "kv_bytes_per_token": per_tok, "weight_bytes": runner.weight_bytes,
+           "startup_s": time.time() - t0,
+           "budget_tokens_fixed": memory.decide_num_pages(
+               layers, fmt, ps, int(args.budget_gib * GiB), None, None) * ps,
+           "budget_tokens_card": memory.decide_num_pages(
+               layers, fmt, ps, int(free * args.memory_ratio) - runner.weight_bytes, None,
+               None) * ps,
+           "decode": [], "prefill_tok_s": None}
+    cap = runner.pool.num_pages * ps
+    for ctx in contexts:
+        for b in batches:
+            pt = {"batch": b, "context": ctx}
+            if b * (-(-(ctx + args.steps + 4) // ps)) * ps > cap:
+                pt["note"] = (f"does not fit: needs {b * (ctx + args.steps) * per_tok / GiB:.1f} "
+                              f"GiB of KV, the card's budget holds {cap:,} tokens")
+            else:
+                pt["tok_s"] = decode_point(runner, b, ctx, args.steps)
+                if b == 1:
+                    step_bytes = runner.weight_bytes + per_tok * ctx
+                    pt["roofline_tok_s"] = bw / step_bytes
+                    pt["pct_roofline"] = 100 * pt["tok_s"] / pt["roofline_tok_s"]
+            rec["decode"].append(pt)
+            print(f"  {kvd:>9} decode b={b:<3} ctx={ctx:<6} "
+                  + (f"{pt['tok_s']:10.1f} tok/s" if "tok_s" in pt else pt["note"])
+                  + (f"  ({pt['pct_roofline']:.0f}% of {pt['roofline_tok_s']:.0f} roofline)"
+                     if "pct_roofline" in pt else ""), flush=True)
+    if args.prefill_len <= cap:
+        rec["prefill_tok_s"] = prefill_point(runner, args.prefill_len)
+        print(f"  {kvd:>9} prefill {args.prefill_len}: {rec['prefill_tok_s']:.0f} tok/s",
+              flush=True)
+    del runner
+    torch.cuda.empty_cache()
+    return rec
+
+
+def table(res: dict) -> str:
+    dts = [r["kv_dtype"] for r in res["dtypes"]]
+    lines = ["| metric | " + " | ".join(dts) + " |", "|---|" + "---|" * len(dts)]
+    first = res["dtypes"][0]
+
+    def row(name, vals):
+        lines.append(f"| {name} | " + " | ".join(vals) + " |")
+
+    row(f"KV tokens at {res['budget_gib']:.2f} GiB",
+        [f"{r['budget_tokens_fixed']:,}" for r in res["dtypes"]])
+    row(f"KV tokens at ratio {res['memory_ratio']} of {res['free_gib']:.0f} GiB free",
+        [f"{r['budget_tokens_card']:,}" for r in res["dtypes"]])
+    for i, pt in enumerate(first["decode"]):
+        vals = []
+        for r in res["dtypes"]:
+            p = r["decode"][i]
+            if "tok_s" not in p:
+                vals.append("does not fit")
+                continue
+            s = f"{p['tok_s']:,.0f}"
+            if "pct_roofline" in p:
+                s += f" ({p['pct_roofline']:.0f}% of {p['roofline_tok_s']:,.0f})"
+            vals.append(s)
+        row(f"decode tok/s, batch {pt['batch']}, ctx {pt['context']}", vals)
+    row(f"prefill tok/s, {res['prefill_len']} prompt",
+        [f"{r['prefill_tok_s']:,.0f}" if r["prefill_tok_s"] else "-" for r in res["dtypes"]])
+    for h in res.get("hf", []):
+        lines.append(f"| HF generate() decode tok/s, batch {h['batch']}, ctx {h['context']} | "
+                     + (f"{h['tok_s']:,.1f}" if h.get("tok_s") else h.get("note", "-"))
+                     + " |" + " |" * (len(dts) - 1))
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in res["dtypes"]:
+        for b in sorted({p["batch"] for p in r["decode"]}):
+            pts = [(p["context"], p["tok_s"]) for p in r["decode"]
+                   if p["batch"] == b and "tok_s" in p]
+            if pts:
+                ax.plot(*zip(*pts), "-o", label=f"{r['kv_dtype']}, batch {b}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("decode tok/s")
+    ax.set_title(f"decode throughput, {os.path.basename(res['model'])}, {res['backend']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``kvfit bench seed``; returns the exit status."""
+    p = argparse.ArgumentParser(prog="kvfit bench seed", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _args(p)
+    args = p.parse_args(argv)
+    import torch
+
+    from kvfit.bench.kernels import copy_bandwidth
+
+    if not torch.cuda.is_available():
+        print("kvfit bench seed needs a CUDA GPU")
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    contexts = [int(x) for x in args.contexts.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    bw = copy_bandwidth(torch.device("cuda"))
+    free, total = torch.cuda.mem_get_info()
+    print(f"GPU {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, "
+          f"{free / GiB:.0f} GiB free", flush=True)
+    res = {"model": args.model, "backend": args.attention_backend, "gpu":
+           torch.cuda.get_device_name(), "copy_bw": bw, "budget_gib": args.budget_gib,
+           "memory_ratio": args.memory_ratio, "free_gib": free / GiB,
+           "prefill_len": args.prefill_len, "dtypes": []}
+    for kvd in args.kv_dtypes.split(","):
+        res["dtypes"].append(run_dtype(args, kvd, contexts, batches, bw))
+    if args.baseline == "hf":
+        res["hf"] = hf_baseline(args.model, [min(contexts)], batches, args.steps)
+        for h in res["hf"]:
+            print(f"  HF generate b={h['batch']} ctx={h['context']}: {h.get('tok_s')} tok/s")
+    md = table(res)
+    print(md)
+    with open(os.path.join(args.out, "seed.md"), "w") as f:
+        f.write(md + "\n")
+    with open(os.path.join(args.out, "seed.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    plot(res, os.path.join(args.out, "seed.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))
