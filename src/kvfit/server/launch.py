@@ -1,0 +1,109 @@
+"""Running the app under uvicorn: in the foreground (``kvfit serve``) or in a background thread
+on a free loopback port (tests, ``kvfit bench serve`` without ``--base-url``).
+
+Shutdown order (SIGTERM/SIGINT in the foreground, ``stop()`` in the background): uvicorn stops
+accepting; ``KvfitUvicorn.shutdown`` first aborts every in-flight request (streams end with an
+error event, waiting handlers answer 503) so open connections finish at once; then the lifespan
+ends and the engine thread stops (pages freed, thread joined).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from typing import Callable, Optional
+
+import uvicorn
+
+from kvfit.server.app import build_app
+from kvfit.server.engine_loop import EngineLoop
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class KvfitUvicorn(uvicorn.Server):
+    """uvicorn.Server that aborts the engine's in-flight requests when shutdown begins."""
+
+    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop):
+        super().__init__(config)
+        self.engine_loop = engine_loop
+
+    async def shutdown(self, sockets=None) -> None:
+        self.engine_loop.abort_all("the server is shutting down")
+        await super().shutdown(sockets)
+        self.engine_loop.shutdown()
+
+
+def make_server(engine_factory: Callable[[], object], served_model_name: str, host: str,
+                port: int, log_level: str = "info", aliases=()) -> KvfitUvicorn:
+    """Start the engine thread (the model loads while uvicorn binds; /health is 503 until it is
+    ready) and return the uvicorn server, not yet running."""
+    holder: list[KvfitUvicorn] = []
+
+    def stop_server() -> None:  # an engine that cannot start ends the server (exit code 1)
+        if holder:
+            holder[0].should_exit = True
+
+    loop = EngineLoop(engine_factory, on_start_failure=stop_server)
+    app = build_app(loop, served_model_name, aliases)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=10, lifespan="off")
+    holder.append(KvfitUvicorn(config, loop))
+    loop.start()
+    return holder[0]
+
+
+class BackgroundServer:
+    """A server in a daemon thread on a free loopback port; ``with`` starts and stops it."""
+
+    def __init__(self, engine_factory: Callable[[], object], served_model_name: str,
+                 host: str = "127.0.0.1", port: Optional[int] = None, log_level: str = "warning",
+                 aliases=()):
+        self.host, self.port = host, port or free_port(host)
+        self.server = make_server(engine_factory, served_model_name, self.host, self.port,
+                                  log_level, aliases)
+        self.engine_loop = self.server.engine_loop
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 300.0) -> "BackgroundServer":
+        """Run uvicorn in a thread; return once /health answers 200 (the engine is up)."""
+        import httpx
+
+        self._thread = threading.Thread(target=self.server.run, name="kvfit-uvicorn",
+                                        daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.engine_loop.state == "dead":
+                self.stop()
+                raise RuntimeError(f"engine failed to start: {self.engine_loop.error}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"server did not become healthy within {timeout:.0f} s")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.engine_loop.shutdown()
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,86 @@
+"""Shared by the server tests: one real-model server and one offline LLM of the same engine
+config per pytest process (loading SmolLM2 twice per module would cost CI minutes), SSE and
+/metrics helpers, and a tiny dummy-weight model for fault tests."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+
+import httpx
+
+# Small KV budget (24 pages x 16 = 384 tokens) with 16 running requests: 64 concurrent requests
+# of 10-60 tokens must preempt. max_model_len 256 keeps single requests servable.
+BUNDLED = dict(model="smollm2-135m", device="cpu", num_pages=24, page_size=16, max_num_seqs=16,
+               max_model_len=256)
+MODEL = "smollm2-135m"
+
+
+@functools.lru_cache(maxsize=None)
+def bundled_server():
+    from kvfit.config import make_config
+    from kvfit.engine.llm_engine import LLMEngine
+    from kvfit.server.launch import BackgroundServer
+
+    cfg = make_config(**BUNDLED)
+    srv = BackgroundServer(lambda: LLMEngine(cfg), MODEL).start()
+    atexit.register(srv.stop)
+    return srv
+
+
+@functools.lru_cache(maxsize=None)
+def offline_llm():
+    from kvfit.llm import LLM
+
+    return LLM(**BUNDLED)
+
+
+def offline_greedy(prompts, max_tokens) -> list[str]:
+    """Offline greedy texts (one SamplingParams per prompt when max_tokens is a list)."""
+    from kvfit.sampling_params import SamplingParams
+
+    if isinstance(max_tokens, int):
+        max_tokens = [max_tokens] * len(prompts)
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens]
+    return [o.outputs[0].text for o in offline_llm().generate(prompts, params, use_tqdm=False)]
+
+
+def metrics(base_url: str) -> dict[str, float]:
+    """/metrics as {sample name (with labels): value}, parsed by prometheus_client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def sse_events(lines) -> list:
+    """Parse SSE ``data:`` lines into JSON objects, with the string "[DONE]" kept as is."""
+    out = []
+    for line in lines:
+        if not line.startswith("data: "):
+            assert line == "", f"unexpected SSE line {line!r}"
+            continue
+        data = line[len("data: "):]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+TINY_LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64,
+                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=10000.0,
+                  torch_dtype="float32", eos_token_id=255, bos_token_id=0)
+
+
+def tiny_config(tmp_dir) -> str:
+    """A config.json of a tiny Llama (served with --load-format dummy, token-id prompts)."""
+    path = f"{tmp_dir}/config.json"
+    with open(path, "w") as f:
+        json.dump(TINY_LLAMA, f)
+    return path

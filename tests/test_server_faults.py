@@ -1,0 +1,162 @@
+"""Server faults on a tiny dummy-weight Llama (fast to start): 503 while the engine starts, every
+in-flight request answered and /health 503 after the engine loop dies, graceful SIGTERM (exit 0,
+in-flight streams ended)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from server_common import tiny_config
+
+from kvfit.server.launch import BackgroundServer, free_port
+
+
+def _tiny_engine(path: str):
+    from kvfit.config import make_config
+    from kvfit.engine.llm_engine import LLMEngine
+
+    return LLMEngine(make_config(model=path, load_format="dummy", device="cpu", num_pages=64,
+                                 max_model_len=512))
+
+
+def _stream_lines(url: str, body: dict, out: list, first: threading.Event) -> None:
+    try:
+        with httpx.stream("POST", url, json=body, timeout=60) as r:
+            out.append(r.status_code)
+            for line in r.iter_lines():
+                if line:
+                    out.append(line)
+                    first.set()
+    except httpx.HTTPError as e:
+        out.append(e)
+    first.set()
+
+
+def test_503_while_starting(tmp_path):
+    path, gate = tiny_config(tmp_path), threading.Event()
+
+    def slow_factory():
+        gate.wait(60)
+        return _tiny_engine(path)
+
+    srv = BackgroundServer(slow_factory, "tiny")
+    thread = threading.Thread(target=srv.server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not srv.server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = httpx.get(srv.base_url + "/health")
+        assert r.status_code == 503 and "starting" in r.json()["error"]["message"]
+        r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        gate.set()
+        assert srv.engine_loop.wait_ready(60)
+        r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        gate.set()
+        srv.server.should_exit = True
+        thread.join(30)
+        srv.engine_loop.shutdown()
+
+
+def test_engine_death_answers_everyone(tmp_path):
+    with BackgroundServer(lambda: _tiny_engine(tiny_config(tmp_path)), "tiny") as srv:
+        url = srv.base_url + "/v1/completions"
+        body = {"prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True}
+        lines, first = [], threading.Event()
+        streamer = threading.Thread(target=_stream_lines, args=(
+            url, {**body, "stream": True}, lines, first), daemon=True)
+        streamer.start()
+        non_stream: list = []
+        poster = threading.Thread(target=lambda: non_stream.append(
+            httpx.post(url, json=body, timeout=60)), daemon=True)
+        poster.start()
+        assert first.wait(30)
+        engine = srv.engine_loop.engine
+
+        def broken_step():
+            raise RuntimeError("injected fault")
+
+        engine.step = broken_step  # the next step raises inside the engine thread
+        streamer.join(30)
+        poster.join(30)
+        assert not streamer.is_alive() and not poster.is_alive()
+        assert lines[0] == 200 and lines[-1] == "data: [DONE]"
+        err = json.loads(lines[-2][len("data: "):])["error"]
+        assert "injected fault" in err["message"] and err["type"] == "service_unavailable"
+        assert non_stream[0].status_code == 503
+        assert "injected fault" in non_stream[0].json()["error"]["message"]
+        health = httpx.get(srv.base_url + "/health")
+        assert health.status_code == 503 and "died" in health.json()["error"]["message"]
+        r = httpx.post(url, json={"prompt": [1], "max_tokens": 1}, timeout=10)
+        assert r.status_code == 503 and "died" in r.json()["error"]["message"]
+        assert httpx.get(srv.base_url + "/metrics").status_code == 200
+        assert "kvfit_engine_up 0.0" in httpx.get(srv.base_url + "/metrics").text
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_sigterm_graceful_exit_zero(tmp_path):
+    port = free_port()
+    env = dict(os.environ)
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "kvfit.server.main", "--model", tiny_config(tmp_path),
+           "--load-format", "dummy", "--device", "cpu", "--num-pages", "64",
+           "--max-model-len", "512", "--port", str(port), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        lines, first = [], threading.Event()
+        streamer = threading.Thread(target=_stream_lines, args=(
+            base + "/v1/completions", {"prompt": [3, 4], "max_tokens": 500, "ignore_eos": True,
+                                       "stream": True}, lines, first), daemon=True)
+        streamer.start()
+        assert first.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.stdout.read().decode()
+        streamer.join(10)
+        assert not streamer.is_alive()
+        assert lines[0] == 200 and lines[-1] == "data: [DONE]"  # the stream was ended cleanly
+        err = json.loads(lines[-2][len("data: "):])["error"]  # ... by the shutdown
+        assert "shutting down" in err["message"] and err["type"] == "service_unavailable"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_bench_serve_runs_and_stops(tmp_path, capsys):
+    """``kvfit bench serve`` on the tiny model: a bounded run, every request counted."""
+    from kvfit.bench.serve import main
+
+    out = tmp_path / "bench.json"
+    rc = main(["--model", tiny_config(tmp_path), "--load-format", "dummy", "--device", "cpu",
+               "--num-pages", "64", "--max-model-len", "512", "--num-prompts", "6",
+               "--max-concurrency", "3", "--input-len", "8", "--output-len", "5",
+               "--token-id-range", "1", "250", "--result-json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["successful_requests"] == 6 and res["failed_requests"] == 0
+    assert res["total_output_tokens"] == 30 and res["total_input_tokens"] == 48
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        assert set(res[key]) == {"mean", "median", "p99"} and res[key]["mean"] > 0
+    assert res["itl_ms"]["mean"] == pytest.approx(res["tpot_ms"]["mean"], rel=0.05)
+    assert "Serving Benchmark Result" in capsys.readouterr().out
