@@ -16,7 +16,7 @@ _BENCHES = {
     "quality": ("kvfit.bench.quality", "needle, greedy agreement, KL and perplexity per KV dtype"),
     "seed": ("kvfit.bench.seed", "the seed's table on a GPU: capacity, decode, prefill"),
     "kernels": ("kvfit.bench.kernels", "attention kernels vs FlashInfer on the GPU"),
-    "serve": ("kvfit.bench.serve", "load generator against a running kvfit serve"),
+    "serve": ("kvfit.bench.serve", "load generator for kvfit serve (a running one, or in-process)"),
 }
 
 

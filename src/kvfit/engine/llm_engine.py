@@ -11,6 +11,7 @@ from typing import Optional, Union
 import torch
 
 from kvfit.config import EngineConfig
+from kvfit.engine.detokenizer import IncrementalDetokenizer
 from kvfit.engine.runner import ModelRunner
 from kvfit.engine.sampler import sample, top_logprobs
 from kvfit.errors import RequestRejected
@@ -94,14 +95,15 @@ class LLMEngine:
                 torch.randint(0, 2**62, (1,), generator=self._seed_rng))
             gen = torch.Generator(device=self.runner.device).manual_seed(seed)
         req = Request(request_id, text, ids, params, gen, next(self._arrival))
+        req.detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         self.requests[request_id] = req
         self.scheduler.add(req)
 
     def _too_long(self, n_prompt: int, n_out: int) -> RequestRejected:
         return RequestRejected(
             f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-            f"requested {n_prompt + n_out} tokens ({n_prompt} in the messages, {n_out} in the "
-            f"completion). Please reduce the length of the messages or completion.", "max_tokens")
+            f"requested {n_prompt + n_out} tokens ({n_prompt} in the prompt, {n_out} in the "
+            f"completion). Please reduce the length of the prompt or completion.", "max_tokens")
 
     def abort_request(self, request_id: str) -> bool:
         """Finish a request as 'abort' and free its pages now. False if unknown/finished."""
@@ -172,10 +174,11 @@ class LLMEngine:
             reason, stop_reason = "stop", tok
         elif not p.ignore_eos and tok in self.eos_ids:
             reason = "stop"
-        full = self._decode(req)
+        full = req.detok.update(req.output_token_ids, final=reason is not None)
         if reason is None and p.stop:
+            tail = max(0, len(req.text) - max(len(x) for x in p.stop))
             for stop in p.stop:
-                at = full.find(stop)
+                at = full.find(stop, tail)
                 if at >= 0:
                     full = full[:at]
                     reason, stop_reason = "stop", stop
@@ -183,21 +186,16 @@ class LLMEngine:
         if reason is None and (len(req.output_token_ids) >= p.max_tokens
                                or req.num_tokens >= self.max_model_len):
             reason = "length"
+        if reason == "length":
+            full = req.detok.update(req.output_token_ids, final=True)
         if reason is None:
-            # while running, hold back an incomplete UTF-8 sequence and a possible stop prefix
-            full = full.rstrip("\ufffd")
+            # while running, hold back what could be the start of a stop string
             hold = max((len(x) for x in p.stop), default=1) - 1
             full = full[: len(full) - hold] if hold else full
         req.text = full if len(full) >= len(req.text) or reason is not None else req.text
         if reason is not None:
             self.scheduler.finish(req, reason, stop_reason)
             self.requests.pop(req.request_id, None)
-
-    def _decode(self, req: Request) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(req.output_token_ids,
-                                     skip_special_tokens=req.params.skip_special_tokens)
 
     @staticmethod
     def _output(req: Request) -> RequestOutput:
