@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -31,13 +33,15 @@ def _check(runner, hf, prompt, steps=6, chunk=None):
         ids = torch.tensor([prompt])
         gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
                           do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
-    assert toks == gen
+    # HF's generate stops at EOS; ours ran on: equal up to (and including) HF's last token
+    assert len(gen) == steps or gen[-1] == hf.generation_config.eos_token_id
+    assert toks[: len(gen)] == gen
 
 
 @pytest.mark.parametrize("arch", list(TINY))
 def test_logits_match_hf(tiny_models, arch):
     d, hf = tiny_models[arch]
-    g = torch.Generator().manual_seed(hash(arch) % 1000)
+    g = torch.Generator().manual_seed(zlib.crc32(arch.encode()) % 1000)
     prompt = torch.randint(0, TINY[arch]["vocab_size"], (13,), generator=g).tolist()
     runner = _runner(d)
     _check(runner, hf, prompt)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvfit.kvcache.dtypes import kv_format
+from kvfit.kvcache.hybrid_swa import solve_hybrid_pages
 from kvfit.kvcache.spec import solve_num_pages, spec_kv_bytes_per_token
 from kvfit.models import registry as models
 
@@ -34,25 +35,37 @@ class PlanRow:
     pool_bytes: int
     ratio_vs_first: float
     max_concurrency: float
+    swa_pages: int = 0  # hybrid sliding-window models: pages reserved for the windowed layers
+    swa_bytes: int = 0
+    window_requests: int = 0
 
 
 def plan_capacity(model: str, memory_bytes: int, page_size: int = 16,
                   kv_dtypes: Sequence[str] = PLAN_DTYPES,
-                  max_model_len: int | None = None) -> tuple[object, list[PlanRow]]:
+                  max_model_len: int | None = None, max_num_seqs: int = 256,
+                  max_num_batched_tokens: int = 2048) -> tuple[object, list[PlanRow]]:
     """(hf_config, one row per KV dtype) for a KV budget of ``memory_bytes``."""
     src = models.resolve_model(model)
     cfg = models.load_hf_config(src)
     layers = models.model_class_for(cfg).kv_layer_specs(cfg)
     ctx = max_model_len or int(getattr(cfg, "max_position_embeddings", 0) or 2048)
     rows: list[PlanRow] = []
+    hybrid = any(l.kind == "sliding" for l in layers)
     for name in kv_dtypes:
         fmt = kv_format(name)
-        pages = solve_num_pages(memory_bytes, layers, fmt, page_size)
-        bpt = spec_kv_bytes_per_token(layers, fmt)
-        tokens = pages * page_size
+        if hybrid:  # full layers priced per token, windowed layers per running request
+            hp = solve_hybrid_pages(memory_bytes, layers, fmt, page_size, max_num_seqs,
+                                    max_num_batched_tokens)
+            pages, bpt, tokens = hp.num_pages, hp.full_bytes_per_token, hp.full_tokens
+            extra = (hp.num_swa_pages, hp.swa_bytes, hp.window_requests)
+        else:
+            pages = solve_num_pages(memory_bytes, layers, fmt, page_size)
+            bpt = spec_kv_bytes_per_token(layers, fmt)
+            tokens = pages * page_size
+            extra = ()
         first = rows[0].tokens if rows else tokens
         rows.append(PlanRow(fmt.name, bpt, pages, tokens, tokens * bpt,
-                            tokens / first if first else 0.0, tokens / ctx))
+                            tokens / first if first else 0.0, tokens / ctx, *extra))
     return cfg, rows
 
 
@@ -68,4 +81,15 @@ def format_plan(model: str, memory_bytes: int, page_size: int, cfg, rows: list[P
         lines.append(f"| {r.kv_dtype} | {r.bytes_per_token:,} | {r.pages:,} | {r.tokens:,} | "
                      f"{r.pool_bytes / 2**30:.3f} | {r.ratio_vs_first:.2f}x | "
                      f"{r.max_concurrency:.2f} |")
+    if any(r.swa_pages for r in rows):
+        kinds = [l.kind for l in models.model_class_for(cfg).kv_layer_specs(cfg)]
+        lines += ["", f"Sliding-window model: {kinds.count('full')} full layers hold the tokens "
+                  f"above (bytes/token and pool GiB are theirs); {kinds.count('sliding')} "
+                  f"windowed layers (window {cfg.sliding_window}) cost a reservation per running "
+                  f"request, taken from the same memory:", "",
+                  "| kv dtype | sliding pages | sliding GiB | requests at the window |",
+                  "|---|---:|---:|---:|"]
+        for r in rows:
+            lines.append(f"| {r.kv_dtype} | {r.swa_pages:,} | {r.swa_bytes / 2**30:.3f} | "
+                         f"{r.window_requests:,} |")
     return "\n".join(lines)

@@ -33,10 +33,12 @@ def unavailable_reason(name: str, device_type: str) -> str | None:
     return cls.is_available()
 
 
-def select_backend(requested: str, device_type: str) -> str:
-    """``auto``: fi on CUDA when FlashInfer imports, else torch. Explicit names are kept."""
+def select_backend(requested: str, device_type: str, pool_name: str | None = None) -> str:
+    """``auto``: fi on CUDA when FlashInfer imports and holds ``pool_name``'s pool, else torch.
+    Explicit names are kept (the guard then checks them)."""
     if requested != "auto":
         return requested
-    if device_type == "cuda" and unavailable_reason("fi", "cuda") is None:
+    if device_type == "cuda" and unavailable_reason("fi", "cuda") is None and (
+            pool_name is None or pool_name in backend_class("fi").pools):
         return "fi"
     return "torch"

@@ -76,6 +76,11 @@ def calibrate(runner, fmt: KVFormat, token_ids: list[int]) -> tuple[list[float],
             amax_v[layer_id] = max(amax_v[layer_id], float(v.float().abs().max()))
             return super().forward(q, k, v, layer_id)
 
+        def forward_mla(self, q, kv, layer_id, v_dim):  # MLA: one slab, one scale per layer
+            amax_k[layer_id] = max(amax_k[layer_id], float(kv.float().abs().max()))
+            amax_v[layer_id] = amax_k[layer_id]
+            return super().forward_mla(q, kv, layer_id, v_dim)
+
     be = Recorder(pool, runner.dtype, runner.model_cls.sm_scale(runner.hf_config))
     runner.forward_tokens(token_ids, pool, be)
     target = CALIBRATION_FRACTION * fmt.max_finite

@@ -45,7 +45,8 @@ class LLMEngine:
         self.vocab_size = self.runner.hf_config.vocab_size
         self.allocator = PageAllocator(self.runner.pool.num_pages)
         self.scheduler = Scheduler(self.allocator, config.page_size, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+                                   config.max_num_batched_tokens,
+                                   getattr(self.runner.pool, "sliding_pages", None))
         self.requests: dict[str, Request] = {}
         self.eos_ids = self._eos_ids()
         self._arrival = itertools.count()

@@ -22,6 +22,8 @@ from kvfit.engine.context import Context
 from kvfit.engine.guard import check_combination
 from kvfit.engine.kv_scales import resolve_scales
 from kvfit.errors import KVBudgetError
+from kvfit.kvcache.hybrid_swa import (build_hybrid_metadata, hybrid_capacity_line,
+                                      solve_hybrid_pages)
 from kvfit.kvcache.registry import resolve_pool_class
 from kvfit.models import registry as models
 from kvfit.models.weights import WeightSink, init_dummy, iter_gguf, iter_safetensors
@@ -56,7 +58,8 @@ class ModelRunner:
         self.kv_format = config.resolved_kv_dtype(self.dtype)
         self.layers = self.model_cls.kv_layer_specs(self.hf_config)
         self.pool_cls = resolve_pool_class(self.layers)
-        self.backend_name = select_backend(config.attention_backend, self.device.type)
+        self.backend_name = select_backend(config.attention_backend, self.device.type,
+                                           self.pool_cls.name)
         check_combination(self.backend_name, self.pool_cls, self.kv_format, config.page_size,
                           self.device.type, self.layers)
         ctx_len = int(getattr(self.hf_config, "max_position_embeddings", 0) or 2048)
@@ -68,17 +71,23 @@ class ModelRunner:
         free_before = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         self.model = self._load_model()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.hybrid_plan = None
         num_pages = self._size_pool(free_before)
         backend_cls = backend_class(self.backend_name)
         k_scales, v_scales = resolve_scales(config.kv_scales, self, self.kv_format, tokenizer)
+        extra = ({} if self.hybrid_plan is None
+                 else {"num_swa_pages": self.hybrid_plan.num_swa_pages})
         self.pool = self.pool_cls(self.layers, num_pages, config.page_size, self.kv_format,
-                                  self.device, k_scales, v_scales)
+                                  self.device, k_scales, v_scales, **extra)
         self.backend = backend_cls(self.pool, self.dtype, self.model_cls.sm_scale(self.hf_config),
                                    getattr(self.model_cls, "logit_softcap_of", lambda c: None)(
                                        self.hf_config))
         self.ctx = Context(self.backend, self.pool, self.dtype)
-        log.info(memory.capacity_line(num_pages, config.page_size, self.layers, self.kv_format,
-                                      self.max_model_len))
+        if self.hybrid_plan is not None:
+            log.info(hybrid_capacity_line(self.hybrid_plan, self.kv_format, self.max_model_len))
+        else:
+            log.info(memory.capacity_line(num_pages, config.page_size, self.layers,
+                                          self.kv_format, self.max_model_len))
         self.graphs = None
         if (self.device.type == "cuda" and not config.enforce_eager
                 and backend_cls.supports_cuda_graph):
@@ -124,8 +133,15 @@ class ModelRunner:
             budget = memory.cuda_budget_bytes(free_before, used, c.memory_ratio)
         else:
             budget = memory.cpu_budget_bytes(c.cpu_kv_space_gib, c.memory_ratio)
-        pages = memory.decide_num_pages(self.layers, self.kv_format, c.page_size, budget,
-                                        c.num_pages, c.num_tokens)
+        if self.pool_cls.name == "HybridSWAKVCache":
+            fixed = c.num_pages if c.num_tokens is None else -(-c.num_tokens // c.page_size)
+            self.hybrid_plan = solve_hybrid_pages(budget or 0, self.layers, self.kv_format,
+                                                  c.page_size, c.max_num_seqs,
+                                                  c.max_num_batched_tokens, num_pages=fixed)
+            pages = self.hybrid_plan.num_pages
+        else:
+            pages = memory.decide_num_pages(self.layers, self.kv_format, c.page_size, budget,
+                                            c.num_pages, c.num_tokens)
         capacity = pages * c.page_size
         if self.max_model_len > capacity:
             if c.max_model_len is not None:
@@ -180,7 +196,12 @@ class ModelRunner:
         if self.graphs is not None and all(q == 1 for q in q_lens) and self.graphs.can_run(bs):
             hidden = self.graphs.run(input_ids, positions, kv_lens, tables)
         else:
-            meta = build_metadata(q_lens, kv_lens, tables, self.config.page_size, self.device)
+            if getattr(self.pool, "windowed", False):
+                swa = [self.pool.sliding_pages.table(req.request_id) for req, _ in items]
+                meta = build_hybrid_metadata(q_lens, kv_lens, tables, swa, self.config.page_size,
+                                             self.pool.window, self.pool.null_page, self.device)
+            else:
+                meta = build_metadata(q_lens, kv_lens, tables, self.config.page_size, self.device)
             self.backend.plan(meta)
             hidden = self.model(input_ids, positions, self.ctx)
         ends = torch.tensor(q_lens).cumsum(0) - 1

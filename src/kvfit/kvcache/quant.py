@@ -19,7 +19,8 @@ def quantize(x: torch.Tensor, fmt: KVFormat, scale: float = 1.0) -> torch.Tensor
     y = x.float()
     if scale != 1.0:
         y = y / scale
-    return y.clamp_(-fmt.max_finite, fmt.max_finite).to(fmt.torch_dtype)
+    # NOTE: not clamp_: for a float32 input with scale 1, y is x itself (the caller's tensor)
+    return torch.clamp(y, -fmt.max_finite, fmt.max_finite).to(fmt.torch_dtype)
 
 
 def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:

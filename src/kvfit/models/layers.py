@@ -2,6 +2,10 @@
 
 Module names follow the HF checkpoints (``q_proj`` ...) except where two projections are fused
 (``qkv_proj``, ``gate_up_proj``); the loaders concatenate the shards (see models/weights.py).
+
+On CUDA tensors the norm, the rotary embedding and the gated activation run as fused Triton
+kernels (``kvfit.kernels.fused_norm``/``fused_rope``/``fused_act``, imported on first use); on
+other devices they run the torch code below, which is the reference the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -13,8 +17,16 @@ import torch.nn.functional as F
 from torch import nn
 
 
+_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 class RMSNorm(nn.Module):
-    """y = x / rms(x) * w, computed in float32 like HF. ``offset`` = 1 for Gemma's (1 + w)."""
+    """y = x / rms(x) * w, computed in float32 like HF. ``offset`` = 1 for Gemma's (1 + w).
+
+    ``forward(x)`` -> normed x (over the last dim). ``forward(x, residual)`` adds first, vLLM
+    style: ``s = x + residual``, returns ``(norm(s), s)`` (the new residual stream), one kernel
+    on CUDA. Never writes its inputs.
+    """
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
@@ -22,7 +34,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if x.is_cuda and self._fusable(x, residual):
+            from kvfit.kernels.fused_norm import fused_add_rms_norm, rms_norm
+
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps, self.offset)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps, self.offset)
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _fusable(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> bool:
+        # the torch path's output dtype is promote(w, x) without offset: fuse where that is x's
+        return (x.dtype in _FUSED_DTYPES and self.weight.device == x.device
+                and (bool(self.offset) or self.weight.dtype == x.dtype)
+                and (residual is None or (residual.dtype == x.dtype
+                                          and residual.shape == x.shape)))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -45,8 +76,26 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, Hq, D], k [T, Hk, D] rotated at ``positions`` [T] (returns new tensors)."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                q_norm: Optional[RMSNorm] = None, k_norm: Optional[RMSNorm] = None):
+        """q [T, Hq, D], k [T, Hk, D] rotated at ``positions`` [T] (returns new tensors).
+
+        With ``q_norm``/``k_norm`` (per-head RMSNorms, Qwen3) the norms are applied first:
+        ``rope(q_norm(q)), rope(k_norm(k))``, in the same kernel on CUDA."""
+        if (q.is_cuda and q.dtype in _FUSED_DTYPES and k.dtype == q.dtype and q.dim() == 3
+                and k.dim() == 3 and k.shape[-1] == q.shape[-1]
+                and positions.device == q.device == self.cos.device):
+            from kvfit.kernels.fused_rope import apply_rope
+
+            if q_norm is None:
+                return apply_rope(q, k, self.cos, self.sin, positions)
+            if (q_norm._fusable(q, None) and k_norm._fusable(k, None)
+                    and q_norm.eps == k_norm.eps and q_norm.offset == k_norm.offset):
+                return apply_rope(q, k, self.cos, self.sin, positions, qk_norm=(
+                    q_norm.weight, k_norm.weight, q_norm.eps, q_norm.offset))
+            return apply_rope(q_norm(q), k_norm(k), self.cos, self.sin, positions)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, rot_dim]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return _apply(q, cos, sin), _apply(k, cos, sin)
@@ -90,15 +139,22 @@ def _rope_inv_freq(hf_config, layer_type, rope_params):
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul."""
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul (and, on CUDA, the
+    activation and the product fused into one kernel)."""
 
     def __init__(self, hidden: int, inter: int, act: str = "silu", bias: bool = False):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.act_name = act
         self.act = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
                     "gelu": F.gelu}[act]
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if gate_up.is_cuda and gate_up.dtype in _FUSED_DTYPES:
+            from kvfit.kernels.fused_act import act_and_mul
+
+            return self.down_proj(act_and_mul(gate_up, self.act_name))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)

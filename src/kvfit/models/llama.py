@@ -16,7 +16,8 @@ def head_dim_of(cfg) -> int:
 
 
 class Attention(nn.Module):
-    """QKV projection, optional q/k RMSNorm (Qwen3), RoPE, then ``ctx.backend.forward``."""
+    """QKV projection, optional q/k RMSNorm (Qwen3), RoPE, then ``ctx.backend.forward``. The
+    q/k norm runs inside the rotary call (one kernel with the RoPE on CUDA)."""
 
     def __init__(self, cfg, layer_id: int, qkv_bias: bool, qk_norm: bool):
         super().__init__()
@@ -42,9 +43,7 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = rotary(positions, q, k, self.q_norm, self.k_norm)  # q/k norm (Qwen3), then RoPE
         o = ctx.backend.forward(q, k, v, self.layer_id)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -58,9 +57,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rotary, ctx):
+        """vLLM-style residual stream: ``x`` is the previous layer's MLP output (the embeddings,
+        with ``residual`` None, for layer 0) and ``residual`` the stream before it; returns
+        ``(mlp_out, residual)``. Each add is fused into the following norm (one kernel on CUDA);
+        on the torch path the values equal ``x = x + attn(norm(x)); x = x + mlp(norm(x))`` bit
+        for bit."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rotary, ctx)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -101,9 +111,12 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, ctx):
         x = self.model.embed_tokens(input_ids)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, positions, self.rotary, ctx)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary, ctx)
+        if residual is None:
+            return self.model.norm(x)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden):
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -38,8 +38,9 @@ class Scheduler:
     and status). Never touches the GPU."""
 
     def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, sliding=None):
         self.allocator = allocator
+        self.sliding = sliding  # SlidingWindowPages of a windowed HybridSWAKVCache, else None
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -58,16 +59,22 @@ class Scheduler:
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         need = self.pages_for(num_tokens) - len(req.pages)
-        if need <= 0:
-            return True
-        if not self.allocator.can_allocate(need):
+        start, rid = req.num_computed_tokens, req.request_id
+        if self.sliding is not None and not self.sliding.can_reserve(rid, start, num_tokens):
             return False
-        req.pages.extend(self.allocator.allocate(need))
+        if need > 0 and not self.allocator.can_allocate(need):
+            return False
+        if need > 0:
+            req.pages.extend(self.allocator.allocate(need))
+        if self.sliding is not None:
+            self.sliding.reserve(rid, start, num_tokens)
         return True
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.allocator.free(req.pages)
+        if self.sliding is not None:
+            self.sliding.free(req.request_id)
         req.pages = []
         req.num_computed_tokens = 0
         req.status = Status.WAITING
@@ -119,6 +126,8 @@ class Scheduler:
         if req.pages:
             self.allocator.free(req.pages)
             req.pages = []
+        if self.sliding is not None:
+            self.sliding.free(req.request_id)
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason

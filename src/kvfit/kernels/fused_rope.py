@@ -1,0 +1,162 @@
+"""Fused rotate-half RoPE for q and k in one Triton launch: the CUDA path of
+``models.layers.RotaryEmbedding``.
+
+Owns nothing; returns new contiguous ``q``/``k`` tensors, or writes the caller's ``q_out``/
+``k_out`` (inputs are not written). For each token
+``t`` it gathers ``cos[positions[t]]``/``sin[...]`` from the float32 tables (``[max_pos, rot]``),
+casts them to q's dtype like the torch path, and computes on the first ``rot`` dims
+
+    out = x * cos + rotate_half(x) * sin,   rotate_half(x) = cat(-x[rot/2:], x[:rot/2])
+
+rounding each product and the sum to q's dtype exactly as torch's elementwise ops do (each op
+computed in float32, rounded once), so 16-bit outputs equal the torch path bit for bit; float32
+inputs may differ in the last bit (the compiler may fuse the multiply-add). Dims ``rot..head_dim``
+(partial rotary) are copied through. q and k may be strided views (last dim contiguous).
+Optionally a per-head RMSNorm of q and k runs first in the same launch (``qk_norm``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+_KERNEL = None
+
+
+def _build():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rope_kernel(Q, K, QO, KO, POS, COS, SIN, QW, KW, sq0, sq1, sk0, sk1, sc, ss, eps, offset,
+                     HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
+                     NORM: tl.constexpr, HAS_OFFSET: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        hb = tl.program_id(1)  # head blocks of q, then of k
+        NQB: tl.constexpr = (HQ + BLOCK_H - 1) // BLOCK_H
+        pos = tl.load(POS + t).to(tl.int64)
+        j = tl.arange(0, BLOCK_HALF)
+        jm = j < HALF
+        ty = Q.dtype.element_ty
+        # the tables cast to q's dtype first, as the torch path does
+        c1 = tl.load(COS + pos * sc + j, mask=jm, other=0.0).to(ty).to(tl.float32)
+        c2 = tl.load(COS + pos * sc + HALF + j, mask=jm, other=0.0).to(ty).to(tl.float32)
+        s1 = tl.load(SIN + pos * ss + j, mask=jm, other=0.0).to(ty).to(tl.float32)
+        s2 = tl.load(SIN + pos * ss + HALF + j, mask=jm, other=0.0).to(ty).to(tl.float32)
+        if hb < NQB:
+            X, OUT, W, h0, sx0, sx1, nh = Q, QO, QW, hb * BLOCK_H, sq0, sq1, HQ
+        else:
+            X, OUT, W, h0, sx0, sx1, nh = K, KO, KW, (hb - NQB) * BLOCK_H, sk0, sk1, HK
+        heads = h0 + tl.arange(0, BLOCK_H)
+        hm = heads < nh
+        m = hm[:, None] & jm[None, :]
+        src = X + t * sx0 + heads[:, None] * sx1 + j[None, :]
+        dst = OUT + t * (nh * D) + heads[:, None] * D + j[None, :]
+        x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+        p = tl.arange(0, BLOCK_P if BLOCK_P > 0 else 1)
+        pm = hm[:, None] & (p < D - 2 * HALF)[None, :]
+        poff = 2 * HALF + p[None, :]
+        if BLOCK_P > 0:  # partial rotary: dims [2*HALF, D) pass through (normed if NORM)
+            xp = tl.load(X + t * sx0 + heads[:, None] * sx1 + poff, mask=pm, other=0.0)
+        if NORM:  # q/k RMSNorm over each head's D dims first, rounded as models.layers.RMSNorm
+            sq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+            if BLOCK_P > 0:
+                xpf = xp.to(tl.float32)
+                sq += tl.sum(xpf * xpf, axis=1)
+            rstd = tl.rsqrt(sq / D + eps)[:, None]
+            w1 = tl.load(W + j, mask=jm, other=0.0).to(tl.float32)[None, :]
+            w2 = tl.load(W + HALF + j, mask=jm, other=0.0).to(tl.float32)[None, :]
+            if HAS_OFFSET:
+                x1 = (x1 * rstd * (offset + w1)).to(ty).to(tl.float32)
+                x2 = (x2 * rstd * (offset + w2)).to(ty).to(tl.float32)
+            else:
+                x1 = ((x1 * rstd).to(ty).to(tl.float32) * w1).to(ty).to(tl.float32)
+                x2 = ((x2 * rstd).to(ty).to(tl.float32) * w2).to(ty).to(tl.float32)
+            if BLOCK_P > 0:
+                wp = tl.load(W + poff, mask=poff < D, other=0.0).to(tl.float32)
+                if HAS_OFFSET:
+                    xp = (xpf * rstd * (offset + wp)).to(ty)
+                else:
+                    xp = ((xpf * rstd).to(ty).to(tl.float32) * wp).to(ty)
+        # torch: (x*cos) rounded, (rotate_half(x)*sin) rounded, their sum rounded
+        a1 = (x1 * c1[None, :]).to(ty).to(tl.float32)
+        b1 = (-x2 * s1[None, :]).to(ty).to(tl.float32)
+        a2 = (x2 * c2[None, :]).to(ty).to(tl.float32)
+        b2 = (x1 * s2[None, :]).to(ty).to(tl.float32)
+        tl.store(dst, (a1 + b1).to(ty), mask=m)
+        tl.store(dst + HALF, (a2 + b2).to(ty), mask=m)
+        if BLOCK_P > 0:
+            tl.store(OUT + t * (nh * D) + heads[:, None] * D + poff, xp.to(ty), mask=pm)
+
+    return _rope_kernel
+
+
+def _check_out(out, x, name):
+    if out is None:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous {x.dtype} tensor of shape {tuple(x.shape)}, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    return out
+
+
+def _last_contig(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               positions: torch.Tensor, q_out: Optional[torch.Tensor] = None,
+               k_out: Optional[torch.Tensor] = None,
+               qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float, float]] = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``[T, Hq, D]``, k ``[T, Hk, D]`` (same D and dtype), cos/sin ``[max_pos, rot]`` float32
+    tables, positions ``[T]`` (int32/int64, each < max_pos) -> new rotated (q, k), contiguous.
+
+    ``qk_norm = (q_weight [D], k_weight [D], eps, offset)`` first applies a per-head RMSNorm to
+    q and k (Qwen3's and Gemma 3's q_norm/k_norm, same roundings as ``fused_norm.rms_norm``) in
+    the same launch: norm, rounded to the dtype, then RoPE.
+    """
+    global _KERNEL
+    if _KERNEL is None:
+        _KERNEL = _build()
+    import triton
+
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"apply_rope wants q [T, Hq, D] and k [T, Hk, D], got {tuple(q.shape)} "
+                         f"and {tuple(k.shape)}")
+    if k.dtype != q.dtype:
+        raise ValueError(f"apply_rope: q is {q.dtype} but k is {k.dtype}")
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    rot = cos.shape[-1]
+    if rot % 2 or rot > d or sin.shape != cos.shape:
+        raise ValueError(f"rotary table of width {rot} (sin {tuple(sin.shape)}) does not fit "
+                         f"head_dim {d}: it must be even and <= head_dim")
+    q, k = _last_contig(q), _last_contig(k)
+    cos, sin = _last_contig(cos), _last_contig(sin)
+    qo, ko = _check_out(q_out, q, "q_out"), _check_out(k_out, k, "k_out")
+    if t == 0:
+        return qo, ko
+    half = rot // 2
+    bp = triton.next_power_of_2(d - rot) if d > rot else 0
+    bhalf = triton.next_power_of_2(half)
+    # up to ~2048 rotated pairs per program: all heads of q (or k) for small models
+    bh = min(triton.next_power_of_2(max(hq, hk)), max(1, 2048 // bhalf))
+    num_warps = min(8, max(1, bh * bhalf // 256))
+    grid = (t, triton.cdiv(hq, bh) + triton.cdiv(hk, bh))
+    if qk_norm is None:
+        qw, kw, eps, offset = q, k, 0.0, 0.0  # weights unused
+    else:
+        qw, kw, eps, offset = qk_norm
+        if qw.shape != (d,) or kw.shape != (d,):
+            raise ValueError(f"q/k norm weights of shapes {tuple(qw.shape)}, {tuple(kw.shape)} "
+                             f"do not match head_dim {d}")
+    _KERNEL[grid](q, k, qo, ko, positions, cos, sin, qw, kw, q.stride(0), q.stride(1),
+                  k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), float(eps),
+                  float(offset), HQ=hq, HK=hk, D=d, HALF=half, BLOCK_H=bh, BLOCK_HALF=bhalf,
+                  BLOCK_P=bp, NORM=qk_norm is not None, HAS_OFFSET=bool(offset),
+                  num_warps=num_warps)
+    return qo, ko
