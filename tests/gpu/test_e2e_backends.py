@@ -28,11 +28,17 @@ def run(path, backend, kv_dtype, eager):
     llm = LLM(str(path), load_format="dummy", attention_backend=backend, kv_dtype=kv_dtype,
               device="cuda", enforce_eager=eager, num_pages=128, max_model_len=512)
     prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((5, 33, 70))]
-    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     del llm
     torch.cuda.empty_cache()
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+
+
+def _gap(lp: dict) -> float:
+    """Top-1 minus top-2 logprob at one step (how near a tie the greedy choice was)."""
+    vals = sorted(lp.values(), reverse=True)
+    return vals[0] - vals[1] if len(vals) > 1 else float("inf")
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
@@ -44,11 +50,13 @@ def test_backends_agree(tmp_path, kv_dtype):
     for backend in ("triton", "fi"):
         for eager in (True, False):
             got = run(path, backend, kv_dtype, eager)
-            # random weights (std 0.02) give near-tied logits, so a rounding difference can flip
-            # a token and everything after it. Our Triton kernels must follow the reference for
-            # 8 tokens; FlashInfer (other summation order) for 4, and agree on most tokens.
-            n = 8 if backend == "triton" else 4
-            for r, g in zip(ref, got):
-                assert r[:n] == g[:n], (backend, eager, r, g)
-            same = sum(a == b for r, g in zip(ref, got) for a, b in zip(r, g))
-            assert same >= 0.5 * sum(map(len, ref)), (backend, eager, ref, got)
+            # random weights (std 0.02) give near-tied logits: a backend may take the other token
+            # only where the reference's top-2 logprobs are within 0.02 of each other (a rounding
+            # difference of the attention output); after that the sequences are different inputs.
+            for (rt, rlp), (gt, glp) in zip(ref, got):
+                i = next((j for j, (a, b) in enumerate(zip(rt, gt)) if a != b), None)
+                for j in range(len(rt) if i is None else i):  # same inputs: same logprobs
+                    assert abs(rlp[j][rt[j]] - glp[j][gt[j]]) < 0.05, (backend, eager, j)
+                if i is not None:
+                    assert _gap(rlp[i]) < 0.02, (backend, eager, i, rt, gt, rlp[i], glp[i])
+                    assert abs(rlp[i][rt[i]] - glp[i].get(rt[i], -1e9)) < 0.05
