@@ -7,7 +7,7 @@ import zlib
 import pytest
 import torch
 
-from conftest import TINY, make_hf_model, rel_err, stepwise_logits
+from modelhelpers import TINY, make_hf_model, rel_err, stepwise_logits
 
 from kvfit.config import EngineConfig
 from kvfit.engine.runner import ModelRunner
