@@ -164,6 +164,8 @@ def _gemma_gguf():
     try:
         return resolve_model("gemma3-270m")
     except ModelNotFoundError as e:
+        if os.environ.get("CI"):  # CI installs it (scripts/setup.sh): never pass by skipping
+            pytest.fail(str(e))
         pytest.skip(str(e))
 
 
