@@ -144,6 +144,14 @@ def run(args) -> tuple[list[Row], dict]:
             row.needle.setdefault(str(d), [0, 0])
             row.needle[str(d)][0] += int(hit)
             row.needle[str(d)][1] += 1
+        if args.needle_only:
+            row.identical = -1  # not measured
+            rows.append(row)
+            row.seconds = time.time() - t0
+            print(f"[{label}] done in {row.seconds:.0f} s: {format_row(row, args.depths)}",
+                  flush=True)
+            del llm
+            continue
         # (b) greedy agreement
         outs = llm.generate([{"prompt_token_ids": p} for p in chat_prompts(tok)],
                             SamplingParams(temperature=0, max_tokens=args.agree_tokens),
@@ -188,6 +196,8 @@ def run(args) -> tuple[list[Row], dict]:
 
 def format_row(r: Row, depths) -> str:
     needle = " | ".join(f"{r.needle[str(d)][0]}/{r.needle[str(d)][1]}" for d in depths)
+    if r.identical < 0:  # needle only
+        return f"| {r.name} | {needle} | - | - | - | - | - |"
     div = (f"{min(r.first_divergence)} / {statistics.median(r.first_divergence):.0f}"
            if r.first_divergence else "-")
     return (f"| {r.name} | {needle} | {r.identical}/{len(PROMPTS)} | {div} | {r.kl_mean:.4f} | "
@@ -224,6 +234,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--chunk", type=int, default=1024, help="prefill chunk (tokens per step)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--needle-only", action="store_true", help="skip agreement and KL")
     p.add_argument("--json", default=None, help="write rows to this JSON file")
     args = p.parse_args(argv)
     rows, meta = run(args)
