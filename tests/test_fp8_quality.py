@@ -25,7 +25,7 @@ def _run(kv_dtype):
     outs = llm.generate([{"prompt_token_ids": p} for p in chat_prompts(tok)],
                         SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)
     ids = tok(quality_text())["input_ids"][:400]
-    lps = torch.cat(list(sequence_logprobs(llm.engine.runner, ids, 512)))
+    lps = torch.cat(list(sequence_logprobs(llm.engine, ids, 512)))
     return [o.outputs[0].token_ids for o in outs], lps
 
 

@@ -72,27 +72,28 @@ def passkey_prompt(tok, context: int, depth: float, key: int) -> list[int]:
     return bos + body + question
 
 
-def sequence_logprobs(runner, token_ids: list[int], chunk: int):
-    """Yield log-softmax rows [n, V] for every position of ``token_ids`` (chunked prefill into
-    the runner's pool; pages are taken from the top of the pool and nothing else may run)."""
+def sequence_logprobs(engine, token_ids: list[int], chunk: int):
+    """Yield log-softmax rows [n, V] for every position of ``token_ids`` (chunked prefill through
+    the engine's runner; pages come from the engine's scheduler and go back at the end, so no
+    other request may be running)."""
     from kvfit.sampling_params import SamplingParams
     from kvfit.scheduler.request import Request
 
+    runner, sched = engine.runner, engine.scheduler
     if len(token_ids) > runner.max_model_len:
         raise ValueError(f"text of {len(token_ids)} tokens is longer than max_model_len "
                          f"{runner.max_model_len}")
-    ps = runner.pool.page_size
-    need = -(-len(token_ids) // ps)
-    if need > runner.pool.num_pages:
-        raise ValueError(f"text of {len(token_ids)} tokens needs {need} pages, pool has "
-                         f"{runner.pool.num_pages}")
     req = Request("kl", None, token_ids, SamplingParams(temperature=0, max_tokens=1), None, 0)
-    req.pages = list(range(need))
-    while req.num_computed_tokens < len(token_ids):
-        n = min(chunk, len(token_ids) - req.num_computed_tokens)
-        res = runner.execute([(req, n)], [False], [True])
-        req.num_computed_tokens += n
-        yield res.prompt_rows[0][1]
+    try:
+        while req.num_computed_tokens < len(token_ids):
+            n = min(chunk, len(token_ids) - req.num_computed_tokens)
+            if not sched.grow(req, req.num_computed_tokens + n):
+                raise ValueError(f"the KV pool cannot hold {len(token_ids)} tokens")
+            res = runner.execute([(req, n)], [False], [True])
+            req.num_computed_tokens += n
+            yield res.prompt_rows[0][1]
+    finally:
+        sched.release(req)
 
 
 @dataclass
@@ -171,7 +172,7 @@ def run(args) -> tuple[list[Row], dict]:
         kls, nll = [], []
         lps = []
         pos = 0
-        for lp in sequence_logprobs(llm.engine.runner, ids, args.chunk):
+        for lp in sequence_logprobs(llm.engine, ids, args.chunk):
             n = lp.shape[0]
             tgt = torch.tensor(ids[pos + 1: pos + n + 1])
             nll.append(-lp[torch.arange(len(tgt)), tgt])

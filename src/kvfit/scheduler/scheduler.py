@@ -57,7 +57,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _grow(self, req: Request, num_tokens: int) -> bool:
+    def grow(self, req: Request, num_tokens: int) -> bool:
+        """Give ``req`` the pages (and sliding-window pages) for ``num_tokens`` cached tokens;
+        False, changing nothing, when they are not free."""
         need = self.pages_for(num_tokens) - len(req.pages)
         start, rid = req.num_computed_tokens, req.request_id
         if self.sliding is not None and not self.sliding.can_reserve(rid, start, num_tokens):
@@ -72,10 +74,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.allocator.free(req.pages)
-        if self.sliding is not None:
-            self.sliding.free(req.request_id)
-        req.pages = []
+        self.release(req)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
         req.num_preemptions += 1
@@ -92,7 +91,7 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             target = req.num_computed_tokens + n
-            while not self._grow(req, target):
+            while not self.grow(req, target):
                 victim = self.running[-1]
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -108,7 +107,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._grow(req, req.num_computed_tokens + n):
+            if not self.grow(req, req.num_computed_tokens + n):
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
@@ -117,17 +116,21 @@ class Scheduler:
             budget -= n
         return batch
 
+    def release(self, req: Request) -> None:
+        """Return every page ``req`` holds (full and sliding)."""
+        if req.pages:
+            self.allocator.free(req.pages)
+            req.pages = []
+        if self.sliding is not None:
+            self.sliding.free(req.request_id)
+
     def finish(self, req: Request, reason: str, stop_reason=None) -> None:
         """Mark finished and free its pages at once (also used for aborts)."""
         if req.status == Status.RUNNING:
             self.running.remove(req)
         elif req.status == Status.WAITING:
             self.waiting.remove(req)
-        if req.pages:
-            self.allocator.free(req.pages)
-            req.pages = []
-        if self.sliding is not None:
-            self.sliding.free(req.request_id)
+        self.release(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason
