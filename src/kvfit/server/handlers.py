@@ -53,6 +53,27 @@ class _SubmissionStream(StreamingResponse):
             self._sub.close(disconnected=True)  # no-op when every choice finished
 
 
+async def _guarded(events, sub, rid: str):
+    """Wrap a response's SSE events: an error after the headers went out becomes an error event,
+    the stream always ends with ``data: [DONE]``, and the submission is closed (aborting what is
+    still running when the client went away mid-stream)."""
+    clean = False
+    try:
+        async for event in events:
+            yield event
+        clean = True
+    except APIError as e:
+        clean = True
+        yield sse_error(e)
+    except Exception as e:  # noqa: BLE001 - headers are sent: end the stream politely
+        clean = True
+        logger.exception("error while streaming %s", rid)
+        yield sse_error(APIError(500, f"internal server error ({type(e).__name__})"))
+    finally:
+        sub.close(disconnected=not clean)
+    yield "data: [DONE]\n\n"
+
+
 def _sse(model) -> str:
     return f"data: {model.model_dump_json(exclude_unset=False)}\n\n"
 
@@ -173,34 +194,21 @@ async def create_completion(req: CompletionRequest, raw: Request, loop: EngineLo
         async def stream():
             prev, offsets, ntok = [""] * len(jobs), [0] * len(jobs), [0] * len(jobs)
             first = [True] * len(jobs)
-            clean = False
-            try:
-                async for index, d in sub.events(poll_client=False):
-                    text, prev[index] = _text_delta(prev[index], d.text)
-                    lp, offsets[index] = logprobs_of(index, d, first[index], offsets[index])
-                    if first[index]:
-                        text, first[index] = echo_text[index] + text, False
-                    ntok[index] = d.num_tokens
-                    yield _sse(CompletionResponse(id=rid, created=created, model=model_name,
-                                                  choices=[CompletionChoice(
-                                                      index=index, text=text, logprobs=lp,
-                                                      finish_reason=d.finish_reason)]))
-                if include_usage:
-                    yield _sse(CompletionResponse(id=rid, created=created, model=model_name,
-                                                  choices=[], usage=_usage(n_prompt, sum(ntok))))
-                clean = True
-            except APIError as e:
-                clean = True
-                yield sse_error(e)
-            except Exception as e:  # noqa: BLE001 - headers are sent: end the stream politely
-                clean = True
-                logger.exception("error while streaming %s", rid)
-                yield sse_error(APIError(500, f"internal server error ({type(e).__name__})"))
-            finally:
-                sub.close(disconnected=not clean)
-            yield "data: [DONE]\n\n"
+            async for index, d in sub.events(poll_client=False):
+                text, prev[index] = _text_delta(prev[index], d.text)
+                lp, offsets[index] = logprobs_of(index, d, first[index], offsets[index])
+                if first[index]:
+                    text, first[index] = echo_text[index] + text, False
+                ntok[index] = d.num_tokens
+                yield _sse(CompletionResponse(id=rid, created=created, model=model_name,
+                                              choices=[CompletionChoice(
+                                                  index=index, text=text, logprobs=lp,
+                                                  finish_reason=d.finish_reason)]))
+            if include_usage:
+                yield _sse(CompletionResponse(id=rid, created=created, model=model_name,
+                                              choices=[], usage=_usage(n_prompt, sum(ntok))))
 
-        return _SubmissionStream(stream(), sub)
+        return _SubmissionStream(_guarded(stream(), sub, rid), sub)
 
     per_choice = await gather(sub)
     choices, n_out = [], 0
@@ -284,34 +292,22 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, loop:
                                             choices=choices, usage=usage))
 
         async def stream():
-            prev, ntok, clean = [""] * len(jobs), [0] * len(jobs), False
-            try:
-                for i in range(len(jobs)):
-                    yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant",
-                                                                          content=""))])
-                async for index, d in sub.events(poll_client=False):
-                    text, prev[index] = _text_delta(prev[index], d.text)
-                    ntok[index] = d.num_tokens
-                    delta = ChatDelta(content=text) if text or d.finish_reason is None \
-                        else ChatDelta()
-                    lp = _chat_logprobs(d, tokstr, logprobs or 0)
-                    yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=lp,
-                                                 finish_reason=d.finish_reason)])
-                if include_usage:
-                    yield chunk([], _usage(len(ids), sum(ntok)))
-                clean = True
-            except APIError as e:
-                clean = True
-                yield sse_error(e)
-            except Exception as e:  # noqa: BLE001 - headers are sent: end the stream politely
-                clean = True
-                logger.exception("error while streaming %s", rid)
-                yield sse_error(APIError(500, f"internal server error ({type(e).__name__})"))
-            finally:
-                sub.close(disconnected=not clean)
-            yield "data: [DONE]\n\n"
+            prev, ntok = [""] * len(jobs), [0] * len(jobs)
+            for i in range(len(jobs)):
+                yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant",
+                                                                      content=""))])
+            async for index, d in sub.events(poll_client=False):
+                text, prev[index] = _text_delta(prev[index], d.text)
+                ntok[index] = d.num_tokens
+                delta = ChatDelta(content=text) if text or d.finish_reason is None \
+                    else ChatDelta()
+                lp = _chat_logprobs(d, tokstr, logprobs or 0)
+                yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=lp,
+                                             finish_reason=d.finish_reason)])
+            if include_usage:
+                yield chunk([], _usage(len(ids), sum(ntok)))
 
-        return _SubmissionStream(stream(), sub)
+        return _SubmissionStream(_guarded(stream(), sub, rid), sub)
 
     per_choice = await gather(sub)
     choices, n_out = [], 0
