@@ -7,6 +7,7 @@ size and allocate the pool -> KV scales -> CUDA graphs. ``execute(items)`` runs 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -80,8 +81,7 @@ class ModelRunner:
         self.pool = self.pool_cls(self.layers, num_pages, config.page_size, self.kv_format,
                                   self.device, k_scales, v_scales, **extra)
         self.backend = backend_cls(self.pool, self.dtype, self.model_cls.sm_scale(self.hf_config),
-                                   getattr(self.model_cls, "logit_softcap_of", lambda c: None)(
-                                       self.hf_config))
+                                   self.model_cls.logit_softcap_of(self.hf_config))
         self.ctx = Context(self.backend, self.pool, self.dtype)
         if self.hybrid_plan is not None:
             log.info(hybrid_capacity_line(self.hybrid_plan, self.kv_format, self.max_model_len))
@@ -111,8 +111,7 @@ class ModelRunner:
             return model
         sink = WeightSink(model)
         if self.source.kind == "gguf":
-            items = iter_gguf(self.source.path, self.hf_config,
-                              getattr(self.model_cls, "gguf_block_map", None))
+            items = iter_gguf(self.source.path, self.hf_config)
         else:
             items = iter_safetensors(self.source.path)
         with torch.no_grad():
@@ -204,8 +203,8 @@ class ModelRunner:
                 meta = build_metadata(q_lens, kv_lens, tables, self.config.page_size, self.device)
             self.backend.plan(meta)
             hidden = self.model(input_ids, positions, self.ctx)
-        ends = torch.tensor(q_lens).cumsum(0) - 1
-        rows = [int(ends[i]) for i in range(bs) if sample_mask[i]]
+        ends = list(itertools.accumulate(q_lens))  # row after each request's last token
+        rows = [ends[i] - 1 for i in range(bs) if sample_mask[i]]
         sample_logits = self.model.compute_logits(hidden[rows]) if rows else torch.empty(0)
         prompt_rows = {}
         offset = 0

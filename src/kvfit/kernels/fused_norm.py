@@ -24,6 +24,8 @@ from typing import Optional
 
 import torch
 
+from kvfit.kernels.outputs import check_out
+
 _KERNEL = None
 
 
@@ -74,15 +76,6 @@ def _rows_view(x: torch.Tensor):
     return x, x.shape[1], x.stride(0), x.stride(1)
 
 
-def _check_out(out, x, name):
-    if out is None:
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous {x.dtype} tensor of shape {tuple(x.shape)}, "
-                         f"got {out.dtype} {tuple(out.shape)}")
-    return out
-
-
 def _launch(x, residual, weight, eps, offset, out, rout):
     global _KERNEL
     if _KERNEL is None:
@@ -94,7 +87,7 @@ def _launch(x, residual, weight, eps, offset, out, rout):
     if weight.shape != (n,):
         raise ValueError(f"RMSNorm weight has shape {tuple(weight.shape)}, expected ({n},)")
     xv, heads, sx0, sx1 = _rows_view(x)
-    out = _check_out(out, x, "out")
+    out = check_out(out, x, "out")
     if residual is not None:
         if residual.shape != shape:
             raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(shape)}")
@@ -104,7 +97,7 @@ def _launch(x, residual, weight, eps, offset, out, rout):
         if rheads != heads:  # only when x and residual were reshaped differently
             xv, rv = xv.reshape(-1, n).contiguous(), rv.reshape(-1, n).contiguous()
             heads, sx0, sx1, sr0, sr1 = 1, n, 0, n, 0
-        rout = _check_out(rout, x, "residual_out")
+        rout = check_out(rout, x, "residual_out")
     else:
         rv, sr0, sr1, rout = xv, 0, 0, out  # unused (HAS_RES=False)
     n_rows = out.numel() // n if n else 0

@@ -21,6 +21,8 @@ from typing import Optional
 
 import torch
 
+from kvfit.kernels.outputs import check_out
+
 _KERNEL = None
 
 
@@ -94,15 +96,6 @@ def _build():
     return _rope_kernel
 
 
-def _check_out(out, x, name):
-    if out is None:
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous {x.dtype} tensor of shape {tuple(x.shape)}, "
-                         f"got {out.dtype} {tuple(out.shape)}")
-    return out
-
-
 def _last_contig(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -137,7 +130,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
                          f"head_dim {d}: it must be even and <= head_dim")
     q, k = _last_contig(q), _last_contig(k)
     cos, sin = _last_contig(cos), _last_contig(sin)
-    qo, ko = _check_out(q_out, q, "q_out"), _check_out(k_out, k, "k_out")
+    qo, ko = check_out(q_out, q, "q_out"), check_out(k_out, k, "k_out")
     if t == 0:
         return qo, ko
     half = rot // 2

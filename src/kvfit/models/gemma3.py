@@ -26,6 +26,7 @@ from torch import nn
 
 from kvfit.kvcache.spec import KVLayerSpec
 from kvfit.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from kvfit.models.llama import Attention, head_dim_of
 
 
 def _layer_types(cfg) -> list[str]:
@@ -36,48 +37,12 @@ def _layer_types(cfg) -> list[str]:
     return list(types)
 
 
-def _head_dim(cfg) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-
-class GemmaAttention(nn.Module):
-    """QKV projection, q/k norm (Gemma 3), RoPE of the layer's type, ``ctx.backend.forward``."""
-
-    def __init__(self, cfg, layer_id: int, qk_norm: bool):
-        super().__init__()
-        self.layer_id = layer_id
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = _head_dim(cfg)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bias)
-        if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=1.0)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=1.0)
-        else:
-            self.q_norm = self.k_norm = None
-
-    def forward(self, x, positions, rotary, ctx):
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        o = ctx.backend.forward(q, k, v, self.layer_id)  # [T, Hq, D]
-        return self.o_proj(o.reshape(t, self.q_size))
-
-
 class GemmaDecoderLayer(nn.Module):
     def __init__(self, cfg, layer_id: int, qk_norm: bool):
         super().__init__()
         eps = cfg.rms_norm_eps
-        self.self_attn = GemmaAttention(cfg, layer_id, qk_norm)
+        self.self_attn = Attention(cfg, layer_id, bool(getattr(cfg, "attention_bias", False)),
+                                   qk_norm, norm_offset=1.0)  # Gemma's (1 + w) q/k norms
         act = getattr(cfg, "hidden_activation", None) or "gelu_pytorch_tanh"
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, act)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
@@ -88,8 +53,8 @@ class GemmaDecoderLayer(nn.Module):
     def forward(self, x, positions, rotary, ctx):
         h = self.post_attention_layernorm(
             self.self_attn(self.input_layernorm(x), positions, rotary, ctx))
-        x = x + h
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        h, x = self.pre_feedforward_layernorm(h, x)  # x += h, then norm (one kernel on CUDA)
+        return x + self.post_feedforward_layernorm(self.mlp(h))
 
 
 class GemmaModel(nn.Module):
@@ -128,7 +93,7 @@ class Gemma3ForCausalLM(nn.Module):
 
     @classmethod
     def kv_layer_specs(cls, cfg) -> list[KVLayerSpec]:
-        hd = _head_dim(cfg)
+        hd = head_dim_of(cfg)
         return [KVLayerSpec("sliding", cfg.num_key_value_heads, hd, cfg.sliding_window)
                 if lt == "sliding_attention" else KVLayerSpec("full", cfg.num_key_value_heads, hd)
                 for lt in _layer_types(cfg)]

@@ -19,7 +19,8 @@ class Attention(nn.Module):
     """QKV projection, optional q/k RMSNorm (Qwen3), RoPE, then ``ctx.backend.forward``. The
     q/k norm runs inside the rotary call (one kernel with the RoPE on CUDA)."""
 
-    def __init__(self, cfg, layer_id: int, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, cfg, layer_id: int, qkv_bias: bool, qk_norm: bool,
+                 norm_offset: float = 0.0):
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = cfg.num_attention_heads
@@ -32,8 +33,8 @@ class Attention(nn.Module):
         o_bias = cfg.model_type != "qwen2" and bool(getattr(cfg, "attention_bias", False))
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=o_bias)
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=norm_offset)
         else:
             self.q_norm = self.k_norm = None
 
@@ -108,6 +109,10 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def sm_scale(cls, cfg) -> float:
         return head_dim_of(cfg) ** -0.5
+
+    @classmethod
+    def logit_softcap_of(cls, cfg) -> None:
+        return None  # no attention-logit soft-capping in this family
 
     def forward(self, input_ids, positions, ctx):
         x = self.model.embed_tokens(input_ids)

@@ -132,15 +132,14 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
             .reshape(rows, *rest))
 
 
-def iter_gguf(path: str, hf_config, block_map: dict | None = None
-              ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf(path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
     """Dequantize every tensor of a GGUF file and yield it under its HF name."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
     reader = GGUFReader(path)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    table = {**GGUF_BLOCK, **GGUF_ARCH_BLOCK.get(arch, {}), **(block_map or {})}
+    table = {**GGUF_BLOCK, **GGUF_ARCH_BLOCK.get(arch, {})}
     for t in reader.tensors:
         name = t.name
         if name in GGUF_GLOBAL:
