@@ -215,3 +215,42 @@ def test_fp8_engine_starts_with_half_the_bytes_per_token(tiny_models):
                                   num_pages=4))
     assert r8.pool.allocated_bytes() * 2 == r16.pool.allocated_bytes()
     assert r8.pool.dtype == torch.float8_e4m3fn and r8.ctx.compute_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", ["bfloat16", *FP8])
+def test_token_minor_v_pages_hold_the_same_tokens(name):
+    """v_layout "HDN" stores V as [pages, H, D, P] (what the fp8 Triton decode reads): same bytes,
+    same dequantized tokens through gather_kv, and V of a token lands in its page column."""
+    torch.manual_seed(3)
+    layers = [KVLayerSpec("full", 2, 8, None)]
+    fmt = kv_format(name)
+    hnd = MHAKVCache(layers, 6, 4, fmt, torch.device("cpu"), [0.7], [1.3])
+    hdn = MHAKVCache(layers, 6, 4, fmt, torch.device("cpu"), [0.7], [1.3], v_layout="HDN")
+    assert hdn.v_caches[0].shape == (6, 2, 8, 4) and hdn.allocated_bytes() == hnd.allocated_bytes()
+    k, v = torch.randn(2, 13, 2, 8).unbind(0)
+    slots = torch.randperm(24)[:13]
+    hnd.store_kv(0, k, v, slots)
+    hdn.store_kv(0, k, v, slots)
+    s = int(slots[5])
+    assert torch.equal(hdn.v_caches[0][s // 4, :, :, s % 4].float(),
+                       hnd.v_caches[0][s // 4, :, s % 4, :].float())
+    pages = torch.arange(6)
+    for a, b in zip(hnd.gather_kv(0, pages, 24, torch.float32),
+                    hdn.gather_kv(0, pages, 24, torch.float32)):
+        used = torch.zeros(24, dtype=torch.bool)
+        used[slots] = True
+        assert torch.equal(a[used], b[used])
+    with pytest.raises(ValueError, match="v_layout"):
+        MHAKVCache(layers, 6, 4, fmt, torch.device("cpu"), v_layout="NHD")
+
+
+def test_triton_backend_asks_for_token_minor_v_only_where_measured_faster():
+    from kvfit.attention.flashinfer_backend import FlashInferBackend
+    from kvfit.attention.triton_backend import TritonBackend
+
+    assert TritonBackend.v_layout("fp8_e4m3", 16, 128) == "HDN"
+    assert TritonBackend.v_layout("fp8_e5m2", 1, 256) == "HDN"
+    assert TritonBackend.v_layout("fp8_e4m3", 16, 64) == "HND"  # 64-d: HND measured faster
+    assert TritonBackend.v_layout("fp8_e4m3", 48, 128) == "HND"  # page not a power of two
+    assert TritonBackend.v_layout("bfloat16", 16, 128) == "HND"
+    assert FlashInferBackend.v_layout("fp8_e4m3", 16, 128) == "HND"

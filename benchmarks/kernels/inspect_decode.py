@@ -13,9 +13,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "../../src"))
-from kvfit.kernels import decode  # noqa: E402
+from kvfit.kernels import decode_kernels  # noqa: E402
 
-split_k, merge_k, split_fma = decode._build()
+split_k, merge_k, split_fma = decode_kernels.build()
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
 
@@ -28,11 +28,22 @@ def sig(kv, q="bf16"):
             "stride_bt": "i32", "num_splits": "i32"}
 
 
-def compile_one(fn, kv, consts, num_warps=4, num_stages=3):
+def compile_one(fn, kv, consts, num_warps=4, num_stages=3, maxnreg=None):
     attrs = {(i,): [["tt.divisibility", 16]] for i in list(range(8)) + list(range(12, 19))}
     src = ASTSource(fn, sig(kv), constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=TARGET, options={"num_warps": num_warps,
-                                                        "num_stages": num_stages})
+    opts = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    return triton.compile(src, target=TARGET, options=opts)
+
+
+def regs(k):
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    out = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name],
+                         capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+)", out)
+    return int(m.group(1)) if m else -1
 
 
 def sass_counts(k):
@@ -51,18 +62,18 @@ def sass_counts(k):
 def main():
     base = dict(G=2, G_PAD=16, D=128, PAGE=16, HAS_SOFTCAP=False, HAS_WINDOW=False, SINGLE=False)
     variants = {
-        "bf16 dot bn64": (split_k, "bf16", dict(base, BLOCK_N=64, F16=False, E5M2=False,
-                                                V_PAIRS=False), 4, 3),
-        "fp8 dot bn128 (v1)": (split_k, "fp8e4nv", dict(base, BLOCK_N=128, F16=True, E5M2=False,
-                                                        V_PAIRS=False), 4, 3),
-        "fp8 dot bn128 v_pairs (v2)": (split_k, "fp8e4nv", dict(base, BLOCK_N=128, F16=True,
-                                                                E5M2=False, V_PAIRS=True), 4, 3),
-        "fp8 fma bn16": (split_fma, "fp8e4nv", dict(base, G_PAD=2, BLOCK_N=16), 4, 2),
+        "bf16 HND bn64": (split_k, "bf16", dict(base, BLOCK_N=64, F16=False, V_T=False), 4, 3, None),
+        "fp8 HND bn128": (split_k, "fp8e4nv", dict(base, BLOCK_N=128, F16=True, V_T=False), 4, 3,
+                          None),
+        "fp8 token-minor V bn64 s5 r128": (split_k, "fp8e4nv", dict(base, BLOCK_N=64, F16=True,
+                                                                    V_T=True), 4, 5, 128),
+        "fp8 fma bn16": (split_fma, "fp8e4nv", dict(base, G_PAD=2, BLOCK_N=16, V_T=False), 4, 2,
+                         None),
     }
     dump = len(sys.argv) > 1
-    for name, (fn, kv, consts, nw, ns) in variants.items():
+    for name, (fn, kv, consts, nw, ns, mr) in variants.items():
         try:
-            k = compile_one(fn, kv, consts, nw, ns)
+            k = compile_one(fn, kv, consts, nw, ns, mr)
         except Exception as e:
             print(f"{name}: compile failed: {type(e).__name__}: {str(e)[:400]}")
             continue
@@ -75,7 +86,7 @@ def main():
                 if key in op.split(".")[0] or (key == "MMA" and "MMA" in op):
                     agg[op] += c
                     break
-        print(f"{name}: smem={k.metadata.shared} total={sum(ops.values())}")
+        print(f"{name}: smem={k.metadata.shared} regs={regs(k)} total={sum(ops.values())}")
         print("    " + " ".join(f"{o}={c}" for o, c in sorted(agg.items())))
         if dump:
             with open(f"/tmp/sass_{name.replace(' ', '_')}.txt", "w") as f:

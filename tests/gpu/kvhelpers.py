@@ -24,9 +24,11 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
 
 
 def make_pool(kv_dtype: str, page_size: int, hkv: int, d: int, num_pages: int,
-              k_scale: float = 1.0, v_scale: float = 1.0, window=None) -> MHAKVCache:
+              k_scale: float = 1.0, v_scale: float = 1.0, window=None,
+              v_layout: str = "HND") -> MHAKVCache:
     spec = KVLayerSpec("sliding" if window else "full", hkv, d, window)
-    pool = MHAKVCache([spec], num_pages, page_size, kv_format(kv_dtype), DEV, [k_scale], [v_scale])
+    pool = MHAKVCache([spec], num_pages, page_size, kv_format(kv_dtype), DEV, [k_scale], [v_scale],
+                      v_layout=v_layout)
     poison_(pool.k_caches[0])
     poison_(pool.v_caches[0])
     return pool
@@ -34,7 +36,7 @@ def make_pool(kv_dtype: str, page_size: int, hkv: int, d: int, num_pages: int,
 
 def clone_pool(pool: MHAKVCache) -> MHAKVCache:
     other = MHAKVCache(pool.layers, pool.num_pages, pool.page_size, pool.fmt, pool.device,
-                       pool.k_scales, pool.v_scales)
+                       pool.k_scales, pool.v_scales, v_layout=pool.v_layout)
     other.k_caches[0].copy_(pool.k_caches[0])
     other.v_caches[0].copy_(pool.v_caches[0])
     return other

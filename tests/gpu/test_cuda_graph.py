@@ -13,14 +13,14 @@ from kvhelpers import DEV, random_tables
 pytestmark = pytest.mark.gpu
 
 
-def tiny_model():
+def tiny_model(head_dim=64):
     from transformers import LlamaConfig
 
     from kvfit.models.llama import LlamaForCausalLM
     from kvfit.models.weights import init_dummy
 
     cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, vocab_size=512,
                       max_position_embeddings=1024, rms_norm_eps=1e-5, rope_theta=10000.0,
                       tie_word_embeddings=False)
     with torch.device(DEV):
@@ -43,8 +43,10 @@ def make_backend(name, cfg, model, kv_dtype, num_pages, page_size):
     if why:
         pytest.skip(why)
     layers = model.kv_layer_specs(cfg)
-    pool = MHAKVCache(layers, num_pages, page_size, kv_format(kv_dtype), DEV)
-    be = backend_class(name)(pool, torch.bfloat16, model.sm_scale(cfg))
+    cls = backend_class(name)
+    pool = MHAKVCache(layers, num_pages, page_size, kv_format(kv_dtype), DEV,
+                      v_layout=cls.v_layout(kv_dtype, page_size, layers[0].head_dim))
+    be = cls(pool, torch.bfloat16, model.sm_scale(cfg))
     return Context(be, pool, torch.bfloat16)
 
 
@@ -77,11 +79,12 @@ def generate(model, ctx, prompts, tables, steps, graphs=None):
 
 @pytest.mark.parametrize("backend", ["triton", "fi"])
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
-def test_graph_decode_equals_eager(backend, kv_dtype):
+@pytest.mark.parametrize("head_dim", [64, 128])  # fp8 at 128: token-minor V pages (triton)
+def test_graph_decode_equals_eager(backend, kv_dtype, head_dim):
     from kvfit.engine.cuda_graph import DecodeGraphs
 
     torch.manual_seed(0)
-    cfg, model = tiny_model()
+    cfg, model = tiny_model(head_dim)
     ps, num_pages = 16, 64
     prompts = [torch.randint(0, 512, (n,)).tolist() for n in (5, 40, 17)]
     tables = random_tables([200, 200, 200], ps, num_pages)

@@ -3,6 +3,8 @@ reference, on fresh random inputs, with poisoned pages and outputs."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from kvhelpers import (BOUND, DEV, clone_pool, fill_prefix, make_pool, poison_, 
 pytestmark = pytest.mark.gpu
 
 KV_DTYPES = ["bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "float32"]
+V_LAYOUTS = ["HND", "HDN"]  # V pages [H, P, D] or token-minor [H, D, P]
 # head layouts per head_dim: (q heads, kv heads) -> groups 3, 4 and 2 (and MHA below)
 HEADS = {64: (9, 3), 128: (32, 8), 256: (8, 4)}
 
@@ -26,12 +29,13 @@ def compute_dtype(kv_dtype: str) -> torch.dtype:
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("scales", [(1.0, 1.0), (0.37, 2.5)])
-def test_store_bit_exact(kv_dtype, page_size, scales):
+@pytest.mark.parametrize("v_layout", V_LAYOUTS)
+def test_store_bit_exact(kv_dtype, page_size, scales, v_layout):
     from kvfit.kernels.store import store_kv
 
     torch.manual_seed(1)
     num_pages = 128 if page_size == 1 else 40
-    pool = make_pool(kv_dtype, page_size, 4, 128, num_pages, *scales)
+    pool = make_pool(kv_dtype, page_size, 4, 128, num_pages, *scales, v_layout=v_layout)
     t = 100
     k = torch.randn(t, 4, 128, device=DEV, dtype=compute_dtype(kv_dtype)) * 3
     v = torch.randn(t, 4, 128, device=DEV, dtype=compute_dtype(kv_dtype)) * 3
@@ -39,7 +43,7 @@ def test_store_bit_exact(kv_dtype, page_size, scales):
     slots = torch.randperm(num_pages * page_size, device=DEV)[:t]
     slots[::5] = -1  # padding: skipped
     kc, vc = pool.k_caches[0].clone(), pool.v_caches[0].clone()
-    store_kv(k, v, kc, vc, slots, pool.fmt, *scales)
+    store_kv(k, v, kc, vc, slots, pool.fmt, *scales, v_layout)
     pool.store_kv(0, k, v, slots)  # torch reference
     assert torch.equal(kc.view(torch.uint8), pool.k_caches[0].view(torch.uint8))
     assert torch.equal(vc.view(torch.uint8), pool.v_caches[0].view(torch.uint8))
@@ -54,7 +58,8 @@ DECODE_LENS = [[1, 17, 300, 1000, 5], [4097], [33] * 40]
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("lens_idx", [0, 1, 2])
-def test_decode(kv_dtype, page_size, d, lens_idx):
+@pytest.mark.parametrize("v_layout", V_LAYOUTS)
+def test_decode(kv_dtype, page_size, d, lens_idx, v_layout):
     from kvfit.kernels.decode import choose_config, paged_decode
 
     torch.manual_seed(2 + lens_idx)
@@ -63,20 +68,21 @@ def test_decode(kv_dtype, page_size, d, lens_idx):
     b = len(kv_lens)
     num_pages = sum(-(-n // page_size) for n in kv_lens) + 3
     scales = (0.5, 1.7) if kv_dtype.startswith("fp8") else (1.0, 1.0)
-    pool = make_pool(kv_dtype, page_size, hkv, d, num_pages, *scales)
+    pool = make_pool(kv_dtype, page_size, hkv, d, num_pages, *scales, v_layout=v_layout)
     tables = random_tables(kv_lens, page_size, num_pages, seed=lens_idx)
     cdt = compute_dtype(kv_dtype)
     fill_prefix(pool, [0] * b, kv_lens, tables, cdt)
     meta = build_metadata([1] * b, kv_lens, tables, page_size, DEV)
     q = torch.randn(b, hq, d, device=DEV, dtype=cdt)
     ref = reference(pool, q, meta, d ** -0.5)
-    configs = [choose_config(b, hkv, hq // hkv, d, max(kv_lens), pool.dtype, cdt)]
+    v_t = v_layout == "HDN"
+    configs = [choose_config(b, hkv, hq // hkv, d, max(kv_lens), pool.dtype, cdt, v_t=v_t)]
     if cdt != torch.float32:  # the other inner product, single and split
         configs.append(choose_config(b, hkv, hq // hkv, d, max(kv_lens), pool.dtype, cdt,
-                                     use_dot=not configs[0].use_dot))
+                                     use_dot=not configs[0].use_dot, v_t=v_t))
     for cfg in configs:
         for splits in sorted({cfg.num_splits, 1, 3}):
-            c = type(cfg)(splits, cfg.block_n, cfg.use_dot, cfg.num_warps, cfg.num_stages)
+            c = dataclasses.replace(cfg, num_splits=splits)
             out = poison_(torch.empty_like(q))
             paged_decode(q, pool.k_caches[0], pool.v_caches[0], meta.block_table, meta.kv_lens,
                          out, d ** -0.5, c, *scales)
@@ -97,7 +103,8 @@ PREFILL_CASES = [
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("case", range(len(PREFILL_CASES)))
-def test_prefill_backend(kv_dtype, page_size, d, case):
+@pytest.mark.parametrize("v_layout", V_LAYOUTS)
+def test_prefill_backend(kv_dtype, page_size, d, case, v_layout):
     """Whole backend step (store + prefill) vs TorchRefBackend, caches compared bit for bit."""
     from kvfit.attention.torch_ref import TorchRefBackend
     from kvfit.attention.triton_backend import TritonBackend
@@ -107,7 +114,7 @@ def test_prefill_backend(kv_dtype, page_size, d, case):
     q_lens, kv_lens = PREFILL_CASES[case]
     num_pages = sum(-(-n // page_size) for n in kv_lens) + 2
     scales = (0.8, 1.3) if kv_dtype.startswith("fp8") else (1.0, 1.0)
-    pool = make_pool(kv_dtype, page_size, hkv, d, num_pages, *scales)
+    pool = make_pool(kv_dtype, page_size, hkv, d, num_pages, *scales, v_layout=v_layout)
     tables = random_tables(kv_lens, page_size, num_pages, seed=case)
     cdt = compute_dtype(kv_dtype)
     fill_prefix(pool, q_lens, kv_lens, tables, cdt)
@@ -139,29 +146,34 @@ def test_prefill_poisoned_output_and_window_softcap():
     hq, hkv, d, ps = 16, 8, 128, 16
     q_lens, kv_lens = [40, 1, 77], [100, 300, 77]
     num_pages = sum(-(-n // ps) for n in kv_lens) + 1
-    for window, softcap in [(None, None), (50, None), (None, 30.0), (64, 20.0)]:
-        pool = make_pool("fp8_e4m3", ps, hkv, d, num_pages, 0.9, 1.1, window=window)
+    for (window, softcap), v_layout in [(c, lay) for c in [(None, None), (50, None), (None, 30.0),
+                                                          (64, 20.0), (13, None)]
+                                        for lay in V_LAYOUTS]:
+        v_t = v_layout == "HDN"
+        pool = make_pool("fp8_e4m3", ps, hkv, d, num_pages, 0.9, 1.1, window=window,
+                         v_layout=v_layout)
         tables = random_tables(kv_lens, ps, num_pages)
         fill_prefix(pool, [0] * 3, kv_lens, tables, torch.bfloat16, scale=3.0)
         meta = build_metadata(q_lens, kv_lens, tables, ps, DEV)
         q = torch.randn(sum(q_lens), hq, d, device=DEV, dtype=torch.bfloat16) * 3
-        bm = prefill_block_m(0, d, q.dtype)
+        bm = prefill_block_m(0, d, q.dtype, pool.dtype)
         out = poison_(torch.empty_like(q))
         paged_prefill(q, pool.k_caches[0], pool.v_caches[0], meta.block_table, meta.cu_seqlens_q,
                       meta.kv_lens, plan_blocks(q_lens, hq // hkv, bm, DEV), bm, out, d ** -0.5,
-                      0.9, 1.1, softcap, window)
+                      0.9, 1.1, softcap, window, v_t=v_t)
         ref = reference(pool, q, meta, d ** -0.5, softcap)
-        assert rel_err(out, ref) < 6e-3
+        assert rel_err(out, ref) < 6e-3, (window, softcap, v_layout)
         # decode over the same pool (one token per request)
         dmeta = build_metadata([1] * 3, kv_lens, tables, ps, DEV)
         qd = q[:3].contiguous()
         ref_d = reference(pool, qd, dmeta, d ** -0.5, softcap)
         for use_dot in (True, False):
-            cfg = choose_config(3, hkv, 2, d, 300, pool.dtype, q.dtype, use_dot=use_dot)
+            cfg = choose_config(3, hkv, 2, d, 300, pool.dtype, q.dtype, use_dot=use_dot,
+                                v_t=v_t)
             outd = poison_(torch.empty_like(qd))
             paged_decode(qd, pool.k_caches[0], pool.v_caches[0], dmeta.block_table,
                          dmeta.kv_lens, outd, d ** -0.5, cfg, 0.9, 1.1, softcap, window)
-            assert rel_err(outd, ref_d) < 6e-3
+            assert rel_err(outd, ref_d) < 6e-3, (window, softcap, v_layout, use_dot)
 
 
 def test_backend_decode_steps_match_reference():
@@ -172,7 +184,7 @@ def test_backend_decode_steps_match_reference():
     torch.manual_seed(7)
     hq, hkv, d, ps = 16, 8, 128, 16
     for kv_dtype in ["bfloat16", "fp8_e4m3"]:
-        pool = make_pool(kv_dtype, ps, hkv, d, 64)
+        pool = make_pool(kv_dtype, ps, hkv, d, 64, v_layout=TritonBackend.v_layout(kv_dtype, ps, d))
         ref_pool = clone_pool(pool)
         tables = random_tables([200, 150, 90], ps, 64)
         be, rb = TritonBackend(pool, torch.bfloat16, d ** -0.5), TorchRefBackend(

@@ -70,6 +70,12 @@ class AttentionBackend:
         self.meta: Optional[AttentionMetadata] = None
 
     @classmethod
+    def v_layout(cls, kv_dtype: str, page_size: int, head_dim: int) -> str:
+        """The V page layout this backend reads fastest for a KV dtype and head size (a pool
+        constructor argument; "HND" is what every backend reads)."""
+        return "HND"
+
+    @classmethod
     def is_available(cls) -> Optional[str]:
         """None when usable here, else the reason (e.g. 'FlashInfer is not installed')."""
         return None

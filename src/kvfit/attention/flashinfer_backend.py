@@ -41,6 +41,8 @@ class FlashInferBackend(AttentionBackend):
     def __init__(self, pool, compute_dtype: torch.dtype, sm_scale: float,
                  logit_softcap: Optional[float] = None):
         super().__init__(pool, compute_dtype, sm_scale, logit_softcap)
+        if pool.v_layout != "HND":
+            raise ValueError(f"FlashInfer reads HND V pages; this pool stores {pool.v_layout}")
         import flashinfer
 
         self._fi = flashinfer

@@ -7,6 +7,9 @@ request has one new token) or paged prefill/extend (anything else, decode tokens
 batch included as q_len 1 requests). CUDA graphs: ``init_cuda_graph`` allocates the split-K
 scratch once for the largest batch, ``plan_cuda_graph`` fixes the split count per batch size
 from the largest context a request can have, so a captured grid never changes.
+
+fp8 pools are asked for token-minor V pages (``v_layout`` "HDN", docs/kernels.md): the kernels
+read either layout, whichever the pool has.
 """
 
 from __future__ import annotations
@@ -37,6 +40,15 @@ class TritonBackend(AttentionBackend):
         self._block_m = None
         self._graph_max_len: Optional[int] = None
         self._scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._v_t = getattr(pool, "v_layout", "HND") == "HDN"
+
+    @classmethod
+    def v_layout(cls, kv_dtype: str, page_size: int, head_dim: int) -> str:
+        """Token-minor V for fp8 with heads of >= 128 (no 8-bit transpose in the P@V operand:
+        2.9-3.06 TB/s against 2.2-2.3 for HND on the H200); HND for 16/32-bit pools and 64-d fp8
+        heads, where the HND tile measured as fast or faster (docs/kernels.md)."""
+        pow2 = page_size > 0 and page_size & (page_size - 1) == 0
+        return "HDN" if kv_dtype.startswith("fp8") and pow2 and head_dim >= 128 else "HND"
 
     @classmethod
     def is_available(cls) -> Optional[str]:
@@ -59,7 +71,7 @@ class TritonBackend(AttentionBackend):
         hkv, d = self._layer_shape()
         # the group is fixed by the model; q heads are only known at forward, so plan on Hkv
         self._decode_cfg = choose_config(meta.batch_size, hkv, 1, d, max_len, self.pool.dtype,
-                                         self.compute_dtype)
+                                         self.compute_dtype, v_t=self._v_t)
 
     def plan(self, meta: AttentionMetadata) -> None:
         """Mutates self: the step's metadata and launch plan. Host work only (no syncs)."""
@@ -71,7 +83,7 @@ class TritonBackend(AttentionBackend):
             from kvfit.kernels.prefill import prefill_block_m
 
             _, d = self._layer_shape()
-            self._block_m = prefill_block_m(0, d, self.compute_dtype)
+            self._block_m = prefill_block_m(0, d, self.compute_dtype, self.pool.dtype)
             self._q_lens = list(meta.q_lens_cpu)
             self._blocks = {}
 
@@ -91,7 +103,7 @@ class TritonBackend(AttentionBackend):
         pool = self.pool
         kc, vc = pool.k_caches[layer_id], pool.v_caches[layer_id]
         ks, vs = pool.k_scales[layer_id], pool.v_scales[layer_id]
-        store_kv(k, v, kc, vc, meta.slot_mapping, pool.fmt, ks, vs)
+        store_kv(k, v, kc, vc, meta.slot_mapping, pool.fmt, ks, vs, pool.v_layout)
         spec = pool.layers[layer_id]
         window = spec.window if spec.kind == "sliding" else None
         out = torch.empty_like(q)
@@ -116,7 +128,7 @@ class TritonBackend(AttentionBackend):
             group = q.shape[1] // kc.shape[1]
             paged_prefill(q, kc, vc, meta.block_table, meta.cu_seqlens_q, meta.kv_lens,
                           self._prefill_blocks(group), self._block_m, out, self.sm_scale,
-                          ks, vs, self.logit_softcap, window)
+                          ks, vs, self.logit_softcap, window, v_t=self._v_t)
         return out
 
     # -- CUDA graphs ------------------------------------------------------------------------
@@ -130,7 +142,7 @@ class TritonBackend(AttentionBackend):
         most = 1
         for bs in range(1, max_bs + 1):
             cfg = choose_config(bs, hkv, 1, d, self._graph_max_len, self.pool.dtype,
-                                self.compute_dtype)
+                                self.compute_dtype, v_t=self._v_t)
             most = max(most, bs * cfg.num_splits)
         hq_max = 16 * hkv  # query heads per KV head up to 16; checked at forward
         dev = self.pool.device

@@ -54,11 +54,15 @@ def _args(p):
                    help="sweep our decode launch variants at each point instead of the default")
 
 
-def _torch_dtype(name):
+def _dtypes():
     import torch
 
     return {"bfloat16": torch.bfloat16, "float16": torch.float16,
-            "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[name]
+            "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def _torch_dtype(name):
+    return _dtypes()[name]
 
 
 def copy_bandwidth(device) -> float:
@@ -103,6 +107,7 @@ class KVSet:
         self.block_table = perm[: batch * pages_per_req].view(batch, pages_per_req).contiguous()
         self.kv_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
         self.batch, self.context, self.page_size = batch, context, page_size
+        self.head_dim = d
         self.pages_per_req = pages_per_req
 
 
@@ -116,15 +121,34 @@ def _rotating(fns):
     return call
 
 
+def ours_v_layout(kv: KVSet) -> str:
+    """The V page layout the triton backend asks its pool for at this KV dtype."""
+    from kvfit.attention.triton_backend import TritonBackend
+
+    name = {v: k for k, v in _dtypes().items()}[kv.dtype]
+    return TritonBackend.v_layout(name, kv.page_size, kv.head_dim)
+
+
+def ours_v_caches(kv: KVSet) -> list:
+    """V caches in our backend's layout: HND as filled, or token-minor copies [pages, H, D, P]
+    (same values, so both kernels see identical inputs)."""
+    if ours_v_layout(kv) == "HND":
+        return [c[1] for c in kv.caches]
+    if not hasattr(kv, "v_token_minor"):
+        kv.v_token_minor = [c[1].transpose(2, 3).contiguous() for c in kv.caches]
+    return kv.v_token_minor
+
+
 def time_ours_decode(kv: KVSet, hq, d, cfg) -> float:
     import torch
     import triton
 
     from kvfit.kernels.decode import paged_decode
 
+    vcs = ours_v_caches(kv) if cfg.v_t else [c[1] for c in kv.caches]
     qs = [torch.randn(kv.batch, hq, d, device="cuda", dtype=torch.bfloat16) for _ in kv.caches]
     outs = [torch.empty_like(q) for q in qs]
-    fns = [lambda i=i: paged_decode(qs[i], kv.caches[i][0], kv.caches[i][1], kv.block_table,
+    fns = [lambda i=i: paged_decode(qs[i], kv.caches[i][0], vcs[i], kv.block_table,
                                     kv.kv_lens, outs[i], d ** -0.5, cfg)
            for i in range(kv.reps)]
     return triton.testing.do_bench(_rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3
@@ -156,15 +180,14 @@ def time_fi_decode(kv: KVSet, hq, hkv, d, use_tc) -> float:
 
 
 def explore_variants(d, fp8):
-    """Decode launch variants swept by --explore, as choose_config overrides."""
+    """Decode launch variants swept by --explore, as choose_config overrides
+    (benchmarks/kernels/explore_vt.py sweeps layouts and occupancy too)."""
     if fp8:
-        grid = [(128, 4, 3, False, None), (128, 4, 3, True, None), (64, 4, 3, True, 128),
-                (64, 4, 3, True, 96), (128, 4, 3, True, 128), (64, 4, 4, True, 128),
-                (64, 4, 2, True, 128), (32, 4, 4, True, 96)]
+        grid = [(64, 4, 5, 128, 4), (64, 4, 6, 128, 4), (64, 4, 5, 96, 5), (32, 4, 5, 128, 4),
+                (128, 4, 5, None, 2)]
     else:
-        grid = [(64, 4, 3, False, None), (64, 4, 3, False, 128), (128, 8, 3, False, None),
-                (32, 4, 3, False, None)]
-    keys = ("block_n", "num_warps", "num_stages", "v_pairs", "maxnreg")
+        grid = [(64, 4, 3, None, 4), (64, 4, 3, 128, 4), (32, 4, 3, None, 4)]
+    keys = ("block_n", "num_warps", "num_stages", "maxnreg", "ctas_per_sm")
     return [dict(zip(keys, g)) for g in grid]
 
 
@@ -190,12 +213,15 @@ def run_decode(args, device, copy_bw, results):
                     rec = {"kind": "decode", "layout": layout, "kv_dtype": kvd, "batch": b,
                            "context": ctx, "kv_bytes": kv.bytes, "elements": kv.bytes // isz}
                     over = json.loads(args.fp8_cfg) if (isz == 1 and args.fp8_cfg) else {}
-                    cfg = choose_config(b, hkv, hq // hkv, d, ctx, dt, torch.bfloat16, **over)
+                    v_t = ours_v_layout(kv) == "HDN"
+                    rec["ours_v_layout"] = ours_v_layout(kv)
+                    cfg = choose_config(b, hkv, hq // hkv, d, ctx, dt, torch.bfloat16, v_t=v_t,
+                                        **over)
                     if args.explore:
                         best = None
                         for over in explore_variants(d, isz == 1):
                             c = choose_config(b, hkv, hq // hkv, d, ctx, dt, torch.bfloat16,
-                                              **over)
+                                              v_t=v_t, **over)
                             try:
                                 us = time_ours_decode(kv, hq, d, c)
                             except Exception as e:  # a variant that does not compile/fit
@@ -254,13 +280,15 @@ def time_ours_prefill(kv: KVSet, hq, d, q_len):
     from kvfit.kernels.prefill import paged_prefill, plan_blocks, prefill_block_m
 
     hkv = kv.caches[0][0].shape[1]
-    bm = prefill_block_m(0, d, torch.bfloat16)
+    bm = prefill_block_m(0, d, torch.bfloat16, kv.dtype)
     blocks = plan_blocks([q_len] * kv.batch, hq // hkv, bm, "cuda")
     cu = torch.arange(0, kv.batch + 1, dtype=torch.int32, device="cuda") * q_len
     q = torch.randn(kv.batch * q_len, hq, d, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    fns = [lambda i=i: paged_prefill(q, kv.caches[i][0], kv.caches[i][1], kv.block_table, cu,
-                                     kv.kv_lens, blocks, bm, out, d ** -0.5)
+    vcs = ours_v_caches(kv)
+    v_t = ours_v_layout(kv) == "HDN"
+    fns = [lambda i=i: paged_prefill(q, kv.caches[i][0], vcs[i], kv.block_table, cu,
+                                     kv.kv_lens, blocks, bm, out, d ** -0.5, v_t=v_t)
            for i in range(kv.reps)]
     return triton.testing.do_bench(_rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3
 

@@ -76,8 +76,9 @@ class ModelRunner:
         num_pages = self._size_pool(free_before)
         backend_cls = backend_class(self.backend_name)
         k_scales, v_scales = resolve_scales(config.kv_scales, self, self.kv_format, tokenizer)
-        extra = ({} if self.hybrid_plan is None
-                 else {"num_swa_pages": self.hybrid_plan.num_swa_pages})
+        extra = self._pool_kwargs(self.kv_format)
+        if self.hybrid_plan is not None:
+            extra["num_swa_pages"] = self.hybrid_plan.num_swa_pages
         self.pool = self.pool_cls(self.layers, num_pages, config.page_size, self.kv_format,
                                   self.device, k_scales, v_scales, **extra)
         self.backend = backend_cls(self.pool, self.dtype, self.model_cls.sm_scale(self.hf_config),
@@ -122,6 +123,12 @@ class ModelRunner:
             model.post_load()
         return model
 
+    def _pool_kwargs(self, fmt) -> dict:
+        """The V page layout the backend reads fastest for ``fmt`` (when not the default)."""
+        layout = backend_class(self.backend_name).v_layout(fmt.name, self.config.page_size,
+                                                           self.layers[0].head_dim)
+        return {} if layout == "HND" else {"v_layout": layout}
+
     def _size_pool(self, free_before: int) -> int:
         c = self.config
         if c.num_pages is not None or c.num_tokens is not None:
@@ -160,7 +167,8 @@ class ModelRunner:
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
         ps = self.config.page_size
         pages = -(-n // ps)
-        pool = self.pool_cls(self.layers, pages, ps, self.kv_format, self.device)
+        pool = self.pool_cls(self.layers, pages, ps, self.kv_format, self.device,
+                             **self._pool_kwargs(self.kv_format))
         be = backend_class(self.backend_name)(pool, self.dtype, self.model_cls.sm_scale(self.hf_config))
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)

@@ -31,8 +31,9 @@ def _build():
                  stride_qt, stride_qh, stride_ot, stride_oh,
                  stride_cp, stride_ch, stride_bt,
                  G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_T: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
+                 F16: tl.constexpr):
         pid = tl.program_id(0)
         h = tl.program_id(1)
         req = tl.load(BLK + 2 * pid)
@@ -49,6 +50,8 @@ def _build():
         d = tl.arange(0, D)
         q = tl.load(Q + (q_start + tok).to(tl.int64)[:, None] * stride_qt + hq[:, None] * stride_qh
                     + d[None, :], mask=rmask[:, None], other=0.0)
+        if F16:  # fp8 pages: float16 MMAs (one packed cvt per two fp8 values; bf16 needs two)
+            q = q.to(tl.float16)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -57,15 +60,38 @@ def _build():
         lo = 0
         if HAS_WINDOW:
             lo = tl.maximum(0, prefix + row0 // G - window + 1)
+        lo0 = lo
         bt_row = BT + req.to(tl.int64) * stride_bt
         head_off = h * stride_ch
+        if V_T:
+            lo = lo // BLOCK_N * BLOCK_N  # page-slice aligned tiles; the mask drops n < lo
         for n0 in range(lo, hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             nmask = n < hi
-            page = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
-            off = page * stride_cp + head_off + (n % PAGE) * D
-            k = tl.load(KC + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0).to(q.dtype)
-            v = tl.load(VC + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0).to(q.dtype)
+            if V_T:
+                # V pages token-minor [H, D, P]: addresses per page slice, loads masked per
+                # page (16-byte vectors), dead tokens of a live page zeroed after the load
+                PP: tl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
+                NP: tl.constexpr = BLOCK_N // PP
+                first = n0 + tl.arange(0, NP) * PP
+                pmask = first < hi
+                pg = tl.load(bt_row + first // PAGE, mask=pmask, other=0).to(tl.int64)
+                base = pg * stride_cp + head_off
+                tp = tl.multiple_of(n0 % PAGE, PP) + tl.arange(0, PP)
+                k = tl.load(KC + base[:, None, None] + (tp * D)[None, :, None]
+                            + d[None, None, :], mask=pmask[:, None, None], other=0.0)
+                k = tl.reshape(k, (BLOCK_N, D)).to(q.dtype)  # [NP, PP, D] -> [BLOCK_N, D]
+                vt = tl.load(VC + base[None, :, None] + (d * PAGE)[:, None, None]
+                             + tp[None, None, :], mask=pmask[None, :, None], other=0.0)
+                v = tl.trans(tl.reshape(vt, (D, BLOCK_N))).to(q.dtype)  # [BLOCK_N, D]
+                v = tl.where(nmask[:, None], v, 0.0)
+            else:
+                page = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
+                off = page * stride_cp + head_off + (n % PAGE) * D
+                k = tl.load(KC + off[:, None] + d[None, :], mask=nmask[:, None],
+                            other=0.0).to(q.dtype)
+                v = tl.load(VC + off[:, None] + d[None, :], mask=nmask[:, None],
+                            other=0.0).to(q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision=PREC)
             if HAS_SOFTCAP:
                 x = qk * (qk_scale / 1.4426950408889634 / softcap)
@@ -78,6 +104,8 @@ def _build():
             vis = (n[None, :] <= qpos[:, None]) & nmask[None, :]
             if HAS_WINDOW:
                 vis = vis & (n[None, :] > qpos[:, None] - window)
+            if V_T:
+                vis = vis & (n[None, :] >= lo0)
             qk = tl.where(vis, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -94,11 +122,17 @@ def _build():
     return _prefill
 
 
-def prefill_block_m(group: int, head_dim: int, q_dtype: torch.dtype) -> int:
-    """Rows (token x head pairs) per program."""
-    if q_dtype == torch.float32:
+def prefill_block_m(group: int, head_dim: int, q_dtype: torch.dtype,
+                    kv_dtype: torch.dtype | None = None) -> int:
+    """Rows (token x head pairs) per program. Measured on the H200 (docs/kernels.md): 64 rows and
+    4 warps for 16-bit pages (1.06-1.12x FlashInfer fa2's time on 128-d heads; 128 rows:
+    1.2-1.3x) and for fp8 pages of 64-d heads (0.61-0.66x; 128 rows: 0.90-0.96x); 128 rows and
+    8 warps for fp8 pages of 128-d heads (1.37-1.46x; 64 rows: 1.5-1.6x)."""
+    if q_dtype == torch.float32 or kv_dtype == torch.float32:
         return 16
-    return 128 if head_dim <= 128 else 64
+    if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and head_dim == 128:
+        return 128
+    return 64
 
 
 def plan_blocks(q_lens: Sequence[int], group: int, block_m: int, device) -> torch.Tensor:
@@ -116,8 +150,11 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   blocks: torch.Tensor, block_m: int, out: torch.Tensor, sm_scale: float,
                   k_scale: float = 1.0, v_scale: float = 1.0, softcap: float | None = None,
                   window: int | None = None, block_n: int | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
-    """q ``[T, Hq, D]`` -> ``out [T, Hq, D]`` (written) for the programs listed in ``blocks``."""
+                  num_warps: int | None = None, num_stages: int | None = None,
+                  v_t: bool = False) -> torch.Tensor:
+    """q ``[T, Hq, D]`` -> ``out [T, Hq, D]`` (written) for the programs listed in ``blocks``.
+
+    K pages ``[pages, Hkv, P, D]``; V the same, or token-minor ``[pages, Hkv, D, P]`` if ``v_t``."""
     if "k" not in _K:
         _K["k"] = _build()
     kern = _K["k"]
@@ -140,7 +177,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         float(sm_scale * k_scale * LOG2E), float(softcap or 0.0), int(window or 0), float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
-        G=hq // hkv, D=d, PAGE=k_cache.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
+        G=hq // hkv, D=d, PAGE=k_cache.shape[2], BLOCK_M=block_m, BLOCK_N=block_n, V_T=v_t,
         HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-        PREC="ieee" if fp32 else "tf32", num_warps=num_warps, num_stages=num_stages)
+        PREC="ieee" if fp32 else "tf32",
+        F16=k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and not fp32,
+        num_warps=num_warps, num_stages=num_stages)
     return out

@@ -6,6 +6,9 @@ of -1 marks a padding token (CUDA-graph padding) that must not be stored.
 
 Layout (HND): ``k_caches[layer]`` and ``v_caches[layer]`` are ``[num_pages, num_kv_heads,
 page_size, head_dim]`` so one head's page is contiguous (what the decode kernels read).
+``v_layout="HDN"`` stores V token-minor instead, ``[num_pages, num_kv_heads, head_dim,
+page_size]``: the layout our fp8 decode kernel reads (P@V's reduction dim, the tokens, contiguous;
+docs/kernels.md). Same bytes per page either way; K is always HND.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ class KVPool:
     name: ClassVar[str] = "KVPool"
     layer_kinds: ClassVar[frozenset[str]] = frozenset()
     supported_kv_dtypes: ClassVar[frozenset[str]] = frozenset(KV_FORMATS)
+    v_layouts: ClassVar[frozenset[str]] = frozenset({"HND"})  # how V pages can be ordered
+    v_layout: str = "HND"  # how this pool's V pages are ordered
 
     def __init__(self, layers: Sequence[KVLayerSpec], num_pages: int, page_size: int,
                  fmt: KVFormat, device: torch.device,
@@ -68,15 +73,21 @@ class MHAKVCache(KVPool):
 
     name = "MHAKVCache"
     layer_kinds = frozenset({"full"})
+    v_layouts = frozenset({"HND", "HDN"})
 
-    def __init__(self, layers, num_pages, page_size, fmt, device, k_scales=None, v_scales=None):
+    def __init__(self, layers, num_pages, page_size, fmt, device, k_scales=None, v_scales=None,
+                 v_layout: str = "HND"):
         super().__init__(layers, num_pages, page_size, fmt, device, k_scales, v_scales)
+        if v_layout not in self.v_layouts:
+            raise ValueError(f"v_layout must be one of {sorted(self.v_layouts)}, got {v_layout!r}")
+        self.v_layout = v_layout
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
         for spec in self.layers:
             shape = (num_pages, spec.num_kv_heads, page_size, spec.head_dim)
+            vshape = shape if v_layout == "HND" else (*shape[:2], spec.head_dim, page_size)
             self.k_caches.append(torch.empty(shape, dtype=self.dtype, device=device))
-            self.v_caches.append(torch.empty(shape, dtype=self.dtype, device=device))
+            self.v_caches.append(torch.empty(vshape, dtype=self.dtype, device=device))
 
     def allocated_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k_caches, *self.v_caches))
@@ -94,7 +105,11 @@ class MHAKVCache(KVPool):
         off = slot_mapping % self.page_size
         # advanced indices around a slice: the indexed view is [T, kv_heads, head_dim]
         self.k_caches[layer_id][page, :, off] = quantize(k, self.fmt, self.k_scales[layer_id])
-        self.v_caches[layer_id][page, :, off] = quantize(v, self.fmt, self.v_scales[layer_id])
+        vq = quantize(v, self.fmt, self.v_scales[layer_id])
+        if self.v_layout == "HND":
+            self.v_caches[layer_id][page, :, off] = vq
+        else:  # [pages, H, D, P]: the indexed view [T, H, D] takes the token's column
+            self.v_caches[layer_id][page, :, :, off] = vq
 
     def gather_kv(self, layer_id: int, pages: torch.Tensor, length: int,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,6 +119,8 @@ class MHAKVCache(KVPool):
         """
         kc = self.k_caches[layer_id][pages]  # [n_pages, H, P, D]
         vc = self.v_caches[layer_id][pages]
+        if self.v_layout == "HDN":
+            vc = vc.transpose(2, 3)  # [n_pages, H, D, P] -> [n_pages, H, P, D]
         h, d = kc.shape[1], kc.shape[3]
         k = kc.transpose(1, 2).reshape(-1, h, d)[:length]  # [n_pages*P, H, D] -> [length, H, D]
         v = vc.transpose(1, 2).reshape(-1, h, d)[:length]

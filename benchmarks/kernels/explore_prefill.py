@@ -1,0 +1,81 @@
+"""Prefill launch variants on the GPU against FlashInfer fa2, on identical inputs.
+
+For each (layout, prompt length, KV dtype): FlashInfer's time once, then ours for each
+(BLOCK_M, BLOCK_N, num_warps, num_stages) variant after a correctness check against FlashInfer's
+output. Prints ours/fi time ratios; writes $OUT/explore_prefill.json.
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "../../src"))
+from kvfit.bench.kernels import (LAYOUTS, KVSet, ours_v_caches, ours_v_layout,  # noqa: E402
+                                 time_fi_prefill)
+from kvfit.kernels.prefill import paged_prefill, plan_blocks  # noqa: E402
+
+VARIANTS = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3),
+            (128, 128, 8, 2), (64, 64, 4, 2)]
+
+
+def main():
+    out_dir = os.environ.get("OUT", "/tmp")
+    res = []
+    t0 = time.time()
+    for layout in ("qwen3-1.7b", "llama-3.1-8b", "smollm2"):
+        hq, hkv, d = LAYOUTS[layout]
+        for ctx in (4096, 16384):
+            b = max(1, 16384 // ctx)
+            for kvd in ("bfloat16", "fp8_e4m3"):
+                kv = KVSet(hkv, d, kvd, b, ctx, 16, "cuda")
+                flops = b * 4 * hq * d * ctx * (ctx + 1) / 2
+                fi_us = time_fi_prefill(kv, hq, d, ctx)
+                v_t = ours_v_layout(kv) == "HDN"
+                vcs = ours_v_caches(kv)
+                cu = torch.arange(0, b + 1, dtype=torch.int32, device="cuda") * ctx
+                q = torch.randn(b * ctx, hq, d, device="cuda", dtype=torch.bfloat16)
+                ref = torch.empty_like(q)
+                paged_prefill(q, kv.caches[0][0], vcs[0], kv.block_table, cu, kv.kv_lens,
+                              plan_blocks([ctx] * b, hq // hkv, 128, "cuda"), 128, ref,
+                              d ** -0.5, v_t=v_t)
+                for bm, bn, nw, ns in VARIANTS:
+                    blocks = plan_blocks([ctx] * b, hq // hkv, bm, "cuda")
+                    out = torch.full_like(q, float("nan"))
+
+                    def run(i, out=out, blocks=blocks, bm=bm, bn=bn, nw=nw, ns=ns):
+                        paged_prefill(q, kv.caches[i][0], vcs[i], kv.block_table, cu, kv.kv_lens,
+                                      blocks, bm, out, d ** -0.5, block_n=bn, num_warps=nw,
+                                      num_stages=ns, v_t=v_t)
+                    try:
+                        run(0)
+                        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                        state = [0]
+
+                        def call():
+                            run(state[0] % kv.reps)
+                            state[0] += 1
+                        us = triton.testing.do_bench(call, warmup=10, rep=60,
+                                                     return_mode="median") * 1e3
+                    except Exception as e:
+                        print(f"{layout} {kvd} {ctx} {(bm, bn, nw, ns)} failed: {e}"[:200])
+                        continue
+                    rec = dict(layout=layout, kv=kvd, ctx=ctx, batch=b, bm=bm, bn=bn, nw=nw,
+                               ns=ns, us=us, fi_us=fi_us, ratio=us / fi_us, err=err,
+                               tflops=flops / us / 1e6)
+                    res.append(rec)
+                    print(f"{layout:>12} {kvd:>8} len={ctx:<5} bm={bm:<3} bn={bn:<3} w={nw} s={ns}"
+                          f" {us:8.1f} us {rec['tflops']:5.0f} TFLOP/s fi {fi_us:8.1f} us"
+                          f" ours/fi {us / fi_us:.2f} err-vs-default {err:.1e}"
+                          f" [{time.time() - t0:.0f}s]", flush=True)
+                del kv
+                torch.cuda.empty_cache()
+                with open(os.path.join(out_dir, "explore_prefill.json"), "w") as f:
+                    json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

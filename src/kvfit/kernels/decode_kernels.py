@@ -1,0 +1,277 @@
+"""Paged split-K decode kernels (Triton): the @triton.jit code behind ``kernels.decode``.
+
+Program (b, h, s) loads the G query heads that share KV head h once (padded to 16 rows for the
+tensor-core ``tl.dot``), walks split s of request b's cached tokens in tiles of BLOCK_N tokens
+through the block table, and keeps an online softmax in float32 (base-2 logits, the K scale
+folded into the softmax scale, the V scale applied to the output). fp8 tiles become float16 in
+registers (one packed cvt per two values); the query is cast to float16 with them.
+
+Two tile loaders feed the same softmax/P@V step (``_softmax_pv``):
+
+* ``_tile_hnd``: HND V pages ``[H, P, D]``, addresses per token, every tile masked (16-bit
+  pools; the layout FlashInfer reads).
+* ``_tile_vt``: token-minor V pages ``[H, D, P]`` (pool ``v_layout="HDN"``, used for fp8). The
+  V tile arrives with P@V's reduction dim (the tokens) contiguous, the same operand shape as K,
+  so an 8-bit V tile needs no transpose: with HND pages Triton gathers the fp8 V operand one
+  byte at a time (``LDS.U8``, no 8-bit ``ldmatrix.trans``). Addresses are built per page
+  (``[NP pages, PP tokens]``), so a page id is loaded once and Triton sees PP contiguous tokens;
+  tiles wholly inside the split are unmasked, which makes both tiles 16-byte ``cp.async``
+  copies. docs/kernels.md has the measurements.
+
+``_decode_split_fma`` is the CUDA-core path (float32 queries or pools: exact products).
+Kernels own nothing; they write ``OUT`` or the split scratch ``OP``/``LSE``.
+"""
+
+from __future__ import annotations
+
+
+def build():
+    """Compile-on-first-use kernels: (split, merge, split_fma)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _softmax_pv(q, k, v, acc, m_i, l_i, live, qk_scale, softcap,
+                    HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+        # q [G_PAD, D], k/v [BLOCK_N, D] in the MMA dtype; live [BLOCK_N] when MASKED
+        qk = tl.dot(q, tl.trans(k))  # [G_PAD, BLOCK_N] f32
+        if HAS_SOFTCAP:
+            # softcap * tanh(x * sm_scale / softcap), base-2 logits afterwards
+            x = qk * (qk_scale / 1.4426950408889634 / softcap)
+            e = tl.exp(-2.0 * tl.abs(x))
+            th = (1.0 - e) / (1.0 + e)
+            th = tl.where(x < 0, -th, th)
+            qk = th * (softcap * 1.4426950408889634)
+        else:
+            qk = qk * qk_scale
+        if MASKED:
+            qk = tl.where(live[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no live token yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            m_use = m_new
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        return acc, m_new, l_i
+
+    @triton.jit
+    def _to_mma(k, v, q, F16: tl.constexpr):
+        if F16:
+            return k.to(tl.float16), v.to(tl.float16)
+        return k.to(q.dtype), v.to(q.dtype)
+
+    @triton.jit
+    def _tile_hnd(q, acc, m_i, l_i, KC, VC, bt_row, head_off, stride_cp, n0, lo, hi,
+                  qk_scale, softcap, D: tl.constexpr, PAGE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, F16: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+        # tokens [max(n0, lo), min(n0 + BLOCK_N, hi)) of HND pages, one address per token
+        d = tl.arange(0, D)
+        n = n0 + tl.arange(0, BLOCK_N)
+        live = (n >= lo) & (n < hi)
+        page = tl.load(bt_row + n // PAGE, mask=live, other=0).to(tl.int64)
+        off = page * stride_cp + head_off + (n % PAGE) * D  # [BLOCK_N]
+        k = tl.load(KC + off[:, None] + d[None, :], mask=live[:, None], other=0.0)
+        v = tl.load(VC + off[:, None] + d[None, :], mask=live[:, None], other=0.0)
+        k, v = _to_mma(k, v, q, F16)
+        return _softmax_pv(q, k, v, acc, m_i, l_i, live, qk_scale, softcap, HAS_SOFTCAP, True)
+
+    @triton.jit
+    def _tile_vt(q, acc, m_i, l_i, KC, VC, bt_row, head_off, stride_cp, n0, lo, hi,
+                 qk_scale, softcap, D: tl.constexpr, PAGE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, F16: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 MASKED: tl.constexpr):
+        # the BLOCK_N tokens from n0 (a multiple of BLOCK_N); K HND, V token-minor [H, D, P]
+        PP: tl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
+        NP: tl.constexpr = BLOCK_N // PP
+        d = tl.arange(0, D)
+        tp = tl.arange(0, PP)
+        first = n0 + tl.arange(0, NP) * PP  # first token of each page slice, [NP]
+        inpg = tl.multiple_of(n0 % PAGE, PP)
+        if MASKED:
+            pg = tl.load(bt_row + first // PAGE, mask=first < hi, other=0).to(tl.int64)
+            n = first[:, None] + tp[None, :]  # [NP, PP]
+            live = (n >= lo) & (n < hi)
+        else:
+            pg = tl.load(bt_row + first // PAGE).to(tl.int64)
+            live = tl.full([NP, PP], 1, tl.int1)
+        base = pg * stride_cp + head_off  # [NP]
+        kptr = KC + base[:, None, None] + ((inpg + tp) * D)[None, :, None] + d[None, None, :]
+        vptr = VC + base[None, :, None] + (d * PAGE)[:, None, None] + (inpg + tp)[None, None, :]
+        if MASKED:
+            k = tl.load(kptr, mask=live[:, :, None], other=0.0)
+            vt = tl.load(vptr, mask=live[None, :, :], other=0.0)
+        else:
+            k = tl.load(kptr)
+            vt = tl.load(vptr)
+        k = tl.reshape(k, (BLOCK_N, D))  # [NP, PP, D] -> [BLOCK_N, D]
+        v = tl.trans(tl.reshape(vt, (D, BLOCK_N)))  # [D, NP, PP] -> [D, BLOCK_N] -> [BLOCK_N, D]
+        k, v = _to_mma(k, v, q, F16)
+        return _softmax_pv(q, k, v, acc, m_i, l_i, tl.reshape(live, (BLOCK_N,)), qk_scale,
+                           softcap, HAS_SOFTCAP, MASKED)
+
+    @triton.jit
+    def _decode_split(Q, KC, VC, BT, KVLEN, OUT, OP, LSE,
+                      qk_scale, softcap, window, v_scale,
+                      stride_qt, stride_qh, stride_ot, stride_oh,
+                      stride_cp, stride_ch, stride_bt,
+                      num_splits,
+                      G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, F16: tl.constexpr, V_T: tl.constexpr,
+                      HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, SINGLE: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.program_id(2)
+        kv_len = tl.load(KVLEN + b)
+        per = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = s * per  # a multiple of BLOCK_N
+        hi = tl.minimum(lo + per, kv_len)
+        if HAS_WINDOW:
+            lo = tl.maximum(lo, kv_len - window)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D)
+        gmask = g < G
+        q = tl.load(Q + b * stride_qt + (h * G + g)[:, None] * stride_qh + d[None, :],
+                    mask=gmask[:, None], other=0.0)
+        if F16:
+            q = q.to(tl.float16)
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        bt_row = BT + b.to(tl.int64) * stride_bt
+        head_off = h * stride_ch
+        if V_T:
+            # an unaligned first tile (a window's start), full unmasked tiles, a partial last
+            n0 = lo // BLOCK_N * BLOCK_N
+            if HAS_WINDOW:
+                if n0 < lo:
+                    acc, m_i, l_i = _tile_vt(q, acc, m_i, l_i, KC, VC, bt_row, head_off,
+                                             stride_cp, n0, lo, hi, qk_scale, softcap, D, PAGE,
+                                             BLOCK_N, F16, HAS_SOFTCAP, True)
+                    n0 += BLOCK_N
+            full_end = hi // BLOCK_N * BLOCK_N
+            for t0 in range(n0, full_end, BLOCK_N):
+                acc, m_i, l_i = _tile_vt(q, acc, m_i, l_i, KC, VC, bt_row, head_off, stride_cp,
+                                         t0, lo, hi, qk_scale, softcap, D, PAGE, BLOCK_N, F16,
+                                         HAS_SOFTCAP, False)
+            if (full_end < hi) & (full_end >= n0):
+                acc, m_i, l_i = _tile_vt(q, acc, m_i, l_i, KC, VC, bt_row, head_off, stride_cp,
+                                         full_end, lo, hi, qk_scale, softcap, D, PAGE, BLOCK_N,
+                                         F16, HAS_SOFTCAP, True)
+        else:
+            for t0 in range(lo, hi, BLOCK_N):
+                acc, m_i, l_i = _tile_hnd(q, acc, m_i, l_i, KC, VC, bt_row, head_off, stride_cp,
+                                          t0, lo, hi, qk_scale, softcap, D, PAGE, BLOCK_N, F16,
+                                          HAS_SOFTCAP)
+        safe_l = tl.where(l_i > 0, l_i, 1.0)
+        o = acc / safe_l[:, None]
+        hq = h * G + g
+        if SINGLE:
+            tl.store(OUT + b * stride_ot + hq[:, None] * stride_oh + d[None, :],
+                     (o * v_scale).to(OUT.dtype.element_ty), mask=gmask[:, None])
+        else:
+            lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
+            row = (b * (tl.num_programs(1) * G) + hq) * num_splits + s  # [G_PAD]
+            tl.store(OP + row[:, None] * D + d[None, :], o, mask=gmask[:, None])
+            tl.store(LSE + row, lse, mask=gmask)
+
+    @triton.jit
+    def _decode_merge(OP, LSE, OUT, v_scale, stride_ot, stride_oh, num_splits, HQ,
+                      D: tl.constexpr, S_PAD: tl.constexpr):
+        b = tl.program_id(0)
+        hq = tl.program_id(1)
+        sp = tl.arange(0, S_PAD)
+        d = tl.arange(0, D)
+        row = (b * HQ + hq) * num_splits + sp
+        smask = sp < num_splits
+        lse = tl.load(LSE + row, mask=smask, other=float("-inf"))
+        mx = tl.max(lse, axis=0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        w = tl.exp2(lse - mx)
+        den = tl.sum(w, axis=0)
+        den = tl.where(den > 0, den, 1.0)
+        o = tl.load(OP + row[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
+        o = tl.sum(o * w[:, None], axis=0) / den
+        tl.store(OUT + b * stride_ot + hq * stride_oh + d, (o * v_scale).to(OUT.dtype.element_ty))
+
+    @triton.jit
+    def _decode_split_fma(Q, KC, VC, BT, KVLEN, OUT, OP, LSE,
+                          qk_scale, softcap, window, v_scale,
+                          stride_qt, stride_qh, stride_ot, stride_oh,
+                          stride_cp, stride_ch, stride_bt,
+                          num_splits,
+                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                          PAGE: tl.constexpr, BLOCK_N: tl.constexpr, V_T: tl.constexpr,
+                          HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                          SINGLE: tl.constexpr):
+        # CUDA-core path for small groups: only the G real query rows are computed. Partial
+        # sums stay per (row, token slot, d) across tiles and are reduced once at the end, and
+        # the running max is only moved when it grows by more than 2^8 (exact: the final
+        # normalisation uses the same stale max), so a tile costs ~2G FMAs per KV element.
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.program_id(2)
+        kv_len = tl.load(KVLEN + b)
+        per = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        start = s * per
+        end = tl.minimum(start + per, kv_len)
+        if HAS_WINDOW:
+            start = tl.maximum(start, kv_len - window)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D)
+        gmask = g < G
+        q = tl.load(Q + b * stride_qt + (h * G + g)[:, None] * stride_qh + d[None, :],
+                    mask=gmask[:, None], other=0.0).to(tl.float32)
+        if not HAS_SOFTCAP:
+            q = q * qk_scale
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l3 = tl.zeros([G_PAD, BLOCK_N], tl.float32)
+        acc3 = tl.zeros([G_PAD, BLOCK_N, D], tl.float32)
+        bt_row = BT + b.to(tl.int64) * stride_bt
+        head_off = h * stride_ch
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            nmask = n < end
+            page = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
+            off = page * stride_cp + head_off + (n % PAGE) * D
+            k = tl.load(KC + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
+            if V_T:  # token-minor V pages [H, D, P]
+                offv = page * stride_cp + head_off + n % PAGE
+                v = tl.load(VC + offv[:, None] + d[None, :] * PAGE, mask=nmask[:, None], other=0.0)
+            else:
+                v = tl.load(VC + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
+            qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [G_PAD, N]
+            if HAS_SOFTCAP:
+                x = qk * (qk_scale / 1.4426950408889634 / softcap)
+                e = tl.exp(-2.0 * tl.abs(x))
+                th = (1.0 - e) / (1.0 + e)
+                th = tl.where(x < 0, -th, th)
+                qk = th * (softcap * 1.4426950408889634)
+            qk = tl.where(nmask[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            if tl.max(m_new - m_i, axis=0) > 8.0:
+                alpha = tl.exp2(m_i - m_new)
+                acc3 = acc3 * alpha[:, None, None]
+                l3 = l3 * alpha[:, None]
+                m_i = m_new
+            p = tl.exp2(qk - m_i[:, None])
+            l3 += p
+            acc3 += p[:, :, None] * v.to(tl.float32)[None, :, :]
+        l_i = tl.sum(l3, axis=1)
+        acc = tl.sum(acc3, axis=1)
+        safe_l = tl.where(l_i > 0, l_i, 1.0)
+        o = acc / safe_l[:, None]
+        hq = h * G + g
+        if SINGLE:
+            tl.store(OUT + b * stride_ot + hq[:, None] * stride_oh + d[None, :],
+                     (o * v_scale).to(OUT.dtype.element_ty), mask=gmask[:, None])
+        else:
+            lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
+            row = (b * (tl.num_programs(1) * G) + hq) * num_splits + s
+            tl.store(OP + row[:, None] * D + d[None, :], o, mask=gmask[:, None])
+            tl.store(LSE + row, lse, mask=gmask)
+
+    return _decode_split, _decode_merge, _decode_split_fma
