@@ -254,3 +254,44 @@ def test_triton_backend_asks_for_token_minor_v_only_where_measured_faster():
     assert TritonBackend.v_layout("fp8_e4m3", 48, 128) == "HND"  # page not a power of two
     assert TritonBackend.v_layout("bfloat16", 16, 128) == "HND"
     assert FlashInferBackend.v_layout("fp8_e4m3", 16, 128) == "HND"
+
+
+def test_auto_backend_and_page_size_follow_the_measurements(monkeypatch):
+    """auto on CUDA: triton for fp8 KV with heads >= 128 (its decode beat FlashInfer's fp8 by
+    1.2-2.2x), fi otherwise, triton when FlashInfer is missing; torch on CPU and for pools only
+    it holds. Unset page size: 32 for fp8 on triton (128-d), else 16."""
+    from kvfit.attention import registry
+    from kvfit.attention.torch_ref import TorchRefBackend
+    from kvfit.attention.triton_backend import TritonBackend
+
+    missing: set[str] = set()
+    monkeypatch.setattr(registry, "unavailable_reason",
+                        lambda name, dev: "missing" if name in missing or dev != "cuda" else None)
+    sel = registry.select_backend
+    assert sel("auto", "cuda", "MHAKVCache", "fp8_e4m3", 128) == "triton"
+    assert sel("auto", "cuda", "MHAKVCache", "fp8_e5m2", 256) == "triton"
+    assert sel("auto", "cuda", "MHAKVCache", "fp8_e4m3", 64) == "fi"
+    assert sel("auto", "cuda", "MHAKVCache", "bfloat16", 128) == "fi"
+    assert sel("auto", "cuda", "HybridSWAKVCache", "fp8_e4m3", 256) == "torch"
+    assert sel("auto", "cpu", "MHAKVCache", "fp8_e4m3", 128) == "torch"
+    assert sel("fi", "cuda", "MHAKVCache", "fp8_e4m3", 128) == "fi"  # explicit kept
+    missing.add("fi")
+    assert sel("auto", "cuda", "MHAKVCache", "bfloat16", 128) == "triton"
+    missing.add("triton")
+    assert sel("auto", "cuda", "MHAKVCache", "fp8_e4m3", 128) == "torch"
+    assert TritonBackend.default_page_size("fp8_e4m3", 128) == 32
+    assert TritonBackend.default_page_size("fp8_e4m3", 64) == 16
+    assert TritonBackend.default_page_size("bfloat16", 128) == 16
+    assert TorchRefBackend.default_page_size("fp8_e4m3", 128) == 16
+    assert EngineConfig().page_size is None
+    with pytest.raises(ValueError, match="page_size"):
+        EngineConfig(page_size=0)
+
+
+def test_cpu_engine_resolves_the_default_page_size(tiny_models):
+    from kvfit.engine.runner import ModelRunner
+
+    r = ModelRunner(EngineConfig(model=tiny_models["llama"][0], device="cpu", kv_dtype="fp8_e4m3",
+                                 num_pages=8))
+    assert r.backend_name == "torch"
+    assert r.config.page_size == 16 and r.pool.page_size == 16

@@ -47,9 +47,12 @@ class EngineConfig:
     kv_scales: Optional[str] = _f(None, "per-tensor KV scales: 'auto' (calibrate at start) or a "
                                   "JSON file {\"k_scale\": [...], \"v_scale\": [...]}; default 1.0")
     device: Device = _f("auto", "cuda when available, else cpu")
-    attention_backend: Backend = _f("auto", "attention backend; auto = fi on CUDA when FlashInfer "
-                                    "imports, else torch")
-    page_size: int = _f(16, "tokens per KV page", aliases=("--block-size",))
+    attention_backend: Backend = _f("auto", "attention backend; auto on CUDA = triton for fp8 KV "
+                                    "with heads of >= 128, else fi when FlashInfer imports, "
+                                    "else triton; torch on CPU")
+    page_size: Optional[int] = _f(None, "tokens per KV page; default 32 for fp8 KV on the "
+                                  "triton backend (fastest decode), else 16",
+                                  aliases=("--block-size",))
     memory_ratio: float = _f(0.9, "fraction of free GPU memory the engine may use (weights, "
                              "activations, KV)", aliases=("--gpu-memory-utilization",))
     cpu_kv_space_gib: float = _f(4.0, "KV budget on CPU in GiB (capped by free RAM)")
@@ -66,7 +69,7 @@ class EngineConfig:
     def __post_init__(self):
         kv_format(self.kv_dtype) if self.kv_dtype != "auto" else None
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 < self.memory_ratio <= 1.0:
             raise ValueError(f"memory_ratio must be in (0, 1], got {self.memory_ratio}")

@@ -76,6 +76,11 @@ class AttentionBackend:
         return "HND"
 
     @classmethod
+    def default_page_size(cls, kv_dtype: str, head_dim: int) -> int:
+        """Tokens per page when the user sets none (vLLM's 16 unless a backend measured better)."""
+        return 16
+
+    @classmethod
     def is_available(cls) -> Optional[str]:
         """None when usable here, else the reason (e.g. 'FlashInfer is not installed')."""
         return None

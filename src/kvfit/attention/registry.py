@@ -33,12 +33,23 @@ def unavailable_reason(name: str, device_type: str) -> str | None:
     return cls.is_available()
 
 
-def select_backend(requested: str, device_type: str, pool_name: str | None = None) -> str:
-    """``auto``: fi on CUDA when FlashInfer imports and holds ``pool_name``'s pool, else torch.
-    Explicit names are kept (the guard then checks them)."""
+def select_backend(requested: str, device_type: str, pool_name: str | None = None,
+                   kv_dtype: str | None = None, head_dim: int | None = None) -> str:
+    """``auto`` on CUDA: triton for fp8 KV with heads of >= 128 (its fp8 decode measured 1.2-2.2x
+    FlashInfer's, docs/benchmarks.md), else fi when FlashInfer imports, else triton; each only
+    if it holds ``pool_name``'s pool. torch otherwise. Explicit names are kept (the guard then
+    checks them)."""
     if requested != "auto":
         return requested
-    if device_type == "cuda" and unavailable_reason("fi", "cuda") is None and (
-            pool_name is None or pool_name in backend_class("fi").pools):
-        return "fi"
+
+    def usable(name: str) -> bool:
+        return unavailable_reason(name, device_type) is None and (
+            pool_name is None or pool_name in backend_class(name).pools)
+
+    if device_type == "cuda":
+        fp8_wide = (kv_dtype or "").startswith("fp8") and (head_dim or 0) >= 128
+        order = ("triton", "fi") if fp8_wide else ("fi", "triton")
+        for name in order:
+            if usable(name):
+                return name
     return "torch"

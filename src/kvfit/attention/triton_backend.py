@@ -51,6 +51,12 @@ class TritonBackend(AttentionBackend):
         return "HDN" if kv_dtype.startswith("fp8") and pow2 and head_dim >= 128 else "HND"
 
     @classmethod
+    def default_page_size(cls, kv_dtype: str, head_dim: int) -> int:
+        """32 for fp8 with heads of >= 128: a token-minor V row of a page is then a whole 32-byte
+        L2 sector (3.7-4.07 TB/s decode on the H200 against 2.9-3.0 at pages of 16)."""
+        return 32 if kv_dtype.startswith("fp8") and head_dim >= 128 else 16
+
+    @classmethod
     def is_available(cls) -> Optional[str]:
         try:
             import triton  # noqa: F401  (availability check)

@@ -39,7 +39,8 @@ def _args(p):
     p.add_argument("--prefill-len", type=int, default=8192)
     p.add_argument("--budget-gib", type=float, default=2.90)
     p.add_argument("--memory-ratio", type=float, default=0.9)
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=None,
+                   help="tokens per page (default: the engine's, 32 for fp8 on triton, else 16)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--baseline", choices=["none", "hf"], default="none")
     p.add_argument("--out", default="bench-out/seed")
@@ -183,7 +184,7 @@ def run_dtype(args, kvd: str, contexts, batches, bw: float) -> dict:
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     fmt = kv_format(kvd)
-    ps = args.page_size
+    ps = args.page_size or 32  # sizing only: the largest default page rounds up the most
     # size the pool for the largest point that fits the card's ratio
     max_ctx = max(contexts)
     need = max(b * (-(-(c + args.steps + 4) // ps)) * ps for b in batches for c in contexts)
@@ -198,14 +199,16 @@ def run_dtype(args, kvd: str, contexts, batches, bw: float) -> dict:
     fit_tokens = card_budget // per_tok
     tokens = min(need, fit_tokens)
     cfg = make_config(model=args.model, load_format="dummy", kv_dtype=kvd, device="cuda",
-                      attention_backend=args.attention_backend, page_size=ps,
+                      attention_backend=args.attention_backend, page_size=args.page_size,
                       num_tokens=tokens, max_model_len=max_ctx + args.steps + 8,
                       max_num_seqs=max(batches), cuda_graph_max_bs=max(batches),
                       max_num_batched_tokens=args.prefill_len,
                       enforce_eager=args.enforce_eager)
     runner = ModelRunner(cfg)
+    ps = runner.pool.page_size
     _fill_pool(runner.pool)
     rec = {"kv_dtype": kvd, "kv_bytes_per_token": per_tok, "weight_bytes": runner.weight_bytes,
+           "backend": runner.backend_name, "page_size": ps,
            "startup_s": time.time() - t0,
            "budget_tokens_fixed": memory.decide_num_pages(
                layers, fmt, ps, int(args.budget_gib * GiB), None, None) * ps,
@@ -248,6 +251,8 @@ def table(res: dict) -> str:
     def row(name, vals):
         lines.append(f"| {name} | " + " | ".join(vals) + " |")
 
+    row("attention backend, page size",
+        [f"{r.get('backend', '-')}, {r.get('page_size', '-')}" for r in res["dtypes"]])
     row(f"KV tokens at {res['budget_gib']:.2f} GiB",
         [f"{r['budget_tokens_fixed']:,}" for r in res["dtypes"]])
     row(f"KV tokens at ratio {res['memory_ratio']} of {res['free_gib']:.0f} GiB free",

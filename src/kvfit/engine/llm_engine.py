@@ -44,6 +44,7 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.hf_config.vocab_size
         self.allocator = PageAllocator(self.runner.pool.num_pages)
+        self.config = config = self.runner.config  # page_size resolved by the runner
         self.scheduler = Scheduler(self.allocator, config.page_size, config.max_num_seqs,
                                    config.max_num_batched_tokens,
                                    getattr(self.runner.pool, "sliding_pages", None))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -59,15 +60,19 @@ class ModelRunner:
         self.kv_format = config.resolved_kv_dtype(self.dtype)
         self.layers = self.model_cls.kv_layer_specs(self.hf_config)
         self.pool_cls = resolve_pool_class(self.layers)
+        head_dim = self.layers[0].head_dim
         self.backend_name = select_backend(config.attention_backend, self.device.type,
-                                           self.pool_cls.name)
+                                           self.pool_cls.name, self.kv_format.name, head_dim)
+        if config.page_size is None:  # the backend's measured default for this KV dtype
+            ps = backend_class(self.backend_name).default_page_size(self.kv_format.name, head_dim)
+            self.config = config = dataclasses.replace(config, page_size=ps)
         check_combination(self.backend_name, self.pool_cls, self.kv_format, config.page_size,
                           self.device.type, self.layers)
         ctx_len = int(getattr(self.hf_config, "max_position_embeddings", 0) or 2048)
         self.max_model_len = config.max_model_len or ctx_len
-        log.info("model %s (%s), dtype %s, attention backend %s, pool %s",
+        log.info("model %s (%s), dtype %s, attention backend %s, pool %s, pages of %d",
                  config.model, self.hf_config.model_type, str(self.dtype).replace("torch.", ""),
-                 self.backend_name, self.pool_cls.name)
+                 self.backend_name, self.pool_cls.name, config.page_size)
 
         free_before = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         self.model = self._load_model()
