@@ -80,3 +80,25 @@ def stepwise_logits(runner, prompt: list[int], steps: int, chunk: int | None = N
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm())
+
+
+def chunked_schedule(prompt_lens: list[int], chunk: int, decode_steps: int):
+    """Steps of (request, tokens) pairs: every prompt prefilled in chunks of ``chunk`` together,
+    then ``decode_steps`` steps of one token per request."""
+    steps, done = [], [0] * len(prompt_lens)
+    while any(d < p for d, p in zip(done, prompt_lens)):
+        step = []
+        for r, p in enumerate(prompt_lens):
+            if done[r] < p:
+                n = min(chunk, p - done[r])
+                step.append((r, n))
+                done[r] += n
+        steps.append(step)
+    return steps + [[(r, 1) for r in range(len(prompt_lens))] for _ in range(decode_steps)]
+
+
+def random_sequences(cfg, prompt_lens: list[int], decode: int, seed: int = 1) -> list[list[int]]:
+    """Random token ids per request: prompt + the tokens its decode steps will feed."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, cfg.vocab_size, (p + decode,), generator=g).tolist()
+            for p in prompt_lens]

@@ -17,6 +17,8 @@ from kvfit.kvcache.hybrid_swa import HybridSWAKVCache, build_hybrid_metadata
 from kvfit.models.gemma3 import Gemma3ForCausalLM
 from kvfit.models.weights import WeightSink
 
+from modelhelpers import chunked_schedule, random_sequences
+
 PAGE = 4
 
 
@@ -107,29 +109,13 @@ def drive_hybrid(model, cfg, seqs, schedule, kv_dtype="float32", num_pages=64, n
     return [torch.cat(o) for o in out], pool, alloc, pages, swa_used
 
 
-def _schedule(prompt_lens, chunk, decode_steps):
-    steps, done = [], [0] * len(prompt_lens)
-    while any(d < p for d, p in zip(done, prompt_lens)):
-        step = []
-        for r, p in enumerate(prompt_lens):
-            if done[r] < p:
-                n = min(chunk, p - done[r])
-                step.append((r, n))
-                done[r] += n
-        steps.append(step)
-    steps += [[(r, 1) for r in range(len(prompt_lens))] for _ in range(decode_steps)]
-    return steps
-
-
 @pytest.mark.parametrize("kind", ["gemma3", "gemma2"])
 def test_tiny_matches_hf_through_window(kind):
     cfg, hf, ours = _hf_and_ours(kind)
-    g = torch.Generator().manual_seed(1)
     prompt_lens, decode = [13, 7], 22
-    seqs = [torch.randint(0, cfg.vocab_size, (p + decode,), generator=g).tolist()
-            for p in prompt_lens]
+    seqs = random_sequences(cfg, prompt_lens, decode)
     logits, pool, alloc, pages, swa_used = drive_hybrid(ours, cfg, seqs,
-                                                        _schedule(prompt_lens, 5, decode))
+                                                        chunked_schedule(prompt_lens, 5, decode))
     for seq, got in zip(seqs, logits):
         with torch.no_grad():
             ref = hf(torch.tensor([seq])).logits[0].float()
@@ -210,7 +196,7 @@ def test_real_gemma3_270m_greedy_matches_hf(real_gemma):
     # teacher-force HF's greedy continuation (batched, chunked prefill); our argmax must
     # reproduce every generated token
     plens = [len(p) for p in REAL_PROMPTS[:2]]
-    logits, *_ = drive_hybrid(ours, cfg, seqs, _schedule(plens, 4, new - 1), page_size=16)
+    logits, *_ = drive_hybrid(ours, cfg, seqs, chunked_schedule(plens, 4, new - 1), page_size=16)
     for seq, plen, lg in zip(seqs, plens, logits):
         assert lg[plen - 1:].argmax(-1).tolist() == seq[plen:]
 
@@ -228,7 +214,7 @@ def test_real_gemma3_270m_past_the_window_and_fp8(real_gemma):
     cfg, hf, ours = real_gemma
     n, decode, tail = 600, 6, 100
     seq = _long_sequence(n + decode)
-    sched = _schedule([n], 256, decode)
+    sched = chunked_schedule([n], 256, decode)
     got, pool, *_, used = drive_hybrid(ours, cfg, [seq], sched, page_size=16, num_pages=64,
                                        num_swa_pages=64, logits_from=n + decode - tail)
     with torch.no_grad():

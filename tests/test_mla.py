@@ -19,6 +19,8 @@ from kvfit.kvcache.spec import spec_kv_bytes_per_token
 from kvfit.models.deepseek_v2 import DeepseekV2ForCausalLM
 from kvfit.models.weights import WeightSink
 
+from modelhelpers import chunked_schedule, random_sequences
+
 PAGE = 4
 
 
@@ -116,31 +118,12 @@ def drive_mla(model, cfg, seqs, schedule, kv_dtype="float32", num_pages=64,
     return [torch.cat(o) for o in out], pool
 
 
-def _schedule(prompt_lens, chunk, decode_steps):
-    steps, done = [], [0] * len(prompt_lens)
-    while any(d < p for d, p in zip(done, prompt_lens)):
-        step = []
-        for r, p in enumerate(prompt_lens):
-            if done[r] < p:
-                n = min(chunk, p - done[r])
-                step.append((r, n))
-                done[r] += n
-        steps.append(step)
-    return steps + [[(r, 1) for r in range(len(prompt_lens))] for _ in range(decode_steps)]
-
-
-def _seqs(cfg, prompt_lens, decode, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, cfg.vocab_size, (p + decode,), generator=g).tolist()
-            for p in prompt_lens]
-
-
 @pytest.mark.parametrize("variant", ["lite", "v2"])
 def test_tiny_mla_matches_hf(variant):
     cfg, hf, ours = _hf_and_ours(variant)
     prompt_lens, decode = [11, 6], 20
-    seqs = _seqs(cfg, prompt_lens, decode)
-    logits, pool = drive_mla(ours, cfg, seqs, _schedule(prompt_lens, 4, decode))
+    seqs = random_sequences(cfg, prompt_lens, decode)
+    logits, pool = drive_mla(ours, cfg, seqs, chunked_schedule(prompt_lens, 4, decode))
     for seq, got in zip(seqs, logits):
         with torch.no_grad():
             ref = hf(torch.tensor([seq])).logits[0].float()
@@ -192,8 +175,8 @@ def test_mla_fp8_model_close_to_bf16():
     positions (random weights make near-ties common)."""
     cfg, _, ours = _hf_and_ours("lite")
     prompt_lens, decode = [10, 7], 8
-    seqs = _seqs(cfg, prompt_lens, decode, seed=5)
-    sched = _schedule(prompt_lens, 6, decode)
+    seqs = random_sequences(cfg, prompt_lens, decode, seed=5)
+    sched = chunked_schedule(prompt_lens, 6, decode)
     base, _ = drive_mla(ours, cfg, seqs, sched, kv_dtype="bfloat16")
     for name, tol, min_agree in (("fp8_e4m3", 0.05, 0.9), ("fp8_e5m2", 0.10, 0.8)):
         got, pool = drive_mla(ours, cfg, seqs, sched, kv_dtype=name)

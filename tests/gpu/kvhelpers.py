@@ -88,6 +88,32 @@ def reference(pool, q, meta, sm_scale, softcap=None):
     return out
 
 
+def backend_step(backend_cls, pool, q_lens, kv_lens, tables, hq: int, cdt: torch.dtype,
+                 sm_scale: float):
+    """One store + attention step through ``backend_cls`` and through TorchRefBackend on a copy
+    of the pool (random cached prefix, random q/k/v). Asserts both stored the same bytes;
+    returns (backend output, float32 reference over the dequantized pool)."""
+    from kvfit.attention.meta_builder import build_metadata
+    from kvfit.attention.torch_ref import TorchRefBackend
+
+    fill_prefix(pool, q_lens, kv_lens, tables, cdt)
+    ref_pool = clone_pool(pool)
+    meta = build_metadata(q_lens, kv_lens, tables, pool.page_size, DEV)
+    spec = pool.layers[0]
+    t = sum(q_lens)
+    q = torch.randn(t, hq, spec.head_dim, device=DEV, dtype=cdt)
+    k = torch.randn(t, spec.num_kv_heads, spec.head_dim, device=DEV, dtype=cdt)
+    v = torch.randn(t, spec.num_kv_heads, spec.head_dim, device=DEV, dtype=cdt)
+    outs = []
+    for cls, p in ((backend_cls, pool), (TorchRefBackend, ref_pool)):
+        be = cls(p, cdt, sm_scale)
+        be.plan(meta)
+        outs.append(be.forward(q, k, v, 0))
+    assert torch.equal(pool.k_caches[0].view(torch.uint8), ref_pool.k_caches[0].view(torch.uint8))
+    assert torch.equal(pool.v_caches[0].view(torch.uint8), ref_pool.v_caches[0].view(torch.uint8))
+    return outs[0], reference(pool, q, meta, sm_scale)
+
+
 def rel_err(out, ref) -> float:
     out = out.float()
     assert not torch.isnan(out).any(), "NaN in output (unwritten or poisoned read)"

@@ -6,9 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfit.attention.meta_builder import build_metadata
-
-from kvhelpers import BOUND, DEV, clone_pool, fill_prefix, make_pool, random_tables, reference, rel_err
+from kvhelpers import BOUND, backend_step, make_pool, random_tables, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -35,8 +33,6 @@ def _fi():
 def test_fi_vs_reference(kv_dtype, page_size, layout, mode):
     if kv_dtype == "float16" and layout != (16, 8, 128):
         pytest.skip("float16 covered on one layout (each combination is a JIT build)")
-    from kvfit.attention.torch_ref import TorchRefBackend
-
     cls = _fi()
     torch.manual_seed(3)
     hq, hkv, d = layout
@@ -46,20 +42,6 @@ def test_fi_vs_reference(kv_dtype, page_size, layout, mode):
     pool = make_pool(kv_dtype, page_size, hkv, d, num_pages, *scales)
     tables = random_tables(kv_lens, page_size, num_pages, seed=1)
     cdt = torch.float16 if kv_dtype == "float16" else torch.bfloat16
-    fill_prefix(pool, q_lens, kv_lens, tables, cdt)
-    ref_pool = clone_pool(pool)
-    meta = build_metadata(q_lens, kv_lens, tables, page_size, DEV)
-    t = sum(q_lens)
-    q = torch.randn(t, hq, d, device=DEV, dtype=cdt)
-    k = torch.randn(t, hkv, d, device=DEV, dtype=cdt)
-    v = torch.randn(t, hkv, d, device=DEV, dtype=cdt)
-    be = cls(pool, cdt, d ** -0.5)
-    be.plan(meta)
-    out = be.forward(q, k, v, 0)
-    rb = TorchRefBackend(ref_pool, cdt, d ** -0.5)
-    rb.plan(meta)
-    rb.forward(q, k, v, 0)
-    assert torch.equal(pool.k_caches[0].view(torch.uint8), ref_pool.k_caches[0].view(torch.uint8))
-    assert torch.equal(pool.v_caches[0].view(torch.uint8), ref_pool.v_caches[0].view(torch.uint8))
-    err = rel_err(out, reference(pool, q, meta, d ** -0.5))
+    out, ref = backend_step(cls, pool, q_lens, kv_lens, tables, hq, cdt, d ** -0.5)
+    err = rel_err(out, ref)
     assert err < BOUND[cdt], err

@@ -11,8 +11,8 @@ import torch
 from kvfit.attention.meta_builder import build_metadata
 from kvfit.kvcache.quant import quantize
 
-from kvhelpers import (BOUND, DEV, clone_pool, fill_prefix, make_pool, poison_, random_tables,
-                        reference, rel_err)
+from kvhelpers import (BOUND, DEV, backend_step, clone_pool, fill_prefix, make_pool, poison_,
+                       random_tables, reference, rel_err)
 
 pytestmark = pytest.mark.gpu
 
@@ -106,7 +106,6 @@ PREFILL_CASES = [
 @pytest.mark.parametrize("v_layout", V_LAYOUTS)
 def test_prefill_backend(kv_dtype, page_size, d, case, v_layout):
     """Whole backend step (store + prefill) vs TorchRefBackend, caches compared bit for bit."""
-    from kvfit.attention.torch_ref import TorchRefBackend
     from kvfit.attention.triton_backend import TritonBackend
 
     torch.manual_seed(10 + case)
@@ -117,22 +116,7 @@ def test_prefill_backend(kv_dtype, page_size, d, case, v_layout):
     pool = make_pool(kv_dtype, page_size, hkv, d, num_pages, *scales, v_layout=v_layout)
     tables = random_tables(kv_lens, page_size, num_pages, seed=case)
     cdt = compute_dtype(kv_dtype)
-    fill_prefix(pool, q_lens, kv_lens, tables, cdt)
-    ref_pool = clone_pool(pool)
-    meta = build_metadata(q_lens, kv_lens, tables, page_size, DEV)
-    t = sum(q_lens)
-    q = torch.randn(t, hq, d, device=DEV, dtype=cdt)
-    k = torch.randn(t, hkv, d, device=DEV, dtype=cdt)
-    v = torch.randn(t, hkv, d, device=DEV, dtype=cdt)
-    be = TritonBackend(pool, cdt, d ** -0.5)
-    be.plan(meta)
-    out = be.forward(q, k, v, 0)
-    rb = TorchRefBackend(ref_pool, cdt, d ** -0.5)
-    rb.plan(meta)
-    rb.forward(q, k, v, 0)
-    assert torch.equal(pool.k_caches[0].view(torch.uint8), ref_pool.k_caches[0].view(torch.uint8))
-    assert torch.equal(pool.v_caches[0].view(torch.uint8), ref_pool.v_caches[0].view(torch.uint8))
-    ref = reference(pool, q, meta, d ** -0.5)
+    out, ref = backend_step(TritonBackend, pool, q_lens, kv_lens, tables, hq, cdt, d ** -0.5)
     err = rel_err(out, ref)
     assert err < BOUND[cdt], err
 
@@ -156,7 +140,7 @@ def test_prefill_poisoned_output_and_window_softcap():
         fill_prefix(pool, [0] * 3, kv_lens, tables, torch.bfloat16, scale=3.0)
         meta = build_metadata(q_lens, kv_lens, tables, ps, DEV)
         q = torch.randn(sum(q_lens), hq, d, device=DEV, dtype=torch.bfloat16) * 3
-        bm = prefill_block_m(0, d, q.dtype, pool.dtype)
+        bm = prefill_block_m(d, q.dtype, pool.dtype)
         out = poison_(torch.empty_like(q))
         paged_prefill(q, pool.k_caches[0], pool.v_caches[0], meta.block_table, meta.cu_seqlens_q,
                       meta.kv_lens, plan_blocks(q_lens, hq // hkv, bm, DEV), bm, out, d ** -0.5,

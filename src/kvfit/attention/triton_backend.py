@@ -19,8 +19,9 @@ from typing import Optional
 import torch
 
 from kvfit.attention.base import AttentionBackend, AttentionMetadata
-
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+from kvfit.kernels.decode import choose_config, paged_decode
+from kvfit.kernels.prefill import paged_prefill, plan_blocks, prefill_block_m
+from kvfit.kernels.store import store_kv
 
 
 class TritonBackend(AttentionBackend):
@@ -40,7 +41,7 @@ class TritonBackend(AttentionBackend):
         self._block_m = None
         self._graph_max_len: Optional[int] = None
         self._scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-        self._v_t = getattr(pool, "v_layout", "HND") == "HDN"
+        self._v_t = pool.v_layout == "HDN"
 
     @classmethod
     def v_layout(cls, kv_dtype: str, page_size: int, head_dim: int) -> str:
@@ -72,8 +73,6 @@ class TritonBackend(AttentionBackend):
         return spec.num_kv_heads, spec.head_dim
 
     def _plan_decode(self, meta: AttentionMetadata, max_len: int) -> None:
-        from kvfit.kernels.decode import choose_config
-
         hkv, d = self._layer_shape()
         # the group is fixed by the model; q heads are only known at forward, so plan on Hkv
         self._decode_cfg = choose_config(meta.batch_size, hkv, 1, d, max_len, self.pool.dtype,
@@ -86,16 +85,12 @@ class TritonBackend(AttentionBackend):
             self._plan_decode(meta, max(meta.kv_lens_cpu, default=1))
             self._blocks = None
         else:
-            from kvfit.kernels.prefill import prefill_block_m
-
             _, d = self._layer_shape()
-            self._block_m = prefill_block_m(0, d, self.compute_dtype, self.pool.dtype)
+            self._block_m = prefill_block_m(d, self.compute_dtype, self.pool.dtype)
             self._q_lens = list(meta.q_lens_cpu)
             self._blocks = {}
 
     def _prefill_blocks(self, group: int) -> torch.Tensor:
-        from kvfit.kernels.prefill import plan_blocks
-
         if group not in self._blocks:
             self._blocks[group] = plan_blocks(self._q_lens, group, self._block_m,
                                               self.meta.cu_seqlens_q.device)
@@ -103,8 +98,6 @@ class TritonBackend(AttentionBackend):
 
     # -- per layer ------------------------------------------------------------------------
     def forward(self, q, k, v, layer_id):
-        from kvfit.kernels.store import store_kv
-
         meta = self.meta
         pool = self.pool
         kc, vc = pool.k_caches[layer_id], pool.v_caches[layer_id]
@@ -116,21 +109,14 @@ class TritonBackend(AttentionBackend):
         if q.stride(-1) != 1:
             q = q.contiguous()
         if meta.is_decode:
-            from kvfit.kernels.decode import paged_decode
-
             cfg = self._decode_cfg
-            scratch = None
-            if self._scratch is not None and cfg.num_splits > 1:
-                n = q.shape[0] * q.shape[1] * cfg.num_splits
-                if n > self._scratch[1].shape[0]:
-                    raise RuntimeError(f"decode scratch holds {self._scratch[1].shape[0]} rows, "
-                                       f"need {n}: more than 16 query heads per KV head")
+            scratch = None  # static split-K scratch when it is large enough, else allocated
+            n = q.shape[0] * q.shape[1] * cfg.num_splits
+            if self._scratch is not None and cfg.num_splits > 1 and n <= self._scratch[1].shape[0]:
                 scratch = (self._scratch[0][:n], self._scratch[1][:n])
             paged_decode(q, kc, vc, meta.block_table, meta.kv_lens, out, self.sm_scale, cfg,
                          ks, vs, self.logit_softcap, window, scratch)
         else:
-            from kvfit.kernels.prefill import paged_prefill
-
             group = q.shape[1] // kc.shape[1]
             paged_prefill(q, kc, vc, meta.block_table, meta.cu_seqlens_q, meta.kv_lens,
                           self._prefill_blocks(group), self._block_m, out, self.sm_scale,
@@ -141,8 +127,6 @@ class TritonBackend(AttentionBackend):
     def init_cuda_graph(self, max_bs: int, max_pages_per_req: int) -> None:
         """Allocate split-K scratch for ``max_bs`` decode rows at the most splits any batch size
         gets with contexts up to ``max_pages_per_req`` pages (static across replays)."""
-        from kvfit.kernels.decode import choose_config
-
         hkv, d = self._layer_shape()
         self._graph_max_len = max_pages_per_req * self.pool.page_size
         most = 1
@@ -150,7 +134,7 @@ class TritonBackend(AttentionBackend):
             cfg = choose_config(bs, hkv, 1, d, self._graph_max_len, self.pool.dtype,
                                 self.compute_dtype, v_t=self._v_t)
             most = max(most, bs * cfg.num_splits)
-        hq_max = 16 * hkv  # query heads per KV head up to 16; checked at forward
+        hq_max = 16 * hkv  # up to 16 query heads per KV head (larger: allocated per call)
         dev = self.pool.device
         self._scratch = (torch.empty((most * hq_max, d), dtype=torch.float32, device=dev),
                          torch.empty((most * hq_max,), dtype=torch.float32, device=dev))

@@ -54,15 +54,11 @@ def _args(p):
                    help="sweep our decode launch variants at each point instead of the default")
 
 
-def _dtypes():
+def _torch_dtype(name):
     import torch
 
     return {"bfloat16": torch.bfloat16, "float16": torch.float16,
-            "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-
-
-def _torch_dtype(name):
-    return _dtypes()[name]
+            "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[name]
 
 
 def copy_bandwidth(device) -> float:
@@ -83,6 +79,7 @@ class KVSet:
     def __init__(self, hkv, d, kv_dtype, batch, context, page_size, device, seed=0):
         import torch
 
+        self.kv_dtype = kv_dtype
         self.dtype = _torch_dtype(kv_dtype)
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         pages_per_req = -(-context // page_size)
@@ -125,8 +122,7 @@ def ours_v_layout(kv: KVSet) -> str:
     """The V page layout the triton backend asks its pool for at this KV dtype."""
     from kvfit.attention.triton_backend import TritonBackend
 
-    name = {v: k for k, v in _dtypes().items()}[kv.dtype]
-    return TritonBackend.v_layout(name, kv.page_size, kv.head_dim)
+    return TritonBackend.v_layout(kv.kv_dtype, kv.page_size, kv.head_dim)
 
 
 def ours_v_caches(kv: KVSet) -> list:
@@ -280,7 +276,7 @@ def time_ours_prefill(kv: KVSet, hq, d, q_len):
     from kvfit.kernels.prefill import paged_prefill, plan_blocks, prefill_block_m
 
     hkv = kv.caches[0][0].shape[1]
-    bm = prefill_block_m(0, d, torch.bfloat16, kv.dtype)
+    bm = prefill_block_m(d, torch.bfloat16, kv.dtype)
     blocks = plan_blocks([q_len] * kv.batch, hq // hkv, bm, "cuda")
     cu = torch.arange(0, kv.batch + 1, dtype=torch.int32, device="cuda") * q_len
     q = torch.randn(kv.batch * q_len, hq, d, device="cuda", dtype=torch.bfloat16)

@@ -7,12 +7,11 @@ size and allocate the pool -> KV scales -> CUDA graphs. ``execute(items)`` runs 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
-import dataclasses
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 

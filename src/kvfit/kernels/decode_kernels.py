@@ -30,18 +30,17 @@ def build():
     import triton
     import triton.language as tl
 
+    from kvfit.kernels.tile_math import build as build_tile_math
+
+    softcap_logits = build_tile_math()
+
     @triton.jit
     def _softmax_pv(q, k, v, acc, m_i, l_i, live, qk_scale, softcap,
                     HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
         # q [G_PAD, D], k/v [BLOCK_N, D] in the MMA dtype; live [BLOCK_N] when MASKED
         qk = tl.dot(q, tl.trans(k))  # [G_PAD, BLOCK_N] f32
         if HAS_SOFTCAP:
-            # softcap * tanh(x * sm_scale / softcap), base-2 logits afterwards
-            x = qk * (qk_scale / 1.4426950408889634 / softcap)
-            e = tl.exp(-2.0 * tl.abs(x))
-            th = (1.0 - e) / (1.0 + e)
-            th = tl.where(x < 0, -th, th)
-            qk = th * (softcap * 1.4426950408889634)
+            qk = softcap_logits(qk, qk_scale, softcap)
         else:
             qk = qk * qk_scale
         if MASKED:
@@ -114,6 +113,38 @@ def build():
                            softcap, HAS_SOFTCAP, MASKED)
 
     @triton.jit
+    def _split_range(KVLEN, b, s, num_splits, window, BLOCK_N: tl.constexpr,
+                     HAS_WINDOW: tl.constexpr):
+        # tokens [lo, hi) of split s of request b; splits start at multiples of BLOCK_N
+        kv_len = tl.load(KVLEN + b)
+        per = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = s * per
+        hi = tl.minimum(lo + per, kv_len)
+        if HAS_WINDOW:
+            lo = tl.maximum(lo, kv_len - window)
+        return lo, hi
+
+    @triton.jit
+    def _store_split(OUT, OP, LSE, acc, m_i, l_i, b, h, s, num_splits, v_scale,
+                     stride_ot, stride_oh, G: tl.constexpr, G_PAD: tl.constexpr,
+                     D: tl.constexpr, SINGLE: tl.constexpr):
+        # normalise; one split: the output (V scale applied), else the partial + its log-sum-exp
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D)
+        gmask = g < G
+        safe_l = tl.where(l_i > 0, l_i, 1.0)
+        o = acc / safe_l[:, None]
+        hq = h * G + g
+        if SINGLE:
+            tl.store(OUT + b * stride_ot + hq[:, None] * stride_oh + d[None, :],
+                     (o * v_scale).to(OUT.dtype.element_ty), mask=gmask[:, None])
+        else:
+            lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
+            row = (b * (tl.num_programs(1) * G) + hq) * num_splits + s  # [G_PAD]
+            tl.store(OP + row[:, None] * D + d[None, :], o, mask=gmask[:, None])
+            tl.store(LSE + row, lse, mask=gmask)
+
+    @triton.jit
     def _decode_split(Q, KC, VC, BT, KVLEN, OUT, OP, LSE,
                       qk_scale, softcap, window, v_scale,
                       stride_qt, stride_qh, stride_ot, stride_oh,
@@ -125,12 +156,7 @@ def build():
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
-        kv_len = tl.load(KVLEN + b)
-        per = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-        lo = s * per  # a multiple of BLOCK_N
-        hi = tl.minimum(lo + per, kv_len)
-        if HAS_WINDOW:
-            lo = tl.maximum(lo, kv_len - window)
+        lo, hi = _split_range(KVLEN, b, s, num_splits, window, BLOCK_N, HAS_WINDOW)
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
         gmask = g < G
@@ -166,17 +192,8 @@ def build():
                 acc, m_i, l_i = _tile_hnd(q, acc, m_i, l_i, KC, VC, bt_row, head_off, stride_cp,
                                           t0, lo, hi, qk_scale, softcap, D, PAGE, BLOCK_N, F16,
                                           HAS_SOFTCAP)
-        safe_l = tl.where(l_i > 0, l_i, 1.0)
-        o = acc / safe_l[:, None]
-        hq = h * G + g
-        if SINGLE:
-            tl.store(OUT + b * stride_ot + hq[:, None] * stride_oh + d[None, :],
-                     (o * v_scale).to(OUT.dtype.element_ty), mask=gmask[:, None])
-        else:
-            lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
-            row = (b * (tl.num_programs(1) * G) + hq) * num_splits + s  # [G_PAD]
-            tl.store(OP + row[:, None] * D + d[None, :], o, mask=gmask[:, None])
-            tl.store(LSE + row, lse, mask=gmask)
+        _store_split(OUT, OP, LSE, acc, m_i, l_i, b, h, s, num_splits, v_scale, stride_ot,
+                     stride_oh, G, G_PAD, D, SINGLE)
 
     @triton.jit
     def _decode_merge(OP, LSE, OUT, v_scale, stride_ot, stride_oh, num_splits, HQ,
@@ -214,12 +231,7 @@ def build():
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
-        kv_len = tl.load(KVLEN + b)
-        per = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-        start = s * per
-        end = tl.minimum(start + per, kv_len)
-        if HAS_WINDOW:
-            start = tl.maximum(start, kv_len - window)
+        start, end = _split_range(KVLEN, b, s, num_splits, window, BLOCK_N, HAS_WINDOW)
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
         gmask = g < G
@@ -245,11 +257,7 @@ def build():
                 v = tl.load(VC + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
             qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [G_PAD, N]
             if HAS_SOFTCAP:
-                x = qk * (qk_scale / 1.4426950408889634 / softcap)
-                e = tl.exp(-2.0 * tl.abs(x))
-                th = (1.0 - e) / (1.0 + e)
-                th = tl.where(x < 0, -th, th)
-                qk = th * (softcap * 1.4426950408889634)
+                qk = softcap_logits(qk, qk_scale, softcap)
             qk = tl.where(nmask[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
             if tl.max(m_new - m_i, axis=0) > 8.0:
@@ -260,18 +268,7 @@ def build():
             p = tl.exp2(qk - m_i[:, None])
             l3 += p
             acc3 += p[:, :, None] * v.to(tl.float32)[None, :, :]
-        l_i = tl.sum(l3, axis=1)
-        acc = tl.sum(acc3, axis=1)
-        safe_l = tl.where(l_i > 0, l_i, 1.0)
-        o = acc / safe_l[:, None]
-        hq = h * G + g
-        if SINGLE:
-            tl.store(OUT + b * stride_ot + hq[:, None] * stride_oh + d[None, :],
-                     (o * v_scale).to(OUT.dtype.element_ty), mask=gmask[:, None])
-        else:
-            lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
-            row = (b * (tl.num_programs(1) * G) + hq) * num_splits + s
-            tl.store(OP + row[:, None] * D + d[None, :], o, mask=gmask[:, None])
-            tl.store(LSE + row, lse, mask=gmask)
+        _store_split(OUT, OP, LSE, tl.sum(acc3, axis=1), m_i, tl.sum(l3, axis=1), b, h, s,
+                     num_splits, v_scale, stride_ot, stride_oh, G, G_PAD, D, SINGLE)
 
     return _decode_split, _decode_merge, _decode_split_fma

@@ -25,6 +25,10 @@ def _build():
     import triton
     import triton.language as tl
 
+    from kvfit.kernels.tile_math import build as build_tile_math
+
+    softcap_logits = build_tile_math()
+
     @triton.jit
     def _prefill(Q, KC, VC, BT, CU, KVLEN, BLK, OUT,
                  qk_scale, softcap, window, v_scale,
@@ -60,11 +64,10 @@ def _build():
         lo = 0
         if HAS_WINDOW:
             lo = tl.maximum(0, prefix + row0 // G - window + 1)
-        lo0 = lo
         bt_row = BT + req.to(tl.int64) * stride_bt
         head_off = h * stride_ch
-        if V_T:
-            lo = lo // BLOCK_N * BLOCK_N  # page-slice aligned tiles; the mask drops n < lo
+        if V_T:  # page-slice aligned tiles: tokens below lo fall outside every row's window
+            lo = lo // BLOCK_N * BLOCK_N
         for n0 in range(lo, hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             nmask = n < hi
@@ -94,18 +97,12 @@ def _build():
                             other=0.0).to(q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision=PREC)
             if HAS_SOFTCAP:
-                x = qk * (qk_scale / 1.4426950408889634 / softcap)
-                e = tl.exp(-2.0 * tl.abs(x))
-                th = (1.0 - e) / (1.0 + e)
-                th = tl.where(x < 0, -th, th)
-                qk = th * (softcap * 1.4426950408889634)
+                qk = softcap_logits(qk, qk_scale, softcap)
             else:
                 qk = qk * qk_scale
             vis = (n[None, :] <= qpos[:, None]) & nmask[None, :]
             if HAS_WINDOW:
                 vis = vis & (n[None, :] > qpos[:, None] - window)
-            if V_T:
-                vis = vis & (n[None, :] >= lo0)
             qk = tl.where(vis, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -122,8 +119,7 @@ def _build():
     return _prefill
 
 
-def prefill_block_m(group: int, head_dim: int, q_dtype: torch.dtype,
-                    kv_dtype: torch.dtype | None = None) -> int:
+def prefill_block_m(head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> int:
     """Rows (token x head pairs) per program. Measured on the H200 (docs/kernels.md): 64 rows and
     4 warps for 16-bit pages (1.06-1.12x FlashInfer fa2's time on 128-d heads; 128 rows:
     1.2-1.3x) and for fp8 pages of 64-d heads (0.61-0.66x; 128 rows: 0.90-0.96x); 128 rows and
