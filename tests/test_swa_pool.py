@@ -212,12 +212,13 @@ def test_store_saturates_and_rounds(name, tol):
 def test_fp8_model_close_to_bf16():
     """Documented tolerance (tiny random Gemma 3, prompt past the window, 10 decode steps): with
     fp8_e4m3 (e5m2) K/V the logits stay within 5% (10%) of the bf16-cache logits' scale."""
-    from test_gemma3 import _hf_and_ours, _schedule, drive_hybrid
+    from modelhelpers import chunked_schedule
+    from test_gemma3 import _hf_and_ours, drive_hybrid
 
     cfg, _, ours = _hf_and_ours("gemma3", seed=3)
     g = torch.Generator().manual_seed(11)
     seqs = [torch.randint(0, cfg.vocab_size, (n + 10,), generator=g).tolist() for n in (12, 9)]
-    sched = _schedule([12, 9], 5, 10)
+    sched = chunked_schedule([12, 9], 5, 10)
     base, *_ = drive_hybrid(ours, cfg, seqs, sched, kv_dtype="bfloat16")
     for name, tol in (("fp8_e4m3", 0.05), ("fp8_e5m2", 0.10)):
         got, pool, *_ = drive_hybrid(ours, cfg, seqs, sched, kv_dtype=name)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from modelhelpers import chunked_schedule, random_sequences  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -46,14 +47,13 @@ def test_gemma3_hybrid_pool_cuda():
     import test_gemma3 as tg
 
     cfg, hf, ours = tg._hf_and_ours("gemma3")
-    g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, cfg.vocab_size, (n + 16,), generator=g).tolist() for n in (13, 7)]
-    _check(hf.cuda(), tg.drive_hybrid, ours.cuda(), cfg, seqs, tg._schedule([13, 7], 5, 16))
+    seqs = random_sequences(cfg, [13, 7], 16)
+    _check(hf.cuda(), tg.drive_hybrid, ours.cuda(), cfg, seqs, chunked_schedule([13, 7], 5, 16))
 
 
 def test_mla_pool_cuda():
     import test_mla as tm
 
     cfg, hf, ours = tm._hf_and_ours("lite")
-    seqs = tm._seqs(cfg, [11, 6], 16)
-    _check(hf.cuda(), tm.drive_mla, ours.cuda(), cfg, seqs, tm._schedule([11, 6], 4, 16))
+    seqs = random_sequences(cfg, [11, 6], 16)
+    _check(hf.cuda(), tm.drive_mla, ours.cuda(), cfg, seqs, chunked_schedule([11, 6], 4, 16))

@@ -53,17 +53,15 @@ def _build():
                 vf = vf * v_inv
             kf = tl.minimum(tl.maximum(kf, -max_finite), max_finite)
             vf = tl.minimum(tl.maximum(vf, -max_finite), max_finite)
-            tl.store(KC + dst, kf.to(KC.dtype.element_ty), mask=mask)
-            tl.store(VC + dst_v, vf.to(VC.dtype.element_ty), mask=mask)
         elif SCALED:
             # (x / scale) rounded to x's dtype, then cast: quantize()'s order of roundings
             kf = (k.to(tl.float32) * k_inv).to(K.dtype.element_ty)
             vf = (v.to(tl.float32) * v_inv).to(V.dtype.element_ty)
-            tl.store(KC + dst, kf.to(KC.dtype.element_ty), mask=mask)
-            tl.store(VC + dst_v, vf.to(VC.dtype.element_ty), mask=mask)
         else:
-            tl.store(KC + dst, k.to(KC.dtype.element_ty), mask=mask)
-            tl.store(VC + dst_v, v.to(VC.dtype.element_ty), mask=mask)
+            kf = k
+            vf = v
+        tl.store(KC + dst, kf.to(KC.dtype.element_ty), mask=mask)
+        tl.store(VC + dst_v, vf.to(VC.dtype.element_ty), mask=mask)
 
     return _store_kv_kernel
 
