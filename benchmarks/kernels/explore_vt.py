@@ -4,7 +4,8 @@ For each variant: a correctness check against a float32 reference on a small rag
 (lengths off the page/tile size, a single token), then the occupancy of the compiled kernel
 (registers, shared memory) -> the wave-aware split count, then the median time over rotating
 copies of the cache at the benchmark points. Writes $OUT/explore_vt.json.
-Usage: python explore_vt.py [quick]
+Usage: python explore_vt.py [quick|small]   (PAGE=32 in the environment: pages of 32 tokens;
+small: the fp8 points that missed 3 TB/s, SmolLM2's 64-d heads and Llama's 8 x 16k)
 """
 
 import json
@@ -37,7 +38,10 @@ def to_vt(c):
     return c.transpose(2, 3).contiguous()
 
 
-def check(cfg, hq, hkv, d, kv_dtype, page=16):
+PAGE = int(os.environ.get("PAGE", 16))
+
+
+def check(cfg, hq, hkv, d, kv_dtype, page=PAGE):
     torch.manual_seed(1)
     lens = [1, 77, 300, 1000 + 5]
     g = hq // hkv
@@ -89,6 +93,12 @@ def main():
     if quick:
         grid = {k: v[:2] for k, v in grid.items()}
         points = {"qwen3-1.7b": [(2, 4096)]}
+    if len(sys.argv) > 1 and sys.argv[1] == "small":
+        grid = {fp8: [(128, 4, 3, False, None), (64, 4, 3, False, None), (64, 4, 5, True, 128),
+                      (128, 4, 5, True, 128), (64, 4, 6, True, 128), (128, 4, 4, True, None),
+                      (64, 4, 5, True, 96)]}
+        points = {"smollm2": [(8, 16384), (32, 16384), (128, 4096), (128, 16384)],
+                  "llama-3.1-8b": [(8, 16384)]}
     t0 = time.time()
     for layout, pts in points.items():
         hq, hkv, d = LAYOUTS[layout]
@@ -112,7 +122,7 @@ def main():
                         continue
                     key = (b, ctx)
                     if key not in sets:
-                        kvs = KVSet(hkv, d, name, b, ctx, 16, DEV)
+                        kvs = KVSet(hkv, d, name, b, ctx, PAGE, DEV)
                         kvs.vt = [to_vt(c[1]) for c in kvs.caches]
                         sets[key] = kvs
                     kv = sets[key]
@@ -129,7 +139,7 @@ def main():
                     import triton
                     us = triton.testing.do_bench(_rotating(fns), warmup=20, rep=100,
                                                  return_mode="median") * 1e3
-                    rec = dict(layout=layout, kv=name, b=b, ctx=ctx, bn=bn, nw=nw, ns=ns, vt=vt,
+                    rec = dict(layout=layout, kv=name, page=PAGE, b=b, ctx=ctx, bn=bn, nw=nw, ns=ns, vt=vt,
                                maxnreg=mr, regs=decode._LAST[0].n_regs,
                                smem=decode._LAST[0].metadata.shared, occ=occ,
                                splits=cfg.num_splits, err=err, us=us,

@@ -51,6 +51,39 @@ def test_store_bit_exact(kv_dtype, page_size, scales, v_layout):
     assert not q.float().isnan().any()
 
 
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("page_size", [1, 16, 32, 64])
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.37, 2.5)])
+def test_store_chunks_matches_slot_store(kv_dtype, page_size, scales):
+    """Prefill-step store into token-minor V pages by page-row chunks writes exactly the bytes
+    of the slot-mapped store (mixed batch: prefix + chunk, decode rows, chunks off page edges),
+    and nothing else (random pages elsewhere stay as they were)."""
+    from kvfit.kernels.store import plan_store_chunks, store_kv, store_kv_chunks
+
+    torch.manual_seed(2)
+    q_lens, kv_lens = [37, 1, 70, 5, 64], [37, 50, 153, 1029, 64]
+    num_pages = sum(-(-n // page_size) for n in kv_lens) + 3
+    pool = make_pool(kv_dtype, page_size, 4, 128, num_pages, *scales, v_layout="HDN")
+    tables = random_tables(kv_lens, page_size, num_pages, seed=3)
+    meta = build_metadata(q_lens, kv_lens, tables, page_size, DEV)
+    t = sum(q_lens)
+    k = torch.randn(t, 4, 128, device=DEV, dtype=torch.bfloat16) * 3
+    v = torch.randn(t, 4, 128, device=DEV, dtype=torch.bfloat16) * 3
+    v[::9] *= 1000  # saturates the fp8 formats
+    for c in (pool.k_caches[0], pool.v_caches[0]):  # random finite bytes everywhere before
+        u = c.view(torch.uint8)
+        u.copy_(torch.randint(0, 120, u.shape, device=DEV, dtype=torch.uint8))
+    kc, vc = pool.k_caches[0].clone(), pool.v_caches[0].clone()
+    store_kv(k, v, kc, vc, meta.slot_mapping, pool.fmt, *scales, "HDN")
+    chunks = plan_store_chunks(q_lens, kv_lens, page_size, DEV)
+    kc2, vc2 = pool.k_caches[0].clone(), pool.v_caches[0].clone()
+    store_kv_chunks(k, v, kc2, vc2, chunks, meta.cu_seqlens_q, meta.kv_lens, meta.block_table,
+                    pool.fmt, *scales)
+    assert torch.equal(kc.view(torch.uint8), kc2.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), vc2.view(torch.uint8))
+    assert not torch.equal(vc.view(torch.uint8), pool.v_caches[0].view(torch.uint8))
+
+
 DECODE_LENS = [[1, 17, 300, 1000, 5], [4097], [33] * 40]
 
 
@@ -121,10 +154,13 @@ def test_prefill_backend(kv_dtype, page_size, d, case, v_layout):
     assert err < BOUND[cdt], err
 
 
-def test_prefill_poisoned_output_and_window_softcap():
-    """Kernel-level: every output row written (poisoned out), sliding window + softcap honoured."""
+@pytest.mark.parametrize("launch", [None, (128, 64, 8, 5), (64, 32, 4, 5), (64, 64, 4, 2)])
+def test_prefill_poisoned_output_and_window_softcap(launch):
+    """Kernel-level: every output row written (poisoned out), sliding window + softcap honoured,
+    under the default launch and others (row blocks and tiles that cut the causal diagonal and
+    the window edge at different places)."""
     from kvfit.kernels.decode import choose_config, paged_decode
-    from kvfit.kernels.prefill import paged_prefill, plan_blocks, prefill_block_m
+    from kvfit.kernels.prefill import PrefillConfig, paged_prefill, plan_blocks, prefill_config
 
     torch.manual_seed(5)
     hq, hkv, d, ps = 16, 8, 128, 16
@@ -140,11 +176,12 @@ def test_prefill_poisoned_output_and_window_softcap():
         fill_prefix(pool, [0] * 3, kv_lens, tables, torch.bfloat16, scale=3.0)
         meta = build_metadata(q_lens, kv_lens, tables, ps, DEV)
         q = torch.randn(sum(q_lens), hq, d, device=DEV, dtype=torch.bfloat16) * 3
-        bm = prefill_block_m(d, q.dtype, pool.dtype)
+        cfg = PrefillConfig(*launch) if launch else prefill_config(d, q.dtype, pool.dtype)
         out = poison_(torch.empty_like(q))
+        blocks = plan_blocks(q_lens, hq // hkv, cfg.block_m, DEV, kv_lens)
         paged_prefill(q, pool.k_caches[0], pool.v_caches[0], meta.block_table, meta.cu_seqlens_q,
-                      meta.kv_lens, plan_blocks(q_lens, hq // hkv, bm, DEV), bm, out, d ** -0.5,
-                      0.9, 1.1, softcap, window, v_t=v_t)
+                      meta.kv_lens, blocks, cfg, out, d ** -0.5, 0.9, 1.1, softcap, window,
+                      v_t=v_t)
         ref = reference(pool, q, meta, d ** -0.5, softcap)
         assert rel_err(out, ref) < 6e-3, (window, softcap, v_layout)
         # decode over the same pool (one token per request)

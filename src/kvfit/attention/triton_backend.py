@@ -2,7 +2,8 @@
 
 Per step ``plan`` picks the decode launch configuration (split count from batch size and the
 longest context) or, for steps with prefill chunks, the list of prefill programs. Per layer
-``forward`` stores k/v with the fused quantizing store kernel, then runs paged decode (every
+``forward`` stores k/v with the fused quantizing store kernel (prefill steps into token-minor V
+pages: by page-row chunks, ``store_kv_chunks``), then runs paged decode (every
 request has one new token) or paged prefill/extend (anything else, decode tokens of a mixed
 batch included as q_len 1 requests). CUDA graphs: ``init_cuda_graph`` allocates the split-K
 scratch once for the largest batch, ``plan_cuda_graph`` fixes the split count per batch size
@@ -20,8 +21,8 @@ import torch
 
 from kvfit.attention.base import AttentionBackend, AttentionMetadata
 from kvfit.kernels.decode import choose_config, paged_decode
-from kvfit.kernels.prefill import paged_prefill, plan_blocks, prefill_block_m
-from kvfit.kernels.store import store_kv
+from kvfit.kernels.prefill import paged_prefill, plan_blocks, prefill_config
+from kvfit.kernels.store import plan_store_chunks, store_kv, store_kv_chunks
 
 
 class TritonBackend(AttentionBackend):
@@ -38,7 +39,8 @@ class TritonBackend(AttentionBackend):
         super().__init__(pool, compute_dtype, sm_scale, logit_softcap)
         self._decode_cfg = None
         self._blocks = None
-        self._block_m = None
+        self._prefill_cfg = None
+        self._store_chunks: Optional[torch.Tensor] = None
         self._graph_max_len: Optional[int] = None
         self._scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._v_t = pool.v_layout == "HDN"
@@ -86,14 +88,20 @@ class TritonBackend(AttentionBackend):
             self._blocks = None
         else:
             _, d = self._layer_shape()
-            self._block_m = prefill_block_m(d, self.compute_dtype, self.pool.dtype)
+            self._prefill_cfg = prefill_config(d, self.compute_dtype, self.pool.dtype)
             self._q_lens = list(meta.q_lens_cpu)
+            self._kv_lens = list(meta.kv_lens_cpu)
             self._blocks = {}
+            if self._v_t:  # token-minor V: store a page row's new tokens together
+                real = len(self._q_lens) if meta.num_real_reqs is None else meta.num_real_reqs
+                self._store_chunks = plan_store_chunks(
+                    self._q_lens[:real], self._kv_lens[:real], self.pool.page_size,
+                    meta.cu_seqlens_q.device)
 
     def _prefill_blocks(self, group: int) -> torch.Tensor:
         if group not in self._blocks:
-            self._blocks[group] = plan_blocks(self._q_lens, group, self._block_m,
-                                              self.meta.cu_seqlens_q.device)
+            self._blocks[group] = plan_blocks(self._q_lens, group, self._prefill_cfg.block_m,
+                                              self.meta.cu_seqlens_q.device, self._kv_lens)
         return self._blocks[group]
 
     # -- per layer ------------------------------------------------------------------------
@@ -102,7 +110,11 @@ class TritonBackend(AttentionBackend):
         pool = self.pool
         kc, vc = pool.k_caches[layer_id], pool.v_caches[layer_id]
         ks, vs = pool.k_scales[layer_id], pool.v_scales[layer_id]
-        store_kv(k, v, kc, vc, meta.slot_mapping, pool.fmt, ks, vs, pool.v_layout)
+        if self._v_t and not meta.is_decode:
+            store_kv_chunks(k, v, kc, vc, self._store_chunks, meta.cu_seqlens_q, meta.kv_lens,
+                            meta.block_table, pool.fmt, ks, vs)
+        else:
+            store_kv(k, v, kc, vc, meta.slot_mapping, pool.fmt, ks, vs, pool.v_layout)
         spec = pool.layers[layer_id]
         window = spec.window if spec.kind == "sliding" else None
         out = torch.empty_like(q)
@@ -119,7 +131,7 @@ class TritonBackend(AttentionBackend):
         else:
             group = q.shape[1] // kc.shape[1]
             paged_prefill(q, kc, vc, meta.block_table, meta.cu_seqlens_q, meta.kv_lens,
-                          self._prefill_blocks(group), self._block_m, out, self.sm_scale,
+                          self._prefill_blocks(group), self._prefill_cfg, out, self.sm_scale,
                           ks, vs, self.logit_softcap, window, v_t=self._v_t)
         return out
 

@@ -41,7 +41,9 @@ def _args(p):
     p.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3")
     p.add_argument("--batches", default="1,8,32,128")
     p.add_argument("--contexts", default="1024,4096,16384,65536")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=None,
+                   help="tokens per page (default: the triton backend's default for the KV dtype "
+                        "and head size, as the engine picks it: 32 for fp8 with heads >= 128)")
     p.add_argument("--max-gib", type=float, default=40.0, help="skip points whose KV is larger")
     p.add_argument("--prefill-contexts", default="1024,4096,16384",
                    help="prompt lengths for prefill points (batch = 16k tokens / length)")
@@ -116,6 +118,13 @@ def _rotating(fns):
         state[0] += 1
 
     return call
+
+
+def page_size(args, kv_dtype: str, head_dim: int) -> int:
+    """--page-size, else the page size the engine picks for this KV dtype and head size."""
+    from kvfit.attention.triton_backend import TritonBackend
+
+    return args.page_size or TritonBackend.default_page_size(kv_dtype, head_dim)
 
 
 def ours_v_layout(kv: KVSet) -> str:
@@ -205,9 +214,10 @@ def run_decode(args, device, copy_bw, results):
                     if need > args.max_gib * (1 << 30):
                         print(f"skip {layout} {kvd} b={b} ctx={ctx}: {need / 2**30:.1f} GiB")
                         continue
-                    kv = KVSet(hkv, d, kvd, b, ctx, args.page_size, device)
+                    kv = KVSet(hkv, d, kvd, b, ctx, page_size(args, kvd, d), device)
                     rec = {"kind": "decode", "layout": layout, "kv_dtype": kvd, "batch": b,
-                           "context": ctx, "kv_bytes": kv.bytes, "elements": kv.bytes // isz}
+                           "context": ctx, "kv_bytes": kv.bytes, "elements": kv.bytes // isz,
+                           "page_size": kv.page_size}
                     over = json.loads(args.fp8_cfg) if (isz == 1 and args.fp8_cfg) else {}
                     v_t = ours_v_layout(kv) == "HDN"
                     rec["ours_v_layout"] = ours_v_layout(kv)
@@ -273,18 +283,18 @@ def time_ours_prefill(kv: KVSet, hq, d, q_len):
     import torch
     import triton
 
-    from kvfit.kernels.prefill import paged_prefill, plan_blocks, prefill_block_m
+    from kvfit.kernels.prefill import paged_prefill, plan_blocks, prefill_config
 
     hkv = kv.caches[0][0].shape[1]
-    bm = prefill_block_m(d, torch.bfloat16, kv.dtype)
-    blocks = plan_blocks([q_len] * kv.batch, hq // hkv, bm, "cuda")
+    cfg = prefill_config(d, torch.bfloat16, kv.dtype)
+    blocks = plan_blocks([q_len] * kv.batch, hq // hkv, cfg.block_m, "cuda")
     cu = torch.arange(0, kv.batch + 1, dtype=torch.int32, device="cuda") * q_len
     q = torch.randn(kv.batch * q_len, hq, d, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     vcs = ours_v_caches(kv)
     v_t = ours_v_layout(kv) == "HDN"
     fns = [lambda i=i: paged_prefill(q, kv.caches[i][0], vcs[i], kv.block_table, cu,
-                                     kv.kv_lens, blocks, bm, out, d ** -0.5, v_t=v_t)
+                                     kv.kv_lens, blocks, cfg, out, d ** -0.5, v_t=v_t)
            for i in range(kv.reps)]
     return triton.testing.do_bench(_rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3
 
@@ -315,10 +325,10 @@ def run_prefill(args, device, results):
         for ctx in map(int, args.prefill_contexts.split(",")):
             b = max(1, 16384 // ctx)
             for kvd in args.kv_dtypes.split(","):
-                kv = KVSet(hkv, d, kvd, b, ctx, args.page_size, device)
+                kv = KVSet(hkv, d, kvd, b, ctx, page_size(args, kvd, d), device)
                 flops = b * 4 * hq * d * ctx * (ctx + 1) / 2
                 rec = {"kind": "prefill", "layout": layout, "kv_dtype": kvd, "batch": b,
-                       "context": ctx, "flops": flops}
+                       "context": ctx, "flops": flops, "page_size": kv.page_size}
                 rec["ours_us"] = time_ours_prefill(kv, hq, d, ctx)
                 if not args.no_fi:
                     try:

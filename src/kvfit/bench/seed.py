@@ -19,19 +19,26 @@ Writes ``seed.md`` (markdown table), ``seed.json`` and ``seed.png`` under ``--ou
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
+
+from kvfit.config import EngineConfig
 
 GiB = 1 << 30
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks",
                               "configs", "qwen3-1.7b.json")
 
 
+_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
 def _args(p):
     p.add_argument("--model", default=os.path.normpath(DEFAULT_CONFIG),
                    help="config.json (random weights) or model directory")
-    p.add_argument("--attention-backend", default="triton")
+    p.add_argument("--attention-backend", default=_ENGINE_DEFAULTS["attention_backend"],
+                   help="as `kvfit generate` (default: the engine's, auto)")
     p.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3,fp8_e5m2")
     p.add_argument("--contexts", default="1024,16384")
     p.add_argument("--batches", default="1,64")
@@ -120,7 +127,9 @@ def prefill_point(runner, n: int) -> float:
     pos = torch.arange(n, device=runner.device)
     times = []
     with torch.inference_mode():
-        for _ in range(4):
+        # best of 7 after a warm-up: at a few thousand tokens the step is partly host-bound
+        # (Python launch overhead ~ GPU time), so single steps vary with host jitter
+        for _ in range(8):
             _sync()
             t0 = time.perf_counter()
             runner.backend.plan(meta)
@@ -295,7 +304,8 @@ def plot(res: dict, path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("decode tok/s")
-    ax.set_title(f"decode throughput, {os.path.basename(res['model'])}, {res['backend']}")
+    backends = ", ".join(sorted({r.get("backend", res["backend"]) for r in res["dtypes"]}))
+    ax.set_title(f"decode throughput, {os.path.basename(res['model'])}, {backends}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

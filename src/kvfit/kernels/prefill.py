@@ -6,13 +6,17 @@ Rows of a program are (token, query head of the group) pairs, row r -> token r /
 so one program per KV head loads each KV tile once for all G query heads sharing it. Decode
 tokens of a mixed batch are simply requests with q_len 1.
 
-The host plan (``plan_blocks``) lists (request, first row) per program once per step; the kernel
-reads q offsets and lengths from ``cu_seqlens_q`` and ``kv_lens`` on the device.
+The host plan (``plan_blocks``) lists (request, first row) per program once per step, heaviest
+block first; the kernel reads q offsets and lengths from ``cu_seqlens_q`` and ``kv_lens`` on the
+device. A block's KV tiles split into three runs: tiles that may cross the sliding window's lower
+edge, tiles wholly visible to every row (no masks on loads or logits), and tiles that cross the
+causal diagonal or the end of the cache; only the first and last runs pay for masks.
 Owns nothing; writes ``out``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -30,18 +34,95 @@ def _build():
     softcap_logits = build_tile_math()
 
     @triton.jit
+    def _tile(acc, m_i, l_i, q, n0, hi, qpos, KC, VC, bt_row, head_off, stride_cp,
+              qk_scale, softcap, window,
+              D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, V_T: tl.constexpr,
+              HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
+              MASKED: tl.constexpr):
+        # One KV tile [n0, n0 + BLOCK_N) into the online softmax of the block's rows. Unmasked
+        # tiles (MASKED False) lie wholly below every row's causal diagonal and inside its
+        # window, and below hi: no masks on loads or logits.
+        n = n0 + tl.arange(0, BLOCK_N)
+        d = tl.arange(0, D)
+        nmask = n < hi
+        if V_T:
+            # V pages token-minor [H, D, P]: addresses per page slice, loads masked per page
+            # (16-byte vectors), dead tokens of a live page zeroed after the load
+            PP: tl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
+            NP: tl.constexpr = BLOCK_N // PP
+            first = n0 + tl.arange(0, NP) * PP
+            tp = tl.multiple_of(n0 % PAGE, PP) + tl.arange(0, PP)
+            if MASKED:
+                pmask = first < hi
+                pg = tl.load(bt_row + first // PAGE, mask=pmask, other=0).to(tl.int64)
+                base = pg * stride_cp + head_off
+                k = tl.load(KC + base[:, None, None] + (tp * D)[None, :, None]
+                            + d[None, None, :], mask=pmask[:, None, None], other=0.0)
+                vt = tl.load(VC + base[None, :, None] + (d * PAGE)[:, None, None]
+                             + tp[None, None, :], mask=pmask[None, :, None], other=0.0)
+            else:
+                pg = tl.load(bt_row + first // PAGE).to(tl.int64)
+                base = pg * stride_cp + head_off
+                k = tl.load(KC + base[:, None, None] + (tp * D)[None, :, None]
+                            + d[None, None, :])
+                vt = tl.load(VC + base[None, :, None] + (d * PAGE)[:, None, None]
+                             + tp[None, None, :])
+            k = tl.reshape(k, (BLOCK_N, D)).to(q.dtype)  # [NP, PP, D] -> [BLOCK_N, D]
+            v = tl.trans(tl.reshape(vt, (D, BLOCK_N))).to(q.dtype)  # [D, NP, PP] -> [BLOCK_N, D]
+            if MASKED or PP < 8:
+                # (PP < 8: the select also keeps Triton 3.6 from folding a 16-bit V tile's
+                # reshape+transpose into a shared-memory layout it cannot build)
+                v = tl.where(nmask[:, None], v, 0.0)
+        else:
+            if MASKED:
+                page = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
+                off = page * stride_cp + head_off + (n % PAGE) * D
+                k = tl.load(KC + off[:, None] + d[None, :], mask=nmask[:, None],
+                            other=0.0).to(q.dtype)
+                v = tl.load(VC + off[:, None] + d[None, :], mask=nmask[:, None],
+                            other=0.0).to(q.dtype)
+            else:
+                page = tl.load(bt_row + n // PAGE).to(tl.int64)
+                off = page * stride_cp + head_off + (n % PAGE) * D
+                k = tl.load(KC + off[:, None] + d[None, :]).to(q.dtype)
+                v = tl.load(VC + off[:, None] + d[None, :]).to(q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_M, BLOCK_N] f32
+        if HAS_SOFTCAP:
+            qk = softcap_logits(qk, qk_scale, softcap)
+        else:
+            qk = qk * qk_scale
+        if MASKED:
+            vis = (n[None, :] <= qpos[:, None]) & nmask[None, :]
+            if HAS_WINDOW:
+                vis = vis & (n[None, :] > qpos[:, None] - window)
+            qk = tl.where(vis, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # row with nothing visible yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            m_use = m_new
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+        return acc, m_new, l_i
+
+    @triton.jit
     def _prefill(Q, KC, VC, BT, CU, KVLEN, BLK, OUT,
                  qk_scale, softcap, window, v_scale,
                  stride_qt, stride_qh, stride_ot, stride_oh,
                  stride_cp, stride_ch, stride_bt,
-                 G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                 G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, HKV: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_T: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
                  F16: tl.constexpr):
+        # one program per (planned block, KV head); heads vary fastest so the heaviest blocks
+        # (listed first by plan_blocks) start first on every head
         pid = tl.program_id(0)
-        h = tl.program_id(1)
-        req = tl.load(BLK + 2 * pid)
-        row0 = tl.load(BLK + 2 * pid + 1)
+        blk = pid // HKV
+        h = pid % HKV
+        req = tl.load(BLK + 2 * blk)
+        row0 = tl.load(BLK + 2 * blk + 1)
         q_start = tl.load(CU + req)
         q_len = tl.load(CU + req + 1) - q_start
         kv_len = tl.load(KVLEN + req)
@@ -59,58 +140,37 @@ def _build():
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
+        first_tok = row0 // G
         last_tok = tl.minimum((row0 + BLOCK_M - 1) // G, q_len - 1)
         hi = prefix + last_tok + 1
         lo = 0
         if HAS_WINDOW:
-            lo = tl.maximum(0, prefix + row0 // G - window + 1)
-        bt_row = BT + req.to(tl.int64) * stride_bt
-        head_off = h * stride_ch
+            lo = tl.maximum(0, prefix + first_tok - window + 1)
         if V_T:  # page-slice aligned tiles: tokens below lo fall outside every row's window
             lo = lo // BLOCK_N * BLOCK_N
-        for n0 in range(lo, hi, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            nmask = n < hi
-            if V_T:
-                # V pages token-minor [H, D, P]: addresses per page slice, loads masked per
-                # page (16-byte vectors), dead tokens of a live page zeroed after the load
-                PP: tl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
-                NP: tl.constexpr = BLOCK_N // PP
-                first = n0 + tl.arange(0, NP) * PP
-                pmask = first < hi
-                pg = tl.load(bt_row + first // PAGE, mask=pmask, other=0).to(tl.int64)
-                base = pg * stride_cp + head_off
-                tp = tl.multiple_of(n0 % PAGE, PP) + tl.arange(0, PP)
-                k = tl.load(KC + base[:, None, None] + (tp * D)[None, :, None]
-                            + d[None, None, :], mask=pmask[:, None, None], other=0.0)
-                k = tl.reshape(k, (BLOCK_N, D)).to(q.dtype)  # [NP, PP, D] -> [BLOCK_N, D]
-                vt = tl.load(VC + base[None, :, None] + (d * PAGE)[:, None, None]
-                             + tp[None, None, :], mask=pmask[None, :, None], other=0.0)
-                v = tl.trans(tl.reshape(vt, (D, BLOCK_N))).to(q.dtype)  # [BLOCK_N, D]
-                v = tl.where(nmask[:, None], v, 0.0)
-            else:
-                page = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
-                off = page * stride_cp + head_off + (n % PAGE) * D
-                k = tl.load(KC + off[:, None] + d[None, :], mask=nmask[:, None],
-                            other=0.0).to(q.dtype)
-                v = tl.load(VC + off[:, None] + d[None, :], mask=nmask[:, None],
-                            other=0.0).to(q.dtype)
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-            if HAS_SOFTCAP:
-                qk = softcap_logits(qk, qk_scale, softcap)
-            else:
-                qk = qk * qk_scale
-            vis = (n[None, :] <= qpos[:, None]) & nmask[None, :]
-            if HAS_WINDOW:
-                vis = vis & (n[None, :] > qpos[:, None] - window)
-            qk = tl.where(vis, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(qk - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
-            m_i = m_new
+        # tiles [0, t_win) may cross the window's lower edge, [t_win, t_diag) are wholly visible
+        # to every row, [t_diag, n_tiles) cross the causal diagonal or hi: masks only where needed
+        n_tiles = tl.cdiv(hi - lo, BLOCK_N)
+        t_diag = tl.minimum((prefix + first_tok + 1 - lo) // BLOCK_N, n_tiles)
+        t_win = 0
+        if HAS_WINDOW:
+            t_win = tl.minimum(tl.cdiv(tl.maximum(prefix + last_tok - window + 1 - lo, 0),
+                                       BLOCK_N), n_tiles)
+            t_diag = tl.maximum(t_diag, t_win)
+        bt_row = BT + req.to(tl.int64) * stride_bt
+        head_off = h * stride_ch
+        for t in range(0, t_win):
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q, lo + t * BLOCK_N, hi, qpos, KC, VC, bt_row,
+                                  head_off, stride_cp, qk_scale, softcap, window, D, PAGE,
+                                  BLOCK_N, V_T, HAS_SOFTCAP, HAS_WINDOW, PREC, True)
+        for t in range(t_win, t_diag):
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q, lo + t * BLOCK_N, hi, qpos, KC, VC, bt_row,
+                                  head_off, stride_cp, qk_scale, softcap, window, D, PAGE,
+                                  BLOCK_N, V_T, HAS_SOFTCAP, HAS_WINDOW, PREC, False)
+        for t in range(t_diag, n_tiles):
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q, lo + t * BLOCK_N, hi, qpos, KC, VC, bt_row,
+                                  head_off, stride_cp, qk_scale, softcap, window, D, PAGE,
+                                  BLOCK_N, V_T, HAS_SOFTCAP, HAS_WINDOW, PREC, True)
         safe_l = tl.where(l_i > 0, l_i, 1.0)
         o = acc / safe_l[:, None] * v_scale
         tl.store(OUT + (q_start + tok).to(tl.int64)[:, None] * stride_ot + hq[:, None] * stride_oh
@@ -119,63 +179,86 @@ def _build():
     return _prefill
 
 
-def prefill_block_m(head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> int:
-    """Rows (token x head pairs) per program. Measured on the H200 (docs/kernels.md): 64 rows and
-    4 warps for 16-bit pages (1.06-1.12x FlashInfer fa2's time on 128-d heads; 128 rows:
-    1.2-1.3x) and for fp8 pages of 64-d heads (0.61-0.66x; 128 rows: 0.90-0.96x); 128 rows and
-    8 warps for fp8 pages of 128-d heads (1.37-1.46x; 64 rows: 1.5-1.6x)."""
-    if q_dtype == torch.float32 or kv_dtype == torch.float32:
-        return 16
-    if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and head_dim == 128:
-        return 128
-    return 64
+def _kernel():
+    """The compiled-on-first-use Triton prefill kernel (built once per process)."""
+    if "k" not in _K:
+        _K["k"] = _build()
+    return _K["k"]
 
 
-def plan_blocks(q_lens: Sequence[int], group: int, block_m: int, device) -> torch.Tensor:
-    """[NB, 2] int32 (request, first row) for every program of a step (host work, one copy)."""
-    flat: list[int] = []
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Launch shape of the prefill kernel: rows (token x head pairs) and KV tokens per tile,
+    warps, software-pipeline stages."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def prefill_config(head_dim: int, q_dtype: torch.dtype,
+                   kv_dtype: torch.dtype | None = None) -> PrefillConfig:
+    """Measured on the H200 against FlashInfer fa2 (docs/kernels.md, explore_prefill.py).
+
+    5 stages are the fewest at which Triton overlaps the block-table tile loads with the MMAs
+    (below that, each tile's loads are waited for right after they are issued). 128-d heads:
+    16-bit pages 128 rows x 8 warps (0.83-1.15x FlashInfer's time at 16k-1k prompts), fp8 pages
+    64 rows x 4 warps (0.91-1.13x). 64-d heads: 64 rows, 4 warps, 2 stages (0.45-0.75x). Heads
+    over 128 keep 32-token tiles and 2 stages (shared memory)."""
+    if q_dtype == torch.float32 or kv_dtype == torch.float32:  # exact float32 products
+        return PrefillConfig(16, 16, 4, 1)
+    if head_dim > 128:
+        return PrefillConfig(64, 32, 4, 2)
+    if head_dim <= 64:
+        return PrefillConfig(64, 64, 4, 2)
+    if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return PrefillConfig(64, 64, 4, 5)
+    return PrefillConfig(128, 64, 8, 5)
+
+
+def plan_blocks(q_lens: Sequence[int], group: int, block_m: int, device,
+                kv_lens: Sequence[int] | None = None) -> torch.Tensor:
+    """[NB, 2] int32 (request, first row) for every program of a step (host work, one copy).
+
+    Blocks are listed heaviest first (most KV tokens under their last row; ``kv_lens`` default
+    to ``q_lens``, no cached prefix), so the long causal blocks start in the first wave and the
+    short ones fill the tail."""
+    work: list[tuple[int, int, int]] = []
     for i, ql in enumerate(q_lens):
+        prefix = (kv_lens[i] if kv_lens is not None else ql) - ql
         rows = ql * group
         for r0 in range(0, rows, block_m):
-            flat += (i, r0)
+            last = min((r0 + block_m - 1) // group, ql - 1)
+            work.append((prefix + last, i, r0))
+    work.sort(key=lambda w: -w[0])
+    flat = [x for _, i, r0 in work for x in (i, r0)]
     return torch.tensor(flat, dtype=torch.int32).view(-1, 2).to(device, non_blocking=True)
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
-                  blocks: torch.Tensor, block_m: int, out: torch.Tensor, sm_scale: float,
+                  blocks: torch.Tensor, cfg: PrefillConfig, out: torch.Tensor, sm_scale: float,
                   k_scale: float = 1.0, v_scale: float = 1.0, softcap: float | None = None,
-                  window: int | None = None, block_n: int | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None,
-                  v_t: bool = False) -> torch.Tensor:
-    """q ``[T, Hq, D]`` -> ``out [T, Hq, D]`` (written) for the programs listed in ``blocks``.
+                  window: int | None = None, v_t: bool = False) -> torch.Tensor:
+    """q ``[T, Hq, D]`` -> ``out [T, Hq, D]`` (written) for the programs listed in ``blocks``
+    (``plan_blocks`` with ``cfg.block_m`` rows).
 
     K pages ``[pages, Hkv, P, D]``; V the same, or token-minor ``[pages, Hkv, D, P]`` if ``v_t``."""
-    if "k" not in _K:
-        _K["k"] = _build()
-    kern = _K["k"]
+    kern = _kernel()
     nb = blocks.shape[0]
     if nb == 0:
         return out
     hq, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[1]
     fp32 = q.dtype == torch.float32 or k_cache.dtype == torch.float32
-    if fp32:  # exact float32 products (no tf32) for float32 queries or pools
-        block_n = block_n or 16
-        num_warps = num_warps or 4
-        num_stages = num_stages or 1
-    else:
-        block_n = block_n or (64 if d <= 128 else 32)
-        num_warps = num_warps or (8 if block_m >= 128 else 4)
-        num_stages = num_stages or 2
-    kern[(nb, hkv)](
+    kern[(nb * hkv,)](
         q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, blocks, out,
         float(sm_scale * k_scale * LOG2E), float(softcap or 0.0), int(window or 0), float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
-        G=hq // hkv, D=d, PAGE=k_cache.shape[2], BLOCK_M=block_m, BLOCK_N=block_n, V_T=v_t,
-        HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-        PREC="ieee" if fp32 else "tf32",
+        G=hq // hkv, D=d, PAGE=k_cache.shape[2], HKV=hkv, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, V_T=v_t, HAS_SOFTCAP=softcap is not None,
+        HAS_WINDOW=window is not None, PREC="ieee" if fp32 else "tf32",
         F16=k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and not fp32,
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

@@ -14,12 +14,33 @@ from __future__ import annotations
 
 import torch
 
-_KERNEL = None
+_K = {}
+
+
+def _kernels():
+    if "k" not in _K:
+        _K["k"] = _build()
+    return _K["k"]
 
 
 def _build():
+    """(slot-mapped store kernel, page-chunk store kernel), compiled on first use."""
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def _quant(x, inv, max_finite, QUANT: tl.constexpr, SCALED: tl.constexpr):
+        # the pool's element function: cast(clamp(x * (1/scale))) in float32 for quantized
+        # formats; (x * (1/scale)) rounded to x's dtype for 16/32-bit pools (the caller casts)
+        if QUANT:
+            xf = x.to(tl.float32)
+            if SCALED:
+                xf = xf * inv
+            return tl.minimum(tl.maximum(xf, -max_finite), max_finite)
+        elif SCALED:
+            return (x.to(tl.float32) * inv).to(x.dtype)
+        else:
+            return x
 
     @triton.jit
     def _store_kv_kernel(K, V, KC, VC, SLOT, k_inv, v_inv, max_finite,
@@ -45,25 +66,49 @@ def _build():
             dst_v = dst
         k = tl.load(K + t * stride_kt + h * stride_kh + d, mask=mask)
         v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=mask)
-        if QUANT:
-            kf = k.to(tl.float32)
-            vf = v.to(tl.float32)
-            if SCALED:
-                kf = kf * k_inv
-                vf = vf * v_inv
-            kf = tl.minimum(tl.maximum(kf, -max_finite), max_finite)
-            vf = tl.minimum(tl.maximum(vf, -max_finite), max_finite)
-        elif SCALED:
-            # (x / scale) rounded to x's dtype, then cast: quantize()'s order of roundings
-            kf = (k.to(tl.float32) * k_inv).to(K.dtype.element_ty)
-            vf = (v.to(tl.float32) * v_inv).to(V.dtype.element_ty)
-        else:
-            kf = k
-            vf = v
+        kf = _quant(k, k_inv, max_finite, QUANT, SCALED)
+        vf = _quant(v, v_inv, max_finite, QUANT, SCALED)
         tl.store(KC + dst, kf.to(KC.dtype.element_ty), mask=mask)
         tl.store(VC + dst_v, vf.to(VC.dtype.element_ty), mask=mask)
 
-    return _store_kv_kernel
+    @triton.jit
+    def _store_chunks_kernel(K, V, KC, VC, CHUNKS, CU, KVLEN, BT, k_inv, v_inv, max_finite,
+                             stride_kt, stride_kh, stride_vt, stride_vh,
+                             stride_cp, stride_ch, stride_bt,
+                             D: tl.constexpr, PAGE: tl.constexpr, PP: tl.constexpr,
+                             QUANT: tl.constexpr, SCALED: tl.constexpr):
+        # program (chunk, head): the new tokens of one request at positions [a, a + PP), one
+        # page's slice (PP divides PAGE, a % PP == 0), into token-minor V pages [H, D, P]
+        c = tl.program_id(0)
+        h = tl.program_id(1)
+        req = tl.load(CHUNKS + 2 * c)
+        a = tl.load(CHUNKS + 2 * c + 1)
+        q_start = tl.load(CU + req)
+        q_len = tl.load(CU + req + 1) - q_start
+        kv_len = tl.load(KVLEN + req)
+        prefix = kv_len - q_len
+        pos = a + tl.arange(0, PP)
+        live = (pos >= prefix) & (pos < kv_len)  # [PP]
+        tok = (q_start + pos - prefix).to(tl.int64)
+        page = tl.load(BT + req.to(tl.int64) * stride_bt + a // PAGE).to(tl.int64)
+        base = page * stride_cp + h * stride_ch
+        off = tl.multiple_of(a % PAGE, PP) + tl.arange(0, PP)  # PP neighbouring slots
+        d = tl.arange(0, D)
+        k = tl.load(K + tok[:, None] * stride_kt + h * stride_kh + d[None, :], mask=live[:, None])
+        v = tl.load(V + tok[:, None] * stride_vt + h * stride_vh + d[None, :], mask=live[:, None])
+        kf = _quant(k, k_inv, max_finite, QUANT, SCALED)
+        vf = _quant(v, v_inv, max_finite, QUANT, SCALED)
+        tl.store(KC + base + off[:, None] * D + d[None, :], kf.to(KC.dtype.element_ty),
+                 mask=live[:, None])
+        # [PP, D] -> [D, PP]: the slots are contiguous along PP, so each page row's PP tokens
+        # are written as whole 16-byte vectors (instead of one byte each PAGE bytes apart);
+        # positions of the slice that are not new keep the bytes read back (no other program
+        # of the launch writes this slice: it belongs to one request's new tokens)
+        vptr = VC + base + (d * PAGE)[:, None] + off[None, :]
+        vt = tl.where(live[None, :], tl.trans(vf.to(VC.dtype.element_ty)), tl.load(vptr))
+        tl.store(vptr, vt)
+
+    return _store_kv_kernel, _store_chunks_kernel
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -74,9 +119,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
     ``fmt`` is the pool's ``KVFormat``. Mutates ``k_cache`` and ``v_cache``. No host syncs.
     """
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = _build()
+    kernel = _kernels()[0]
     t, h, d = k.shape
     if t == 0:
         return
@@ -100,9 +143,62 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     # (its CUDA reciprocal fast path); the same product gives bit-identical stores
     k_inv = float(np.float32(1.0) / np.float32(k_scale))
     v_inv = float(np.float32(1.0) / np.float32(v_scale))
-    _KERNEL[(t,)](k, v, k_cache, v_cache, slot_mapping, k_inv, v_inv,
+    kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, k_inv, v_inv,
                   float(fmt.max_finite) if quant else 0.0,
                   k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                   k_cache.stride(0), k_cache.stride(1),
                   H=h, D=d, PAGE=k_cache.shape[2], BLOCK=block, QUANT=quant, SCALED=scaled, V_T=v_t,
                   num_warps=4 if block >= 1024 else 2)
+
+
+def chunk_tokens(page_size: int) -> int:
+    """Tokens per program of ``store_kv_chunks``: a page, at most 32 (a 32-byte fp8 sector)."""
+    return min(page_size, 32)
+
+
+def plan_store_chunks(q_lens, kv_lens, page_size: int, device) -> torch.Tensor:
+    """[NC, 2] int32 (request, first position) covering every request's new positions
+    ``[kv_len - q_len, kv_len)`` in page-aligned chunks of ``chunk_tokens(page_size)``."""
+    pp = chunk_tokens(page_size)
+    flat: list[int] = []
+    for i, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
+        for a in range((kl - ql) // pp * pp, kl, pp):
+            flat += (i, a)
+    return torch.tensor(flat, dtype=torch.int32).view(-1, 2).to(device, non_blocking=True)
+
+
+def store_kv_chunks(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, chunks: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    kv_lens: torch.Tensor, block_table: torch.Tensor, fmt, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> None:
+    """``store_kv`` into token-minor V pages for a step with several tokens per request.
+
+    k, v ``[T, Hkv, D]`` hold the requests' new tokens back to back (``cu_seqlens_q``), at
+    positions ``kv_len - q_len ..`` mapped to slots through ``block_table``; ``chunks`` is
+    ``plan_store_chunks``. Writes the same bytes as ``store_kv`` with the equivalent slot
+    mapping, with a page row's tokens written together. Mutates the caches. No host syncs."""
+    t, h, d = k.shape
+    if t == 0 or chunks.shape[0] == 0:
+        return
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    page = k_cache.shape[2]
+    if (k_cache.stride(-1) != 1 or k_cache.stride(-2) != d or v_cache.stride(-1) != 1
+            or k_cache.stride()[:2] != v_cache.stride()[:2] or v_cache.shape[-1] != page):
+        raise ValueError("store_kv_chunks needs contiguous K slabs [page_size, head_dim] and "
+                         "token-minor V slabs [head_dim, page_size]")
+    import numpy as np
+
+    quant = bool(fmt.quantized)
+    scaled = k_scale != 1.0 or v_scale != 1.0
+    k_inv = float(np.float32(1.0) / np.float32(k_scale))
+    v_inv = float(np.float32(1.0) / np.float32(v_scale))
+    _kernels()[1][(chunks.shape[0], h)](
+        k, v, k_cache, v_cache, chunks, cu_seqlens_q, kv_lens, block_table, k_inv, v_inv,
+        float(fmt.max_finite) if quant else 0.0,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
+        D=d, PAGE=page, PP=chunk_tokens(page), QUANT=quant, SCALED=scaled,
+        num_warps=4 if d * chunk_tokens(page) >= 2048 else 2)
