@@ -81,9 +81,9 @@ def main():
                     except Exception as e:
                         print(f"{layout} {kvd} {ctx} {(bm, bn, nw, ns, lay)} failed: {e}"[:300])
                         continue
-                    rec = dict(layout=layout, kv=kvd, ctx=ctx, batch=b, page=page, bm=bm, bn=bn, nw=nw,
-                               ns=ns, v_layout="HDN" if vt else "HND", us=us, fi_us=fi_us, ratio=us / fi_us, err=err,
-                               tflops=flops / us / 1e6)
+                    rec = dict(layout=layout, kv=kvd, ctx=ctx, batch=b, page=page, bm=bm, bn=bn,
+                               nw=nw, ns=ns, v_layout="HDN" if vt else "HND", us=us, fi_us=fi_us,
+                               ratio=us / fi_us, err=err, tflops=flops / us / 1e6)
                     res.append(rec)
                     print(f"{layout:>12} {kvd:>8} len={ctx:<5} bm={bm:<3} bn={bn:<3} w={nw} s={ns}"
                           f" {rec['v_layout']} p{page}"

@@ -139,7 +139,8 @@ def main():
                     import triton
                     us = triton.testing.do_bench(_rotating(fns), warmup=20, rep=100,
                                                  return_mode="median") * 1e3
-                    rec = dict(layout=layout, kv=name, page=PAGE, b=b, ctx=ctx, bn=bn, nw=nw, ns=ns, vt=vt,
+                    rec = dict(layout=layout, kv=name, page=PAGE, b=b, ctx=ctx, bn=bn, nw=nw,
+                               ns=ns, vt=vt,
                                maxnreg=mr, regs=decode._LAST[0].n_regs,
                                smem=decode._LAST[0].metadata.shared, occ=occ,
                                splits=cfg.num_splits, err=err, us=us,

@@ -1,6 +1,7 @@
 """Compile prefill kernel variants for sm_90 without a GPU: registers, spills, shared memory, the
 TTGIR ops that move data (layout conversions, shared-memory round trips, which MMA) and SASS
-classes. Usage: python inspect_prefill.py [dump]  (dump writes /tmp/prefill_<variant>.{ttgir,sass})"""
+classes. Usage: python inspect_prefill.py [dump] [name filter ...]
+(dump writes /tmp/prefill_<variant>.{ttgir,sass})"""
 
 import collections
 import os
@@ -47,7 +48,7 @@ def res_usage(k):
 
 
 def main():
-    dump = len(sys.argv) > 1
+    dump = "dump" in sys.argv[1:]
     base = dict(G=2, D=128, PAGE=32, HKV=8, HAS_SOFTCAP=False, HAS_WINDOW=False, PREC="tf32")
     variants = {
         "bf16 HND m64 n64 w4 s2": ("bf16", dict(base, PAGE=16, BLOCK_M=64, BLOCK_N=64, V_T=False,
@@ -60,6 +61,11 @@ def main():
                                                  F16=True), 4, 2),
         "fp8 HND m64 n64 w4 s2": ("fp8e4nv", dict(base, BLOCK_M=64, BLOCK_N=64, V_T=False,
                                                   F16=True), 4, 2),
+        # the chosen launches (prefill_config): 5 stages keep tile copies in flight
+        "bf16 HND m128 n64 w8 s5": ("bf16", dict(base, PAGE=16, BLOCK_M=128, BLOCK_N=64,
+                                                 V_T=False, F16=False), 8, 5),
+        "fp8 VT m64 n64 w4 s5": ("fp8e4nv", dict(base, BLOCK_M=64, BLOCK_N=64, V_T=True,
+                                                 F16=True), 4, 5),
     }
     only = [a for a in sys.argv[1:] if a != "dump"]
     for name, (kv, consts, nw, ns) in variants.items():
@@ -84,8 +90,9 @@ def main():
                 ops[m.group(1)] += 1
         keys = ("HGMMA", "HMMA", "LDGSTS", "LDG", "LDS", "LDSM", "STS", "STL", "LDL", "F2FP",
                 "F2F", "PRMT", "MUFU", "SHFL", "BAR", "FSEL", "FMNMX", "FFMA", "FMUL", "FADD")
+        waits = re.findall(r"async_wait .*?\{num = (\d+)", ttgir)
         print(f"{name}: regs={reg} stack={stack} smem={k.metadata.shared} "
-              f"sass={sum(ops.values())}")
+              f"sass={sum(ops.values())} async_wait num={','.join(waits)}")
         print("    ir: " + " ".join(f"{o.split('.')[-1].strip()}={c}" for o, c in ir.items()))
         print("    sass: " + " ".join(f"{o}={ops[o]}" for o in keys))
         if dump:

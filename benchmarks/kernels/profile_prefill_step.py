@@ -28,6 +28,7 @@ for spec in sys.argv[1:] or ["bfloat16:fi", "bfloat16:triton", "fp8_e4m3:triton"
         wall = time.perf_counter() - t0
     print(f"== {kvd} on {runner.backend_name}, page {runner.pool.page_size}: {tok_s:,.0f} tok/s "
           f"({N / tok_s * 1e3:.2f} ms/step); profiled 4 steps in {wall * 1e3:.1f} ms", flush=True)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
+                                    max_name_column_width=60))
     del runner
     torch.cuda.empty_cache()
