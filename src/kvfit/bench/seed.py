@@ -19,7 +19,6 @@ Writes ``seed.md`` (markdown table), ``seed.json`` and ``seed.png`` under ``--ou
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
@@ -31,13 +30,10 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "..", "benc
                               "configs", "qwen3-1.7b.json")
 
 
-_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-
-
 def _args(p):
     p.add_argument("--model", default=os.path.normpath(DEFAULT_CONFIG),
                    help="config.json (random weights) or model directory")
-    p.add_argument("--attention-backend", default=_ENGINE_DEFAULTS["attention_backend"],
+    p.add_argument("--attention-backend", default=EngineConfig.attention_backend,
                    help="as `kvfit generate` (default: the engine's, auto)")
     p.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3,fp8_e5m2")
     p.add_argument("--contexts", default="1024,16384")

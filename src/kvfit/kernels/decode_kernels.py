@@ -6,7 +6,8 @@ through the block table, and keeps an online softmax in float32 (base-2 logits, 
 folded into the softmax scale, the V scale applied to the output). fp8 tiles become float16 in
 registers (one packed cvt per two values); the query is cast to float16 with them.
 
-Two tile loaders feed the same softmax/P@V step (``_softmax_pv``):
+Two tile loaders feed the same softmax/P@V step (``tile_math.tile_logits`` + ``softmax_pv``, shared with
+prefill):
 
 * ``_tile_hnd``: HND V pages ``[H, P, D]``, addresses per token, every tile masked (16-bit
   pools; the layout FlashInfer reads).
@@ -32,30 +33,9 @@ def build():
 
     from kvfit.kernels.tile_math import build as build_tile_math
 
-    softcap_logits = build_tile_math()
-
-    @triton.jit
-    def _softmax_pv(q, k, v, acc, m_i, l_i, live, qk_scale, softcap,
-                    HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
-        # q [G_PAD, D], k/v [BLOCK_N, D] in the MMA dtype; live [BLOCK_N] when MASKED
-        qk = tl.dot(q, tl.trans(k))  # [G_PAD, BLOCK_N] f32
-        if HAS_SOFTCAP:
-            qk = softcap_logits(qk, qk_scale, softcap)
-        else:
-            qk = qk * qk_scale
-        if MASKED:
-            qk = tl.where(live[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no live token yet
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            m_use = m_new
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        return acc, m_new, l_i
+    shared = build_tile_math()
+    softcap_logits, tile_logits, softmax_pv = (shared.softcap_logits, shared.tile_logits,
+                                               shared.softmax_pv)
 
     @triton.jit
     def _to_mma(k, v, q, F16: tl.constexpr):
@@ -76,7 +56,8 @@ def build():
         k = tl.load(KC + off[:, None] + d[None, :], mask=live[:, None], other=0.0)
         v = tl.load(VC + off[:, None] + d[None, :], mask=live[:, None], other=0.0)
         k, v = _to_mma(k, v, q, F16)
-        return _softmax_pv(q, k, v, acc, m_i, l_i, live, qk_scale, softcap, HAS_SOFTCAP, True)
+        qk = tile_logits(q, k, qk_scale, softcap, HAS_SOFTCAP, "tf32")  # [G_PAD, BLOCK_N]
+        return softmax_pv(qk, v, acc, m_i, l_i, live[None, :], True, "tf32")
 
     @triton.jit
     def _tile_vt(q, acc, m_i, l_i, KC, VC, bt_row, head_off, stride_cp, n0, lo, hi,
@@ -109,8 +90,9 @@ def build():
         k = tl.reshape(k, (BLOCK_N, D))  # [NP, PP, D] -> [BLOCK_N, D]
         v = tl.trans(tl.reshape(vt, (D, BLOCK_N)))  # [D, NP, PP] -> [D, BLOCK_N] -> [BLOCK_N, D]
         k, v = _to_mma(k, v, q, F16)
-        return _softmax_pv(q, k, v, acc, m_i, l_i, tl.reshape(live, (BLOCK_N,)), qk_scale,
-                           softcap, HAS_SOFTCAP, MASKED)
+        qk = tile_logits(q, k, qk_scale, softcap, HAS_SOFTCAP, "tf32")  # [G_PAD, BLOCK_N]
+        return softmax_pv(qk, v, acc, m_i, l_i, tl.reshape(live, (BLOCK_N,))[None, :], MASKED,
+                          "tf32")
 
     @triton.jit
     def _split_range(KVLEN, b, s, num_splits, window, BLOCK_N: tl.constexpr,

@@ -31,7 +31,9 @@ def _build():
 
     from kvfit.kernels.tile_math import build as build_tile_math
 
-    softcap_logits = build_tile_math()
+    shared = build_tile_math()
+    tile_logits, softmax_pv, request_span = (shared.tile_logits, shared.softmax_pv,
+                                             shared.request_span)
 
     @triton.jit
     def _tile(acc, m_i, l_i, q, n0, hi, qpos, KC, VC, bt_row, head_off, stride_cp,
@@ -55,18 +57,17 @@ def _build():
             if MASKED:
                 pmask = first < hi
                 pg = tl.load(bt_row + first // PAGE, mask=pmask, other=0).to(tl.int64)
-                base = pg * stride_cp + head_off
-                k = tl.load(KC + base[:, None, None] + (tp * D)[None, :, None]
-                            + d[None, None, :], mask=pmask[:, None, None], other=0.0)
-                vt = tl.load(VC + base[None, :, None] + (d * PAGE)[:, None, None]
-                             + tp[None, None, :], mask=pmask[None, :, None], other=0.0)
             else:
                 pg = tl.load(bt_row + first // PAGE).to(tl.int64)
-                base = pg * stride_cp + head_off
-                k = tl.load(KC + base[:, None, None] + (tp * D)[None, :, None]
-                            + d[None, None, :])
-                vt = tl.load(VC + base[None, :, None] + (d * PAGE)[:, None, None]
-                             + tp[None, None, :])
+            base = pg * stride_cp + head_off  # [NP]
+            kptr = KC + base[:, None, None] + (tp * D)[None, :, None] + d[None, None, :]
+            vptr = VC + base[None, :, None] + (d * PAGE)[:, None, None] + tp[None, None, :]
+            if MASKED:
+                k = tl.load(kptr, mask=pmask[:, None, None], other=0.0)
+                vt = tl.load(vptr, mask=pmask[None, :, None], other=0.0)
+            else:
+                k = tl.load(kptr)
+                vt = tl.load(vptr)
             k = tl.reshape(k, (BLOCK_N, D)).to(q.dtype)  # [NP, PP, D] -> [BLOCK_N, D]
             v = tl.trans(tl.reshape(vt, (D, BLOCK_N))).to(q.dtype)  # [D, NP, PP] -> [BLOCK_N, D]
             if MASKED or PP < 8:
@@ -76,36 +77,24 @@ def _build():
         else:
             if MASKED:
                 page = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
-                off = page * stride_cp + head_off + (n % PAGE) * D
-                k = tl.load(KC + off[:, None] + d[None, :], mask=nmask[:, None],
-                            other=0.0).to(q.dtype)
-                v = tl.load(VC + off[:, None] + d[None, :], mask=nmask[:, None],
-                            other=0.0).to(q.dtype)
             else:
                 page = tl.load(bt_row + n // PAGE).to(tl.int64)
-                off = page * stride_cp + head_off + (n % PAGE) * D
-                k = tl.load(KC + off[:, None] + d[None, :]).to(q.dtype)
-                v = tl.load(VC + off[:, None] + d[None, :]).to(q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_M, BLOCK_N] f32
-        if HAS_SOFTCAP:
-            qk = softcap_logits(qk, qk_scale, softcap)
-        else:
-            qk = qk * qk_scale
+            off = page * stride_cp + head_off + (n % PAGE) * D  # [BLOCK_N]
+            if MASKED:
+                k = tl.load(KC + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
+                v = tl.load(VC + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
+            else:
+                k = tl.load(KC + off[:, None] + d[None, :])
+                v = tl.load(VC + off[:, None] + d[None, :])
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        qk = tile_logits(q, k, qk_scale, softcap, HAS_SOFTCAP, PREC)  # [BLOCK_M, BLOCK_N]
+        vis = n[None, :] <= qpos[:, None]  # read only when MASKED
         if MASKED:
-            vis = (n[None, :] <= qpos[:, None]) & nmask[None, :]
+            vis = vis & nmask[None, :]
             if HAS_WINDOW:
                 vis = vis & (n[None, :] > qpos[:, None] - window)
-            qk = tl.where(vis, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # row with nothing visible yet
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            m_use = m_new
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
-        return acc, m_new, l_i
+        return softmax_pv(qk, v, acc, m_i, l_i, vis, MASKED, PREC)
 
     @triton.jit
     def _prefill(Q, KC, VC, BT, CU, KVLEN, BLK, OUT,
@@ -123,10 +112,7 @@ def _build():
         h = pid % HKV
         req = tl.load(BLK + 2 * blk)
         row0 = tl.load(BLK + 2 * blk + 1)
-        q_start = tl.load(CU + req)
-        q_len = tl.load(CU + req + 1) - q_start
-        kv_len = tl.load(KVLEN + req)
-        prefix = kv_len - q_len
+        q_start, q_len, prefix = request_span(CU, KVLEN, req)
         r = row0 + tl.arange(0, BLOCK_M)
         tok = r // G
         hq = h * G + r % G

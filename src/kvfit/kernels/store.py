@@ -28,6 +28,10 @@ def _build():
     import triton
     import triton.language as tl
 
+    from kvfit.kernels.tile_math import build as build_tile_math
+
+    request_span = build_tile_math().request_span
+
     @triton.jit
     def _quant(x, inv, max_finite, QUANT: tl.constexpr, SCALED: tl.constexpr):
         # the pool's element function: cast(clamp(x * (1/scale))) in float32 for quantized
@@ -83,12 +87,9 @@ def _build():
         h = tl.program_id(1)
         req = tl.load(CHUNKS + 2 * c)
         a = tl.load(CHUNKS + 2 * c + 1)
-        q_start = tl.load(CU + req)
-        q_len = tl.load(CU + req + 1) - q_start
-        kv_len = tl.load(KVLEN + req)
-        prefix = kv_len - q_len
+        q_start, q_len, prefix = request_span(CU, KVLEN, req)
         pos = a + tl.arange(0, PP)
-        live = (pos >= prefix) & (pos < kv_len)  # [PP]
+        live = (pos >= prefix) & (pos < prefix + q_len)  # [PP]
         tok = (q_start + pos - prefix).to(tl.int64)
         page = tl.load(BT + req.to(tl.int64) * stride_bt + a // PAGE).to(tl.int64)
         base = page * stride_cp + h * stride_ch
@@ -111,6 +112,29 @@ def _build():
     return _store_kv_kernel, _store_chunks_kernel
 
 
+def _checked(k, v, k_cache, v_cache, fmt, k_scale, v_scale, v_layout, who):
+    """Host side shared by both stores: k/v with a contiguous last dim, the cache layout check
+    and the kernels' scale arguments (quant, scaled, 1/k_scale, 1/v_scale, max_finite)."""
+    import numpy as np
+
+    d = k.shape[-1]
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    if (k_cache.stride(-1) != 1 or k_cache.stride(-2) != d or v_cache.stride(-1) != 1
+            or k_cache.stride()[:2] != v_cache.stride()[:2]
+            or v_cache.shape[-1] != (k_cache.shape[2] if v_layout == "HDN" else d)):
+        raise ValueError(f"{who} needs contiguous [page_size, head_dim] K slabs and V slabs in "
+                         f"the {v_layout} layout")
+    quant = bool(fmt.quantized)
+    # torch divides a tensor by a Python scalar as x * (1/s) with 1/s computed in float32
+    # (its CUDA reciprocal fast path); the same product gives bit-identical stores
+    inv = [float(np.float32(1.0) / np.float32(s)) for s in (k_scale, v_scale)]
+    scaled = k_scale != 1.0 or v_scale != 1.0
+    return k, v, (quant, scaled, inv[0], inv[1], float(fmt.max_finite) if quant else 0.0)
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, fmt, k_scale: float = 1.0, v_scale: float = 1.0,
              v_layout: str = "HND") -> None:
@@ -119,36 +143,20 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
     ``fmt`` is the pool's ``KVFormat``. Mutates ``k_cache`` and ``v_cache``. No host syncs.
     """
-    kernel = _kernels()[0]
     t, h, d = k.shape
     if t == 0:
         return
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    if v.stride(-1) != 1:
-        v = v.contiguous()
-    v_t = v_layout == "HDN"
-    if (k_cache.stride(-1) != 1 or k_cache.stride(-2) != d or v_cache.stride(-1) != 1
-            or k_cache.stride()[:2] != v_cache.stride()[:2]
-            or v_cache.shape[-1] != (k_cache.shape[2] if v_t else d)):
-        raise ValueError("store_kv needs contiguous [page_size, head_dim] K slabs and V slabs "
-                         f"in the {v_layout} layout")
-    import numpy as np
+    k, v, (quant, scaled, k_inv, v_inv, max_finite) = _checked(
+        k, v, k_cache, v_cache, fmt, k_scale, v_scale, v_layout, "store_kv")
     import triton
 
     block = triton.next_power_of_2(h * d)
-    quant = bool(fmt.quantized)
-    scaled = k_scale != 1.0 or v_scale != 1.0
-    # torch divides a tensor by a Python scalar as x * (1/s) with 1/s computed in float32
-    # (its CUDA reciprocal fast path); the same product gives bit-identical stores
-    k_inv = float(np.float32(1.0) / np.float32(k_scale))
-    v_inv = float(np.float32(1.0) / np.float32(v_scale))
-    kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, k_inv, v_inv,
-                  float(fmt.max_finite) if quant else 0.0,
-                  k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                  k_cache.stride(0), k_cache.stride(1),
-                  H=h, D=d, PAGE=k_cache.shape[2], BLOCK=block, QUANT=quant, SCALED=scaled, V_T=v_t,
-                  num_warps=4 if block >= 1024 else 2)
+    _kernels()[0][(t,)](k, v, k_cache, v_cache, slot_mapping, k_inv, v_inv, max_finite,
+                        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                        k_cache.stride(0), k_cache.stride(1),
+                        H=h, D=d, PAGE=k_cache.shape[2], BLOCK=block, QUANT=quant,
+                        SCALED=scaled, V_T=v_layout == "HDN",
+                        num_warps=4 if block >= 1024 else 2)
 
 
 def chunk_tokens(page_size: int) -> int:
@@ -180,25 +188,12 @@ def store_kv_chunks(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     t, h, d = k.shape
     if t == 0 or chunks.shape[0] == 0:
         return
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    if v.stride(-1) != 1:
-        v = v.contiguous()
+    k, v, (quant, scaled, k_inv, v_inv, max_finite) = _checked(
+        k, v, k_cache, v_cache, fmt, k_scale, v_scale, "HDN", "store_kv_chunks")
     page = k_cache.shape[2]
-    if (k_cache.stride(-1) != 1 or k_cache.stride(-2) != d or v_cache.stride(-1) != 1
-            or k_cache.stride()[:2] != v_cache.stride()[:2] or v_cache.shape[-1] != page):
-        raise ValueError("store_kv_chunks needs contiguous K slabs [page_size, head_dim] and "
-                         "token-minor V slabs [head_dim, page_size]")
-    import numpy as np
-
-    quant = bool(fmt.quantized)
-    scaled = k_scale != 1.0 or v_scale != 1.0
-    k_inv = float(np.float32(1.0) / np.float32(k_scale))
-    v_inv = float(np.float32(1.0) / np.float32(v_scale))
     _kernels()[1][(chunks.shape[0], h)](
         k, v, k_cache, v_cache, chunks, cu_seqlens_q, kv_lens, block_table, k_inv, v_inv,
-        float(fmt.max_finite) if quant else 0.0,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        max_finite, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
         D=d, PAGE=page, PP=chunk_tokens(page), QUANT=quant, SCALED=scaled,
         num_warps=4 if d * chunk_tokens(page) >= 2048 else 2)

@@ -1,12 +1,16 @@
-"""@triton.jit helpers shared by the decode and prefill kernels (compiled into their callers)."""
+"""@triton.jit helpers shared by the decode, prefill and store kernels (compiled into callers)."""
 
 from __future__ import annotations
+
+import types
 
 _K = {}
 
 
-def build():
-    """The shared helpers, built on first use (Triton is imported only then)."""
+def build() -> types.SimpleNamespace:
+    """The shared helpers, built on first use (Triton is imported only then):
+    ``softcap_logits``, ``tile_logits`` (Q@K^T, scaled or soft-capped), ``softmax_pv`` (one tile of
+    online softmax + P@V) and ``request_span``."""
     if "k" in _K:
         return _K["k"]
     import triton
@@ -21,5 +25,40 @@ def build():
         th = tl.where(x < 0, -th, th)
         return th * (softcap * 1.4426950408889634)
 
-    _K["k"] = softcap_logits
-    return softcap_logits
+    @triton.jit
+    def tile_logits(q, k, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr, PREC: tl.constexpr):
+        # q [M, D], k [N, D] in the MMA dtype -> [M, N] f32 base-2 logits (qk_scale =
+        # sm_scale * log2(e), softcap applied when HAS_SOFTCAP)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if HAS_SOFTCAP:
+            return softcap_logits(qk, qk_scale, softcap)
+        return qk * qk_scale
+
+    @triton.jit
+    def softmax_pv(qk, v, acc, m_i, l_i, visible, MASKED: tl.constexpr, PREC: tl.constexpr):
+        # One tile of logits qk [M, N] into a running softmax: v [N, D] in the MMA dtype, acc
+        # [M, D] f32, m_i/l_i [M] (base-2 running max and sum); visible (broadcastable to
+        # [M, N]) is read only when MASKED. Returns the new (acc, m_i, l_i).
+        if MASKED:
+            qk = tl.where(visible, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # row with nothing visible yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            m_use = m_new
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+        return acc, m_new, l_i
+
+    @triton.jit
+    def request_span(CU, KVLEN, req):
+        # request req of a flat batch: (first row in q/k/v, new tokens, cached tokens before them)
+        q_start = tl.load(CU + req)
+        q_len = tl.load(CU + req + 1) - q_start
+        return q_start, q_len, tl.load(KVLEN + req) - q_len
+
+    _K["k"] = types.SimpleNamespace(softcap_logits=softcap_logits, tile_logits=tile_logits,
+                                    softmax_pv=softmax_pv, request_span=request_span)
+    return _K["k"]
