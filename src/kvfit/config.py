@@ -22,6 +22,7 @@ KVDtype = Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"]
 Backend = Literal["auto", "torch", "fi", "triton"]
 LoadFormat = Literal["auto", "dummy"]
 Device = Literal["auto", "cpu", "cuda"]
+AsyncMode = Literal["auto", "on", "off"]
 
 assert set(typing.get_args(KVDtype)) == set(KV_DTYPE_CHOICES)  # one table, checked at import
 
@@ -62,7 +63,12 @@ class EngineConfig:
     max_num_seqs: int = _f(256, "most requests running at once")
     max_num_batched_tokens: int = _f(2048, "token budget of one step (chunked prefill size)")
     enforce_eager: bool = _f(False, "disable CUDA graphs", aliases=("--no-cuda-graph",))
-    cuda_graph_max_bs: int = _f(128, "largest decode batch captured in a CUDA graph")
+    cuda_graph_max_bs: Optional[int] = _f(None, "largest decode batch captured in a CUDA graph "
+                                          "(default: max_num_seqs, so every decode batch "
+                                          "replays a graph)")
+    async_scheduling: AsyncMode = _f("auto", "overlap the host's scheduling and output "
+                                     "processing of one step with the GPU's next step; auto = "
+                                     "on with CUDA, off on CPU")
     load_format: LoadFormat = _f("auto", "dummy = random weights from config.json alone")
     seed: int = _f(0, "seed for dummy weights and unseeded sampling")
 
@@ -71,6 +77,9 @@ class EngineConfig:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.async_scheduling not in typing.get_args(AsyncMode):
+            raise ValueError(f"async_scheduling must be one of {typing.get_args(AsyncMode)}, "
+                             f"got {self.async_scheduling!r}")
         if not 0.0 < self.memory_ratio <= 1.0:
             raise ValueError(f"memory_ratio must be in (0, 1], got {self.memory_ratio}")
         for name in ("num_pages", "num_tokens", "max_model_len"):
@@ -89,6 +98,20 @@ class EngineConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is available; use --device cpu")
         return torch.device(self.device)
+
+    @cached_property
+    def resolved_async_scheduling(self) -> bool:
+        """Overlap scheduling on or off (auto: on with CUDA, where there is a GPU to overlap)."""
+        if self.async_scheduling == "auto":
+            return self.resolved_device.type == "cuda"
+        return self.async_scheduling == "on"
+
+    @property
+    def resolved_cuda_graph_max_bs(self) -> int:
+        """Largest captured decode batch: cuda_graph_max_bs, else max_num_seqs (never above)."""
+        if self.cuda_graph_max_bs is None:
+            return self.max_num_seqs
+        return min(self.cuda_graph_max_bs, self.max_num_seqs)
 
     def resolved_dtype(self, config_dtype: Optional[torch.dtype]) -> torch.dtype:
         """The compute dtype: explicit, else the config's on CUDA (bf16 if none), float32 on CPU."""

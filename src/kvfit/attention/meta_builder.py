@@ -1,12 +1,52 @@
-"""Build ``AttentionMetadata`` for a step from host-side lists (the runner and tests use this)."""
+"""Build ``AttentionMetadata`` for a step from host-side lists (the runner and tests use this).
+
+The host arrays are built with numpy (no per-token Python loop) and packed into one int32 buffer
+(cu_seqlens_q | kv_lens | block table) and one int64 buffer (slot mapping), so a step costs two
+host->device copies, non-blocking from pinned memory on CUDA.
+"""
 
 from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from kvfit.attention.base import AttentionMetadata
+
+
+def page_table_array(page_tables: Sequence[Sequence[int]], n_pages: np.ndarray,
+                     width: int) -> np.ndarray:
+    """[B, width] int32: row i holds the first ``n_pages[i]`` pages of request i, zero-padded."""
+    table = np.zeros((len(page_tables), width), dtype=np.int32)
+    for i, pages in enumerate(page_tables):  # one slice assignment per request, not per page
+        k = int(n_pages[i])
+        if k:
+            if len(pages) < k:
+                raise ValueError(f"request {i} has {len(pages)} pages for {k} pages of tokens")
+            table[i, :k] = pages[:k]
+    return table
+
+
+def token_request_index(q_lens: np.ndarray) -> np.ndarray:
+    """[T] int64: the request each token of the flat batch belongs to."""
+    return np.repeat(np.arange(len(q_lens), dtype=np.int64), q_lens)
+
+
+def token_positions(q_lens: np.ndarray, kv_lens: np.ndarray) -> np.ndarray:
+    """[T] int64: absolute position of each new token (request i's sit at kv-q .. kv-1)."""
+    q = q_lens.astype(np.int64)
+    starts = np.cumsum(q) - q  # flat offset of each request's first token
+    req = token_request_index(q)
+    return np.arange(int(q.sum()), dtype=np.int64) - starts[req] + (kv_lens - q)[req]
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """One host->device copy of ``array`` (pinned and non-blocking on CUDA)."""
+    t = torch.from_numpy(array)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def build_metadata(q_lens: Sequence[int], kv_lens: Sequence[int],
@@ -21,30 +61,29 @@ def build_metadata(q_lens: Sequence[int], kv_lens: Sequence[int],
     """
     b = len(q_lens)
     real = b if num_real_reqs is None else num_real_reqs
-    n_pages = [-(-kv // page_size) for kv in kv_lens]
-    width = max(max(n_pages, default=1), 1) if max_pages is None else max_pages
-    table = torch.zeros((b, width), dtype=torch.int32)
-    slots: list[int] = []
-    for i, (ql, kv, pages) in enumerate(zip(q_lens, kv_lens, page_tables)):
-        if len(pages) < n_pages[i]:
-            raise ValueError(f"request {i} has {len(pages)} pages for {kv} tokens")
-        if n_pages[i]:
-            table[i, : n_pages[i]] = torch.tensor(list(pages[: n_pages[i]]), dtype=torch.int32)
-        if i >= real:
-            slots.extend([-1] * ql)
-            continue
-        for pos in range(kv - ql, kv):
-            slots.append(pages[pos // page_size] * page_size + pos % page_size)
-    cu = torch.zeros(b + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(list(q_lens), dtype=torch.int32), 0)
+    q = np.asarray(q_lens, dtype=np.int64).reshape(b)
+    kv = np.asarray(kv_lens, dtype=np.int64).reshape(b)
+    n_pages = -(-kv // page_size)
+    width = max(int(n_pages.max(initial=1)), 1) if max_pages is None else max_pages
+    table = page_table_array(page_tables, n_pages, width)  # [B, width]
+    req = token_request_index(q)  # [T]
+    pos = token_positions(q, kv)  # [T]
+    slots = table[req, pos // page_size].astype(np.int64) * page_size + pos % page_size
+    slots[req >= real] = -1  # padded requests store nothing
+    ints = np.empty(b + 1 + b + b * width, dtype=np.int32)  # cu_seqlens | kv_lens | table
+    ints[0] = 0
+    ints[1:b + 1] = np.cumsum(q)
+    ints[b + 1:2 * b + 1] = kv
+    ints[2 * b + 1:] = table.reshape(-1)
+    dev_ints = to_device(ints, device)
     return AttentionMetadata(
-        cu_seqlens_q=cu.to(device),
-        kv_lens=torch.tensor(list(kv_lens), dtype=torch.int32).to(device),
-        block_table=table.to(device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
-        q_lens_cpu=list(q_lens),
-        kv_lens_cpu=list(kv_lens),
-        num_pages_cpu=n_pages,
-        is_decode=all(q == 1 for q in q_lens),
+        cu_seqlens_q=dev_ints[: b + 1],
+        kv_lens=dev_ints[b + 1: 2 * b + 1],
+        block_table=dev_ints[2 * b + 1:].view(b, width),
+        slot_mapping=to_device(slots, device),
+        q_lens_cpu=[int(x) for x in q_lens],
+        kv_lens_cpu=[int(x) for x in kv_lens],
+        num_pages_cpu=n_pages.tolist(),
+        is_decode=all(x == 1 for x in q_lens),
         num_real_reqs=num_real_reqs,
     )

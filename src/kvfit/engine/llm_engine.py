@@ -13,13 +13,14 @@ import torch
 from kvfit.config import EngineConfig
 from kvfit.engine.detokenizer import IncrementalDetokenizer
 from kvfit.engine.runner import ModelRunner
-from kvfit.engine.sampler import sample, top_logprobs
+from kvfit.engine.inflight import InFlightStep, launch_sampling
+from kvfit.engine.sampler import top_logprobs
 from kvfit.errors import RequestRejected
 from kvfit.kvcache.allocator import PageAllocator
 from kvfit.models.registry import load_tokenizer
 from kvfit.outputs import CompletionOutput, RequestOutput
 from kvfit.sampling_params import SamplingParams
-from kvfit.scheduler.request import Request, Status
+from kvfit.scheduler.request import PLACEHOLDER, Request, Status
 from kvfit.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("kvfit")
@@ -54,6 +55,8 @@ class LLMEngine:
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.overlap = config.resolved_async_scheduling
+        self._inflight: Optional[InFlightStep] = None  # launched, ids not yet read (overlap)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -112,6 +115,8 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None or req.finished:
             return False
+        del req.output_token_ids[req.num_output_confirmed:]  # launched tokens are discarded
+        req.num_pending = 0
         self.scheduler.finish(req, "abort")
         return True
 
@@ -130,53 +135,98 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch one step; return the outputs of the step whose ids are read.
+
+        Synchronous (``async_scheduling`` off): launch step N, wait, process N. Overlapped (on,
+        the CUDA default): launch N, then process N-1 while the GPU runs N, so the host's
+        scheduling, detokenization and stop checks hide behind the GPU. Decode inputs of N come
+        from N-1's device ids. A request that stops at N-1 (EOS / stop string) has had one
+        extra token launched in N: it is discarded and the request's pages are freed when N-1
+        is processed (stream order keeps N's writes before any later reuse of those pages)."""
         batch = self.scheduler.schedule()
-        if batch.empty:
-            return []
-        items = batch.items
+        launched = self._launch(batch.items) if not batch.empty else None
+        outputs = self._process(self._inflight) if self._inflight is not None else []
+        self._inflight = launched
+        if not self.overlap and launched is not None:
+            outputs += self._process(launched)
+            self._inflight = None
+        return outputs
+
+    def _launch(self, items) -> InFlightStep:
+        """Run the model over ``items`` and sample on the device; advances each request's
+        ``num_computed_tokens`` and appends a placeholder per sampling request."""
         sample_mask = [r.num_computed_tokens + n == r.num_tokens for r, n in items]
         prompt_lp = [r.wants_prompt_logprobs() and r.num_computed_tokens < r.num_prompt_tokens
                      for r, n in items]
-        result = self.runner.execute(items, sample_mask, prompt_lp)
-        for i, (req, n) in enumerate(items):
-            if i in result.prompt_rows:
-                start, lp = result.prompt_rows[i]
-                for j in range(n):  # row j predicts the token at position start + j + 1
-                    pos = start + j + 1
-                    if len(req.prompt_logprobs) == pos and pos < req.num_prompt_tokens:
-                        tok = req.prompt_token_ids[pos]
-                        req.prompt_logprobs.append(top_logprobs(lp[j], tok,
-                                                                req.params.prompt_logprobs))
+        pairs, offset = [], 0
+        for req, n in items:
+            if req.num_pending:  # its last input token is the previous step's sampled id
+                if req.num_computed_tokens + n != req.num_tokens:
+                    raise RuntimeError(f"request {req.request_id}: a pending token outside "
+                                       f"the step's chunk end (scheduler invariant broken)")
+                pairs.append((offset + n - 1, req.pending_row))
+            offset += n
+        carried = None
+        if pairs:
+            carried = (self._inflight.ids, pairs)
+        result = self.runner.execute(items, sample_mask, prompt_lp, carried)
+        samplers = [req for (req, _), s in zip(items, sample_mask) if s]
+        ids, ids_host, event, lp_rows = launch_sampling(result.sample_logits, samplers)
+        for req, n in items:
             if req.num_computed_tokens < req.num_prompt_tokens:
                 self.prompt_tokens_total += min(n, req.num_prompt_tokens - req.num_computed_tokens)
             req.num_computed_tokens += n
-        samplers = [req for (req, _), s in zip(items, sample_mask) if s]
+        for row, req in enumerate(samplers):
+            req.output_token_ids.append(PLACEHOLDER)
+            req.num_pending += 1
+            req.pending_row = row
+        return InFlightStep(list(items), samplers, ids, ids_host, event, lp_rows,
+                            result.prompt_rows)
+
+    def _process(self, step: InFlightStep) -> list[RequestOutput]:
+        """Read a launched step's ids (waits for its copy), record prompt logprobs, append the
+        tokens, run stop checks, finish and free what stopped; the outputs of live requests."""
+        tokens = step.wait_ids()
+        for i, (req, n) in enumerate(step.items):
+            if i not in step.prompt_rows or req.finished:
+                continue
+            start, lp = step.prompt_rows[i]
+            lp = lp.cpu()
+            for j in range(n):  # row j predicts the token at position start + j + 1
+                pos = start + j + 1
+                if len(req.prompt_logprobs) == pos and pos < req.num_prompt_tokens:
+                    tok = req.prompt_token_ids[pos]
+                    req.prompt_logprobs.append(top_logprobs(lp[j], tok,
+                                                            req.params.prompt_logprobs))
         outputs = []
-        if samplers:
-            tokens, logprobs = sample(result.sample_logits, [r.params for r in samplers],
-                                      [r.generator for r in samplers])
-            now = time.monotonic()
-            for row, (req, tok) in enumerate(zip(samplers, tokens)):
-                self._append(req, tok, logprobs[row], now)
-                outputs.append(self._output(req))
+        now = time.monotonic()
+        for row, (req, tok) in enumerate(zip(step.samplers, tokens)):
+            if req.finished:  # stopped at an earlier step or aborted: a discarded extra token
+                continue
+            lp_row = step.logprob_rows.get(row)
+            self._append(req, tok, None if lp_row is None else lp_row.cpu(), now)
+            outputs.append(self._output(req))
         return outputs
 
-    def _append(self, req: Request, tok: int, lp_row: torch.Tensor, now: float) -> None:
+    def _append(self, req: Request, tok: int, lp_row: Optional[torch.Tensor], now: float) -> None:
+        """Confirm ``req``'s oldest pending token as ``tok`` and run the stop checks."""
         p = req.params
-        req.output_token_ids.append(tok)
+        k = req.num_output_confirmed
+        req.output_token_ids[k] = tok
+        req.num_pending -= 1
+        confirmed = req.output_token_ids[: k + 1]
         self.generation_tokens_total += 1
         if req.t_first_token is None:
             req.t_first_token = now
-        lp = float(lp_row[tok])
-        req.cumulative_logprob += lp
-        if req.logprobs is not None:
+        if lp_row is not None:
+            req.cumulative_logprob += float(lp_row[tok])
             req.logprobs.append(top_logprobs(lp_row, tok, p.logprobs))
         reason, stop_reason = None, None
         if tok in p.stop_token_ids:
             reason, stop_reason = "stop", tok
         elif not p.ignore_eos and tok in self.eos_ids:
             reason = "stop"
-        full = req.detok.update(req.output_token_ids, final=reason is not None)
+        full = req.detok.update(confirmed, final=reason is not None)
         if reason is None and p.stop:
             tail = max(0, len(req.text) - max(len(x) for x in p.stop))
             for stop in p.stop:
@@ -185,23 +235,25 @@ class LLMEngine:
                     full = full[:at]
                     reason, stop_reason = "stop", stop
                     break
-        if reason is None and (len(req.output_token_ids) >= p.max_tokens
-                               or req.num_tokens >= self.max_model_len):
+        if reason is None and (len(confirmed) >= p.max_tokens
+                               or req.num_prompt_tokens + len(confirmed) >= self.max_model_len):
             reason = "length"
         if reason == "length":
-            full = req.detok.update(req.output_token_ids, final=True)
+            full = req.detok.update(confirmed, final=True)
         if reason is None:
             # while running, hold back what could be the start of a stop string
             hold = max((len(x) for x in p.stop), default=1) - 1
             full = full[: len(full) - hold] if hold else full
         req.text = full if len(full) >= len(req.text) or reason is not None else req.text
         if reason is not None:
+            del req.output_token_ids[k + 1:]  # a token launched after the stop is discarded
+            req.num_pending = 0
             self.scheduler.finish(req, reason, stop_reason)
             self.requests.pop(req.request_id, None)
 
     @staticmethod
     def _output(req: Request) -> RequestOutput:
-        comp = CompletionOutput(0, req.text, list(req.output_token_ids),
+        comp = CompletionOutput(0, req.text, req.confirmed_output_ids(),
                                 req.cumulative_logprob if req.logprobs is not None else None,
                                 list(req.logprobs) if req.logprobs is not None else None,
                                 req.finish_reason, req.stop_reason)

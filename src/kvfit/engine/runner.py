@@ -13,9 +13,10 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from kvfit.attention.meta_builder import build_metadata
+from kvfit.attention.meta_builder import build_metadata, to_device, token_positions
 from kvfit.attention.registry import backend_class, select_backend
 from kvfit.config import EngineConfig
 from kvfit.engine import memory
@@ -99,8 +100,7 @@ class ModelRunner:
             from kvfit.engine.cuda_graph import DecodeGraphs
 
             t = time.monotonic()
-            self.graphs = DecodeGraphs(self.model, self.ctx, min(config.cuda_graph_max_bs,
-                                                                 config.max_num_seqs),
+            self.graphs = DecodeGraphs(self.model, self.ctx, config.resolved_cuda_graph_max_bs,
                                        -(-self.max_model_len // config.page_size), self.device)
             log.info("captured decode CUDA graphs in %.1f s", time.monotonic() - t)
         log.info("engine ready in %.1f s", time.monotonic() - t0)
@@ -188,21 +188,39 @@ class ModelRunner:
         return peak
 
     # -- one step -------------------------------------------------------------------------
+    def _step_inputs(self, items, carried) -> tuple[torch.Tensor, torch.Tensor, list, list, list]:
+        """Token ids [T] and positions [T] on the device (one host->device copy), plus the host
+        lists q_lens, kv_lens and page tables. ``carried`` = (device ids of the previous step,
+        [(token index here, row there)]): those input tokens are placeholders on the host and
+        are gathered on the device instead (no device->host sync)."""
+        q_lens = [n for _, n in items]
+        kv_lens = [req.num_computed_tokens + n for req, n in items]
+        tables = [req.pages for req, _ in items]
+        ids: list[int] = []
+        for req, n in items:  # one slice per request, not per token
+            ids.extend(req.token_slice(req.num_computed_tokens, req.num_computed_tokens + n))
+        t = len(ids)
+        host = np.empty(2 * t, dtype=np.int64)  # token ids | positions
+        host[:t] = ids
+        host[t:] = token_positions(np.asarray(q_lens, dtype=np.int64),
+                                   np.asarray(kv_lens, dtype=np.int64))
+        dev = to_device(host, self.device)
+        input_ids, positions = dev[:t], dev[t:]
+        if carried is not None and carried[1]:
+            prev_ids, pairs = carried
+            index = to_device(np.asarray(pairs, dtype=np.int64).T.copy(), self.device)  # [2, n]
+            input_ids[index[0]] = prev_ids[index[1]]
+        return input_ids, positions, q_lens, kv_lens, tables
+
     @torch.inference_mode()
-    def execute(self, items, sample_mask: list[bool], prompt_lp: list[bool]) -> StepResult:
+    def execute(self, items, sample_mask: list[bool], prompt_lp: list[bool],
+                carried=None) -> StepResult:
         """Run the model over the step's tokens. ``items`` = [(request, n_new)], mutating nothing
         but the KV pool. ``sample_mask[i]``: request i samples after this step (its chunk ends at
-        its last token). ``prompt_lp[i]``: return log-softmax rows for all positions of chunk i."""
-        ids, pos, q_lens, kv_lens, tables = [], [], [], [], []
-        for req, n in items:
-            start = req.num_computed_tokens
-            ids.extend(req.token_slice(start, start + n))
-            pos.extend(range(start, start + n))
-            q_lens.append(n)
-            kv_lens.append(start + n)
-            tables.append(req.pages)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        its last token). ``prompt_lp[i]``: return log-softmax rows for all positions of chunk i.
+        ``carried``: (previous step's device ids [N], [(token index, row)]) for input tokens the
+        host has not read yet (overlap scheduling). Launches work; never waits for the GPU."""
+        input_ids, positions, q_lens, kv_lens, tables = self._step_inputs(items, carried)
         bs = len(items)
         if self.graphs is not None and all(q == 1 for q in q_lens) and self.graphs.can_run(bs):
             hidden = self.graphs.run(input_ids, positions, kv_lens, tables)
@@ -217,7 +235,13 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.ctx)
         ends = list(itertools.accumulate(q_lens))  # row after each request's last token
         rows = [ends[i] - 1 for i in range(bs) if sample_mask[i]]
-        sample_logits = self.model.compute_logits(hidden[rows]) if rows else torch.empty(0)
+        if not rows:
+            sample_logits = torch.empty(0)
+        elif len(rows) == hidden.shape[0]:  # decode: every row samples, no gather needed
+            sample_logits = self.model.compute_logits(hidden)
+        else:
+            sample_logits = self.model.compute_logits(
+                hidden[to_device(np.asarray(rows, dtype=np.int64), self.device)])
         prompt_rows = {}
         offset = 0
         for i, (req, n) in enumerate(items):

@@ -11,6 +11,9 @@ import torch
 from kvfit.sampling_params import SamplingParams
 
 
+PLACEHOLDER = -1  # an output token sampled on the device whose id the host has not read yet
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -24,6 +27,11 @@ class Request:
     while ``num_computed_tokens < num_tokens - 1``; it samples when a step's chunk reaches its
     last token. Preemption by recompute resets ``num_computed_tokens`` to 0 and drops the pages;
     output tokens are kept, so the recomputed prefill covers prompt + outputs.
+
+    Overlap scheduling: when a step that samples for this request is launched, a placeholder
+    (``PLACEHOLDER``) is appended to ``output_token_ids`` and ``num_pending`` counts it; the next
+    step reads that token from the launched step's device ids (row ``pending_row``) and the
+    engine overwrites the placeholder once the step's ids reach the host.
     """
 
     def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
@@ -36,6 +44,8 @@ class Request:
         self.arrival = arrival
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.num_pending = 0  # trailing placeholders in output_token_ids (launched, not read)
+        self.pending_row = -1  # row of the newest placeholder in its step's sampled ids
         self.pages: list[int] = []
         self.status = Status.WAITING
         self.finish_reason: Optional[str] = None
@@ -57,6 +67,19 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_confirmed(self) -> int:
+        """Output tokens whose ids the host has read (placeholders excluded)."""
+        return len(self.output_token_ids) - self.num_pending
+
+    def confirmed_output_ids(self) -> list[int]:
+        return self.output_token_ids[: self.num_output_confirmed]
+
+    def length_capped(self) -> bool:
+        """True when launched steps already produce its last allowed token (max_tokens): it
+        needs no further step, only the pending ids."""
+        return self.num_pending > 0 and len(self.output_token_ids) >= self.params.max_tokens
 
     def token_slice(self, start: int, end: int) -> list[int]:
         p = self.num_prompt_tokens

@@ -89,6 +89,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.length_capped():  # its last token is already being computed (overlap)
+                i += 1
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             target = req.num_computed_tokens + n
             while not self.grow(req, target):
