@@ -43,7 +43,7 @@ class PlanRow:
 def plan_capacity(model: str, memory_bytes: int, page_size: int = 16,
                   kv_dtypes: Sequence[str] = PLAN_DTYPES,
                   max_model_len: int | None = None, max_num_seqs: int = 256,
-                  max_num_batched_tokens: int = 2048) -> tuple[object, list[PlanRow]]:
+                  max_num_batched_tokens: int = 8192) -> tuple[object, list[PlanRow]]:
     """(hf_config, one row per KV dtype) for a KV budget of ``memory_bytes``."""
     src = models.resolve_model(model)
     cfg = models.load_hf_config(src)

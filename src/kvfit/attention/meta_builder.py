@@ -18,13 +18,18 @@ from kvfit.attention.base import AttentionMetadata
 def page_table_array(page_tables: Sequence[Sequence[int]], n_pages: np.ndarray,
                      width: int) -> np.ndarray:
     """[B, width] int32: row i holds the first ``n_pages[i]`` pages of request i, zero-padded."""
-    table = np.zeros((len(page_tables), width), dtype=np.int32)
-    for i, pages in enumerate(page_tables):  # one slice assignment per request, not per page
-        k = int(n_pages[i])
-        if k:
-            if len(pages) < k:
-                raise ValueError(f"request {i} has {len(pages)} pages for {k} pages of tokens")
-            table[i, :k] = pages[:k]
+    b = len(page_tables)
+    table = np.zeros((b, width), dtype=np.int32)
+    have = np.fromiter(map(len, page_tables), dtype=np.int64, count=b)
+    short = np.nonzero(have < n_pages)[0]
+    if len(short):
+        i = int(short[0])
+        raise ValueError(f"request {i} has {have[i]} pages for {n_pages[i]} pages of tokens")
+    # one flat conversion of every needed page id, then a masked scatter into the rows
+    flat: list[int] = []
+    for pages, k in zip(page_tables, n_pages.tolist()):
+        flat += pages[:k]
+    table[np.arange(width) < n_pages[:, None]] = flat  # row-major: request i's pages in order
     return table
 
 

@@ -2,7 +2,7 @@
 
 ``DecodeGraphs`` owns static input buffers (token ids, positions, and the attention metadata
 tensors: cu_seqlens_q, kv_lens, block_table, slot_mapping) and one graph per batch size in
-[1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, ...] up to ``max_bs``. A step of bs requests runs the
+``capture_sizes(max_bs)``. A step of bs requests runs the
 smallest captured size >= bs; padded rows get q_len 1, kv_len 1, a block-table row of page 0 and
 slot -1 (nothing stored), and their outputs are dropped. Before every replay the backend is
 planned outside the graph (``backend.plan_cuda_graph``), which FlashInfer's graph wrappers need
@@ -14,15 +14,20 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from kvfit.attention.base import AttentionMetadata
+from kvfit.attention.meta_builder import to_device
 
 log = logging.getLogger("kvfit")
 
 
 def capture_sizes(max_bs: int) -> list[int]:
-    base = [1, 2, 4, 8, 16, 24, 32, 48, 64] + list(range(96, max_bs + 1, 32))
+    """1, 2, 4, then steps of 8 to 64, 16 to 256, 32 beyond, and ``max_bs`` itself: a decode
+    batch pads by at most 1/8 of its size up to 64 and 1/5 up to 256 (vLLM captures every 8)."""
+    base = ([1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 257, 16))
+            + list(range(288, max_bs + 1, 32)))
     sizes = [s for s in base if s <= max_bs]
     if max_bs not in sizes:
         sizes.append(max_bs)
@@ -49,7 +54,7 @@ class DecodeGraphs:
         self.kv_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self.block_table = torch.zeros((max_bs, self.max_pages), dtype=torch.int32, device=dev)
         # host mirror of the block table; rows are rewritten only when a request's pages change
-        self._host_table = torch.zeros((max_bs, self.max_pages), dtype=torch.int32)
+        self._host_table = np.zeros((max_bs, self.max_pages), dtype=np.int32)
         self._host_rows: list = [None] * max_bs
         self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
         cfg = getattr(model, "config", None)
@@ -99,44 +104,60 @@ class DecodeGraphs:
                 return s
         raise ValueError(f"decode batch {bs} exceeds the largest captured size {self.max_bs}")
 
+    def _stage(self, kv_lens_cpu: list[int], page_tables: list[list[int]]):
+        """Host side of a replay: (graph batch, table width, int32 [kv_lens | block table rows],
+        int64 slots), all for ``gbs`` rows (padded rows: kv_len 1, page 0, slot -1). Only rows
+        whose page list changed are rewritten in the host mirror of the block table."""
+        bs = len(kv_lens_cpu)
+        gbs = self._size_for(bs)
+        ps = self.page_size
+        kv = np.ones(gbs, dtype=np.int64)
+        kv[:bs] = kv_lens_cpu
+        n_pages = -(-kv // ps)  # [gbs]
+        width = int(n_pages[:bs].max())
+        if width > self.max_pages:
+            raise ValueError(f"a request needs {width} pages, graphs were sized for "
+                             f"{self.max_pages}")
+        table = self._host_table  # [max_bs, max_pages] int32
+        for i, pages in enumerate(page_tables):
+            row = pages[: n_pages[i]]
+            if len(row) < n_pages[i]:
+                raise ValueError(f"request {i} has {len(pages)} pages for {kv[i]} tokens")
+            if self._host_rows[i] != row:  # list compare: far cheaper than converting rows
+                table[i, : len(row)] = row
+                self._host_rows[i] = row
+        for i in range(bs, gbs):
+            if self._host_rows[i] != "pad":
+                table[i] = 0
+                self._host_rows[i] = "pad"
+        ints = np.empty(gbs + gbs * width, dtype=np.int32)  # kv_lens | table[:gbs, :width]
+        ints[:gbs] = kv
+        ints[gbs:].reshape(gbs, width)[:] = table[:gbs, :width]
+        last = kv - 1  # position of each row's new token
+        slots = table[np.arange(gbs), last // ps].astype(np.int64) * ps + last % ps
+        slots[bs:] = -1
+        return gbs, width, ints, slots, n_pages
+
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_lens_cpu: list[int],
             page_tables: list[list[int]]) -> torch.Tensor:
         """One decode step of ``bs = len(kv_lens_cpu)`` requests -> hidden ``[bs, hidden]``.
 
         kv_lens_cpu[i] counts request i's tokens after this step (its new token included);
-        page_tables[i] lists its pages. Mutates the static buffers and the KV pool.
-        """
+        page_tables[i] lists its pages. Mutates the static buffers and the KV pool. Two
+        host->device copies (pinned, non-blocking) and no device->host sync."""
         bs = len(kv_lens_cpu)
-        gbs = self._size_for(bs)
-        ps = self.page_size
-        n_pages = [-(-kv // ps) for kv in kv_lens_cpu]
-        width = max(n_pages)
-        if width > self.max_pages:
-            raise ValueError(f"a request needs {width} pages, graphs were sized for "
-                             f"{self.max_pages}")
-        table = self._host_table
-        slots = [-1] * gbs
-        for i, (kv, pages) in enumerate(zip(kv_lens_cpu, page_tables)):
-            row = list(pages[: n_pages[i]])
-            if self._host_rows[i] != row:  # list compare: far cheaper than a tensor per row
-                table[i, : n_pages[i]] = torch.tensor(row, dtype=torch.int32)
-                self._host_rows[i] = row
-            slots[i] = pages[(kv - 1) // ps] * ps + (kv - 1) % ps
-        for i in range(bs, gbs):
-            if self._host_rows[i] != "pad":
-                table[i].zero_()
-                self._host_rows[i] = "pad"
-        kv_all = list(kv_lens_cpu) + [1] * (gbs - bs)
+        gbs, width, ints, slots, n_pages = self._stage(kv_lens_cpu, page_tables)
         self.input_ids[:bs].copy_(input_ids)
         self.positions[:bs].copy_(positions)
         if gbs > bs:
             self.input_ids[bs:gbs].zero_()
             self.positions[bs:gbs].zero_()
-        self.kv_lens[:gbs].copy_(torch.tensor(kv_all, dtype=torch.int32), non_blocking=True)
-        self.block_table[:gbs, :width].copy_(table[:gbs, :width], non_blocking=True)
-        self.slot_mapping[:gbs].copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
-        meta = self._meta(gbs, kv_all, n_pages + [1] * (gbs - bs), bs)
+        dev_ints = to_device(ints, self.device)
+        self.kv_lens[:gbs].copy_(dev_ints[:gbs])
+        self.block_table[:gbs, :width].copy_(dev_ints[gbs:].view(gbs, width))
+        self.slot_mapping[:gbs].copy_(to_device(slots, self.device))
+        meta = self._meta(gbs, list(kv_lens_cpu) + [1] * (gbs - bs), n_pages.tolist(), bs)
         self.backend.plan_cuda_graph(meta)
         self.graphs[gbs].replay()
         return self.outputs[gbs][:bs]
