@@ -5,8 +5,9 @@
 2. One 2k-token prefill step (eager): kernels, GPU time, wall time.
 3. Whole ``LLMEngine.step()`` at batch 256 and batch 1 in decode, temperature 0.6 and 0: wall time
    per step split into schedule / execute (host launch) / sample (includes waiting for the GPU) /
-   append (stop checks, detokenize), from wrappers around those calls.
-Usage: python3 profile_step.py [kv_dtype] [attention_backend]
+   append (stop checks, detokenize), from wrappers around those calls; with the overlap engine,
+   launch (execute + device sampling) and process (waits for the previous step's ids + append).
+Usage: python3 profile_step.py [kv_dtype] [attention_backend] [runner|engine] [on|off]
 """
 
 import collections
@@ -107,19 +108,24 @@ def engine_points():
             return out
         setattr(obj, name, w)
 
+    extra = {"async_scheduling": sys.argv[4]} if len(sys.argv) > 4 else {}
     cfg = make_config(model=MODEL, load_format="dummy", kv_dtype=KVD, device="cuda",
                       attention_backend=BACKEND, max_model_len=4096, cuda_graph_max_bs=256,
-                      max_num_batched_tokens=8192)
+                      max_num_batched_tokens=8192, **extra)
     eng = le.LLMEngine(cfg)
     wrap(eng.scheduler, "schedule", "schedule")
     wrap(eng.runner, "execute", "execute")
-    wrap(le, "sample", "sample")
+    if hasattr(eng, "_launch"):  # overlap engine: sampling at launch, outputs read in _process
+        wrap(eng, "_launch", "launch")
+        wrap(eng, "_process", "process")
+    else:
+        wrap(le, "sample", "sample")
     wrap(eng, "_append", "append")
     for bs, temp in ((256, 0.6), (256, 0.0), (1, 0.6), (1, 0.0)):
         sp = SamplingParams(temperature=temp, max_tokens=40, ignore_eos=True)
         for i in range(bs):
             eng.add_request(f"r{bs}-{temp}-{i}", list(range(1, 500)), sp)
-        while min(len(r.output_token_ids) for r in eng.requests.values()) < 2:
+        while min(len(r.output_token_ids) for r in eng.requests.values()) < 3:
             eng.step()  # prefill and a first decode step
         torch.cuda.synchronize()
         times.clear()
@@ -135,6 +141,7 @@ def engine_points():
             eng.step()
 
 
-runner_points()
-if "runner" not in sys.argv[3:]:
+if sys.argv[3:4] != ["engine"]:
+    runner_points()
+if sys.argv[3:4] != ["runner"]:
     engine_points()

@@ -1,0 +1,40 @@
+"""nano-vllm's bench.py workload, offline, on the engine (until ``kvfit bench throughput``):
+256 requests, prompts of randint(100, 1024) random token ids (< 10000), outputs of
+randint(100, 1024) tokens with ignore_eos, Python ``random.seed(0)`` as nano-vllm draws them.
+Prints output tok/s = sum(max_tokens) / wall time of one ``generate`` after a warm-up.
+
+Usage: python3 nano_vllm_workload.py [--kv-dtype fp8] [--temperature 0.6] [engine flags ...]
+"""
+
+import argparse
+import random
+import time
+
+from kvfit.config import add_engine_args, config_from_args
+from kvfit.llm import LLM
+from kvfit.sampling_params import SamplingParams
+
+p = argparse.ArgumentParser()
+p.add_argument("--temperature", type=float, default=0.6)
+p.add_argument("--num-seqs", type=int, default=256)
+add_engine_args(p)
+p.set_defaults(model="benchmarks/configs/qwen3-1.7b.json", load_format="dummy")
+args = p.parse_args()
+cfg = config_from_args(args)
+
+random.seed(0)
+prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))]
+           for _ in range(args.num_seqs)]
+sps = [SamplingParams(temperature=args.temperature, ignore_eos=True,
+                      max_tokens=random.randint(100, 1024)) for _ in range(args.num_seqs)]
+llm = LLM(**{k: getattr(cfg, k) for k in cfg.__dataclass_fields__})
+llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+t = time.perf_counter()
+llm.generate(prompts, sps, use_tqdm=False)
+t = time.perf_counter() - t
+out = sum(sp.max_tokens for sp in sps)
+eng = llm.engine
+print(f"nano-vllm workload: kv {eng.runner.kv_format.name}, T={args.temperature}, "
+      f"async {eng.overlap}, graphs to {eng.config.resolved_cuda_graph_max_bs}, "
+      f"chunk {eng.config.max_num_batched_tokens}: {out} tokens in {t:.2f} s = "
+      f"{out / t:,.0f} output tok/s, preemptions {eng.scheduler.num_preemptions}")
