@@ -44,6 +44,28 @@ class AttentionMetadata:
         return sum(self.q_lens_cpu)
 
 
+@dataclass
+class KVStoreTarget:
+    """Where one layer's new K/V go in a slot-mapped store: the pool's caches of that layer,
+    the step's slots, the pool's format, scales and V layout. A model may write K/V there
+    itself (fused into its RoPE kernel) and then call the backend with ``kv_stored=True``."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    fmt: object  # KVFormat
+    k_scale: float
+    v_scale: float
+    v_layout: str
+
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The unfused store (``kernels.store.store_kv``): mutates the caches."""
+        from kvfit.kernels.store import store_kv
+
+        store_kv(k, v, self.k_cache, self.v_cache, self.slot_mapping, self.fmt, self.k_scale,
+                 self.v_scale, self.v_layout)
+
+
 class AttentionBackend:
     """Owns the attention computation over a KV pool.
 
@@ -90,12 +112,18 @@ class AttentionBackend:
         self.meta = meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                layer_id: int) -> torch.Tensor:
+                layer_id: int, kv_stored: bool = False) -> torch.Tensor:
         """q [T, q_heads, D], k/v [T, kv_heads, D] (compute dtype) -> out [T, q_heads, D].
 
-        Mutates the pool: stores k and v at ``meta.slot_mapping`` first.
+        Mutates the pool: stores k and v at ``meta.slot_mapping`` first, unless ``kv_stored``
+        (the caller wrote them to ``kv_store_target(layer_id)`` already).
         """
         raise NotImplementedError
+
+    def kv_store_target(self, layer_id: int) -> Optional[KVStoreTarget]:
+        """This step's slot-mapped store of ``layer_id`` when the caller may do it (fused into
+        its RoPE kernel), else None (the backend stores in ``forward``). Default: None."""
+        return None
 
     # CUDA-graph hooks: backends that support graphs allocate static buffers for a max batch.
     def init_cuda_graph(self, max_bs: int, max_pages_per_req: int) -> None:

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from kvfit.attention.base import AttentionBackend, AttentionMetadata
+from kvfit.attention.base import AttentionBackend, AttentionMetadata, KVStoreTarget
 
 WORKSPACE_BYTES = 256 << 20
 
@@ -119,13 +119,21 @@ class FlashInferBackend(AttentionBackend):
         self._plan_now(meta)
 
     # -- per layer ----------------------------------------------------------------------------
-    def forward(self, q, k, v, layer_id):
+    def kv_store_target(self, layer_id: int) -> Optional[KVStoreTarget]:
+        """Every step stores by slot (HND pages): the caller may fuse it into its RoPE."""
+        pool = self.pool
+        return KVStoreTarget(pool.k_caches[layer_id], pool.v_caches[layer_id],
+                             self.meta.slot_mapping, pool.fmt, pool.k_scales[layer_id],
+                             pool.v_scales[layer_id], "HND")
+
+    def forward(self, q, k, v, layer_id, kv_stored: bool = False):
         from kvfit.kernels.store import store_kv
 
         pool = self.pool
         kc, vc = pool.k_caches[layer_id], pool.v_caches[layer_id]
         ks, vs = pool.k_scales[layer_id], pool.v_scales[layer_id]
-        store_kv(k, v, kc, vc, self.meta.slot_mapping, pool.fmt, ks, vs)
+        if not kv_stored:  # else the caller stored k/v at kv_store_target(layer_id)
+            store_kv(k, v, kc, vc, self.meta.slot_mapping, pool.fmt, ks, vs)
         if self._pending is not None:
             self.num_q_heads = q.shape[1]
             self._plan_now(self._pending)

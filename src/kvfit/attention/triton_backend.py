@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from kvfit.attention.base import AttentionBackend, AttentionMetadata
+from kvfit.attention.base import AttentionBackend, AttentionMetadata, KVStoreTarget
 from kvfit.kernels.decode import choose_config, paged_decode
 from kvfit.kernels.prefill import paged_prefill, plan_blocks, prefill_config
 from kvfit.kernels.store import plan_store_chunks, store_kv, store_kv_chunks
@@ -105,12 +105,24 @@ class TritonBackend(AttentionBackend):
         return self._blocks[group]
 
     # -- per layer ------------------------------------------------------------------------
-    def forward(self, q, k, v, layer_id):
+    def kv_store_target(self, layer_id: int) -> Optional[KVStoreTarget]:
+        """The slot-mapped store (decode steps, and prefill into HND pages) may be fused into
+        the caller's RoPE kernel; prefill into token-minor V pages stores by page-row chunks."""
+        if self._v_t and not self.meta.is_decode:
+            return None
+        pool = self.pool
+        return KVStoreTarget(pool.k_caches[layer_id], pool.v_caches[layer_id],
+                             self.meta.slot_mapping, pool.fmt, pool.k_scales[layer_id],
+                             pool.v_scales[layer_id], pool.v_layout)
+
+    def forward(self, q, k, v, layer_id, kv_stored: bool = False):
         meta = self.meta
         pool = self.pool
         kc, vc = pool.k_caches[layer_id], pool.v_caches[layer_id]
         ks, vs = pool.k_scales[layer_id], pool.v_scales[layer_id]
-        if self._v_t and not meta.is_decode:
+        if kv_stored:
+            pass  # the caller stored k/v at kv_store_target(layer_id)
+        elif self._v_t and not meta.is_decode:
             store_kv_chunks(k, v, kc, vc, self._store_chunks, meta.cu_seqlens_q, meta.kv_lens,
                             meta.block_table, pool.fmt, ks, vs)
         else:

@@ -30,14 +30,47 @@ def _build():
     import triton
     import triton.language as tl
 
+    from kvfit.kernels.store import _kernels as store_kernels
+
+    quant = store_kernels()[2]  # the pool's element function, shared with the store kernels
+
+    @triton.jit
+    def _store_rows(C, base, stride_ch, heads, cols, col_stride, x, mask, inv, max_finite,
+                    QUANT: tl.constexpr, SCALED: tl.constexpr):
+        # x [BLOCK_H, n] of one token -> cache rows of ``heads`` at element offsets cols
+        xf = quant(x, inv, max_finite, QUANT, SCALED)
+        tl.store(C + base + heads[:, None] * stride_ch + cols[None, :] * col_stride,
+                 xf.to(C.dtype.element_ty), mask=mask)
+
     @triton.jit
     def _rope_kernel(Q, K, QO, KO, POS, COS, SIN, QW, KW, sq0, sq1, sk0, sk1, sc, ss, eps, offset,
+                     V, KC, VC, SLOT, sv0, sv1, stride_cp, stride_ch, k_inv, v_inv, max_finite,
                      HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
-                     NORM: tl.constexpr, HAS_OFFSET: tl.constexpr):
+                     NORM: tl.constexpr, HAS_OFFSET: tl.constexpr, STORE: tl.constexpr,
+                     PAGE: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
+                     SCALED: tl.constexpr, V_T: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
-        hb = tl.program_id(1)  # head blocks of q, then of k
+        hb = tl.program_id(1)  # head blocks of q, then of k (then of v, with STORE)
         NQB: tl.constexpr = (HQ + BLOCK_H - 1) // BLOCK_H
+        NKB: tl.constexpr = (HK + BLOCK_H - 1) // BLOCK_H
+        if STORE:
+            slot = tl.load(SLOT + t)
+            page_base = (slot // PAGE) * stride_cp
+            off = slot % PAGE
+            if hb >= NQB + NKB:  # v: quantize-on-store only (no rotation)
+                if slot >= 0:
+                    vh = (hb - NQB - NKB) * BLOCK_H + tl.arange(0, BLOCK_H)
+                    dd = tl.arange(0, BLOCK_D)
+                    vm = (vh < HK)[:, None] & (dd < D)[None, :]
+                    v = tl.load(V + t * sv0 + vh[:, None] * sv1 + dd[None, :], mask=vm)
+                    if V_T:  # token-minor V pages [H, D, P]
+                        _store_rows(VC, page_base + off, stride_ch, vh, dd, PAGE, v, vm, v_inv,
+                                    max_finite, QUANT, SCALED)
+                    else:
+                        _store_rows(VC, page_base + off * D, stride_ch, vh, dd, 1, v, vm, v_inv,
+                                    max_finite, QUANT, SCALED)
+                return
         pos = tl.load(POS + t).to(tl.int64)
         j = tl.arange(0, BLOCK_HALF)
         jm = j < HALF
@@ -88,10 +121,23 @@ def _build():
         b1 = (-x2 * s1[None, :]).to(ty).to(tl.float32)
         a2 = (x2 * c2[None, :]).to(ty).to(tl.float32)
         b2 = (x1 * s2[None, :]).to(ty).to(tl.float32)
-        tl.store(dst, (a1 + b1).to(ty), mask=m)
-        tl.store(dst + HALF, (a2 + b2).to(ty), mask=m)
+        r1 = (a1 + b1).to(ty)
+        r2 = (a2 + b2).to(ty)
+        tl.store(dst, r1, mask=m)
+        tl.store(dst + HALF, r2, mask=m)
         if BLOCK_P > 0:
             tl.store(OUT + t * (nh * D) + heads[:, None] * D + poff, xp.to(ty), mask=pm)
+        if STORE:
+            if hb >= NQB:  # k: the rotated values, as store_kv would read them back
+                if slot >= 0:
+                    kb = page_base + off * D
+                    _store_rows(KC, kb, stride_ch, heads, j, 1, r1, m, k_inv, max_finite,
+                                QUANT, SCALED)
+                    _store_rows(KC, kb, stride_ch, heads, HALF + j, 1, r2, m, k_inv,
+                                max_finite, QUANT, SCALED)
+                    if BLOCK_P > 0:
+                        _store_rows(KC, kb, stride_ch, heads, 2 * HALF + p, 1, xp.to(ty), pm,
+                                    k_inv, max_finite, QUANT, SCALED)
 
     return _rope_kernel
 
@@ -103,14 +149,18 @@ def _last_contig(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                positions: torch.Tensor, q_out: Optional[torch.Tensor] = None,
                k_out: Optional[torch.Tensor] = None,
-               qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float, float]] = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float, float]] = None,
+               kv_store=None) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``[T, Hq, D]``, k ``[T, Hk, D]`` (same D and dtype), cos/sin ``[max_pos, rot]`` float32
     tables, positions ``[T]`` (int32/int64, each < max_pos) -> new rotated (q, k), contiguous.
 
     ``qk_norm = (q_weight [D], k_weight [D], eps, offset)`` first applies a per-head RMSNorm to
     q and k (Qwen3's and Gemma 3's q_norm/k_norm, same roundings as ``fused_norm.rms_norm``) in
     the same launch: norm, rounded to the dtype, then RoPE.
+
+    ``kv_store = (v [T, Hk, D], KVStoreTarget)`` also writes the rotated k and v into the pool's
+    pages at the target's slots in the same launch, the same bytes as ``store.store_kv`` would
+    write from the returned k (mutates the target's caches; one launch fewer per layer).
     """
     global _KERNEL
     if _KERNEL is None:
@@ -147,9 +197,37 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         if qw.shape != (d,) or kw.shape != (d,):
             raise ValueError(f"q/k norm weights of shapes {tuple(qw.shape)}, {tuple(kw.shape)} "
                              f"do not match head_dim {d}")
+    if kv_store is None:
+        store_args, store_kw = (q, q, q, positions, 0, 0, 0, 0, 1.0, 1.0, 0.0), dict(
+            STORE=False, PAGE=1, BLOCK_D=1, QUANT=False, SCALED=False, V_T=False)
+    else:
+        store_args, store_kw = _store_arguments(kv_store, k, t, hk, d)
+        grid = (t, grid[1] + triton.cdiv(hk, bh))  # + the v head blocks
     _KERNEL[grid](q, k, qo, ko, positions, cos, sin, qw, kw, q.stride(0), q.stride(1),
                   k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), float(eps),
-                  float(offset), HQ=hq, HK=hk, D=d, HALF=half, BLOCK_H=bh, BLOCK_HALF=bhalf,
-                  BLOCK_P=bp, NORM=qk_norm is not None, HAS_OFFSET=bool(offset),
-                  num_warps=num_warps)
+                  float(offset), *store_args, HQ=hq, HK=hk, D=d, HALF=half, BLOCK_H=bh,
+                  BLOCK_HALF=bhalf, BLOCK_P=bp, NORM=qk_norm is not None,
+                  HAS_OFFSET=bool(offset), num_warps=num_warps, **store_kw)
     return qo, ko
+
+
+def _store_arguments(kv_store, k: torch.Tensor, t: int, hk: int, d: int):
+    """The kernel's store arguments for ``kv_store = (v, KVStoreTarget)``, checked like
+    ``store_kv`` checks its inputs (same cache layout rules, same scale arithmetic)."""
+    import triton
+
+    from kvfit.kernels.store import _checked
+
+    v, target = kv_store
+    if v.shape != (t, hk, d) or v.dtype != k.dtype:
+        raise ValueError(f"kv_store: v must be [T, Hk, D] = {(t, hk, d)} of {k.dtype}, got "
+                         f"{tuple(v.shape)} of {v.dtype}")
+    kc, vc = target.k_cache, target.v_cache
+    _, v, (quant, scaled, k_inv, v_inv, max_finite) = _checked(
+        k, v, kc, vc, target.fmt, target.k_scale, target.v_scale, target.v_layout,
+        "apply_rope(kv_store=...)")
+    args = (v, kc, vc, target.slot_mapping, v.stride(0), v.stride(1), kc.stride(0),
+            kc.stride(1), k_inv, v_inv, max_finite)
+    kw = dict(STORE=True, PAGE=kc.shape[2], BLOCK_D=triton.next_power_of_2(d), QUANT=quant,
+              SCALED=scaled, V_T=target.v_layout == "HDN")
+    return args, kw

@@ -24,7 +24,8 @@ def _kernels():
 
 
 def _build():
-    """(slot-mapped store kernel, page-chunk store kernel), compiled on first use."""
+    """(slot-mapped store kernel, page-chunk store kernel, the element function ``_quant`` that
+    other kernels storing into pools share), compiled on first use."""
     import triton
     import triton.language as tl
 
@@ -109,7 +110,7 @@ def _build():
         vt = tl.where(live[None, :], tl.trans(vf.to(VC.dtype.element_ty)), tl.load(vptr))
         tl.store(vptr, vt)
 
-    return _store_kv_kernel, _store_chunks_kernel
+    return _store_kv_kernel, _store_chunks_kernel, _quant
 
 
 def _checked(k, v, k_cache, v_cache, fmt, k_scale, v_scale, v_layout, who):

@@ -77,28 +77,35 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                q_norm: Optional[RMSNorm] = None, k_norm: Optional[RMSNorm] = None):
+                q_norm: Optional[RMSNorm] = None, k_norm: Optional[RMSNorm] = None,
+                kv_store=None):
         """q [T, Hq, D], k [T, Hk, D] rotated at ``positions`` [T] (returns new tensors).
 
         With ``q_norm``/``k_norm`` (per-head RMSNorms, Qwen3) the norms are applied first:
-        ``rope(q_norm(q)), rope(k_norm(k))``, in the same kernel on CUDA."""
+        ``rope(q_norm(q)), rope(k_norm(k))``, in the same kernel on CUDA. With ``kv_store =
+        (v, KVStoreTarget)`` the rotated k and v are also stored into the pool (in the same
+        kernel on CUDA, else by the target's unfused store): mutates the target's caches."""
         if (q.is_cuda and q.dtype in _FUSED_DTYPES and k.dtype == q.dtype and q.dim() == 3
                 and k.dim() == 3 and k.shape[-1] == q.shape[-1]
                 and positions.device == q.device == self.cos.device):
             from kvfit.kernels.fused_rope import apply_rope
 
             if q_norm is None:
-                return apply_rope(q, k, self.cos, self.sin, positions)
+                return apply_rope(q, k, self.cos, self.sin, positions, kv_store=kv_store)
             if (q_norm._fusable(q, None) and k_norm._fusable(k, None)
                     and q_norm.eps == k_norm.eps and q_norm.offset == k_norm.offset):
                 return apply_rope(q, k, self.cos, self.sin, positions, qk_norm=(
-                    q_norm.weight, k_norm.weight, q_norm.eps, q_norm.offset))
-            return apply_rope(q_norm(q), k_norm(k), self.cos, self.sin, positions)
+                    q_norm.weight, k_norm.weight, q_norm.eps, q_norm.offset), kv_store=kv_store)
+            return apply_rope(q_norm(q), k_norm(k), self.cos, self.sin, positions,
+                              kv_store=kv_store)
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, rot_dim]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return _apply(q, cos, sin), _apply(k, cos, sin)
+        q, k = _apply(q, cos, sin), _apply(k, cos, sin)
+        if kv_store is not None:
+            kv_store[1].store(k, kv_store[0])
+        return q, k
 
 
 def _rotate_half(x):

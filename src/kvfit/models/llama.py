@@ -44,8 +44,15 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k, self.q_norm, self.k_norm)  # q/k norm (Qwen3), then RoPE
-        o = ctx.backend.forward(q, k, v, self.layer_id)  # [T, Hq, D]
+        # q/k norm (Qwen3), then RoPE; on CUDA backends that allow it, the K/V store into the
+        # pool runs in the same kernel (one launch per layer fewer)
+        target = ctx.backend.kv_store_target(self.layer_id) if x.is_cuda else None
+        kv_store = None if target is None else (v, target)
+        q, k = rotary(positions, q, k, self.q_norm, self.k_norm, kv_store=kv_store)
+        if kv_store is None:
+            o = ctx.backend.forward(q, k, v, self.layer_id)  # [T, Hq, D]
+        else:
+            o = ctx.backend.forward(q, k, v, self.layer_id, kv_stored=True)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
