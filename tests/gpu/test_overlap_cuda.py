@@ -23,7 +23,7 @@ def _run(path, mode, kv_dtype, eager, sps, num_pages=128):
 
     llm = LLM(str(path), load_format="dummy", attention_backend="triton", kv_dtype=kv_dtype,
               device="cuda", enforce_eager=eager, num_pages=num_pages, page_size=16,
-              max_model_len=512, async_scheduling=mode, max_num_seqs=8)
+              max_model_len=min(512, num_pages * 16), async_scheduling=mode, max_num_seqs=8)
     assert llm.engine.overlap == (mode == "on")
     prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)]
                for i, n in enumerate((5, 33, 70, 17, 9, 120))]
