@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import numpy as np
 import torch
 
 _K = {}
@@ -218,7 +219,10 @@ def plan_blocks(q_lens: Sequence[int], group: int, block_m: int, device,
             work.append((prefix + last, i, r0))
     work.sort(key=lambda w: -w[0])
     flat = [x for _, i, r0 in work for x in (i, r0)]
-    return torch.tensor(flat, dtype=torch.int32).view(-1, 2).to(device, non_blocking=True)
+    # pinned: a pageable copy would wait for the GPU's earlier work (overlap scheduling)
+    from kvfit.attention.meta_builder import to_device
+
+    return to_device(np.asarray(flat, dtype=np.int32).reshape(-1, 2), torch.device(device))
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

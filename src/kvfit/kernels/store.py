@@ -12,6 +12,7 @@ then cast (a plain cast at scale 1). Slots < 0 are skipped.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _K = {}
@@ -173,7 +174,10 @@ def plan_store_chunks(q_lens, kv_lens, page_size: int, device) -> torch.Tensor:
     for i, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
         for a in range((kl - ql) // pp * pp, kl, pp):
             flat += (i, a)
-    return torch.tensor(flat, dtype=torch.int32).view(-1, 2).to(device, non_blocking=True)
+    # pinned: a pageable copy would wait for the GPU's earlier work (overlap scheduling)
+    from kvfit.attention.meta_builder import to_device
+
+    return to_device(np.asarray(flat, dtype=np.int32).reshape(-1, 2), torch.device(device))
 
 
 def store_kv_chunks(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
