@@ -53,7 +53,8 @@ def test_plan_cli_prints_every_dtype():
     # for fp8 at head_dim 128): the fp8 row is the engine's 54,272 tokens, not 54,288 at 16
     assert "| bfloat16 | fi | 16 | 114,688 |" in out and "2.00x" in out
     assert "| fp8_e4m3 | triton | 32 | 57,344 | 1,696 | 54,272 |" in out
-    assert "auto choice on cuda" in out
+    if not torch.cuda.is_available():  # planned for a device that is not here: says so
+        assert "auto choice on cuda with FlashInfer and Triton installed" in out
 
 
 def test_unknown_kv_dtype_refused_by_parser(capsys):

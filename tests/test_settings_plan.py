@@ -10,6 +10,7 @@ import io
 import logging
 
 import pytest
+import torch
 
 from kvfit.cli import main as cli_main
 from kvfit.config import EngineConfig
@@ -62,6 +63,7 @@ def test_plan_prints_the_engines_capacity_line_on_cpu(tmp_path, caplog, kind, kv
     (row,) = plan_capacity(EngineConfig(model=model, attention_backend="torch"), mem,
                            [kv_dtype], device="cpu")
     assert row.capacity_line() == engine_lines[0]  # same tokens, pages, GiB, concurrency
+    assert runner.kv_budget_bytes == mem
     assert row.sizing == runner.sizing and row.settings.page_size == runner.config.page_size
     assert runner.pool.num_pages == row.sizing.num_pages
     assert runner.pool.priced_bytes() == runner.pool.allocated_bytes() <= mem
@@ -75,6 +77,11 @@ def test_plan_prints_the_engines_capacity_line_on_cpu(tmp_path, caplog, kind, kv
     assert f"| {runner.pool.num_pages:,} | {row.sizing.tokens:,} |" in out
 
 
+CPU_HOST = pytest.mark.skipif(torch.cuda.is_available(),
+                              reason="plans for CUDA from a host without it (tests/gpu: with it)")
+
+
+@CPU_HOST
 @pytest.mark.parametrize("backend", ["auto", "triton", "fi"])
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3", "fp8_e5m2"])
 def test_cuda_plan_prices_the_page_size_each_backend_chooses(backend, kv_dtype):
@@ -88,7 +95,7 @@ def test_cuda_plan_prices_the_page_size_each_backend_chooses(backend, kv_dtype):
     s = row.settings
     fp8 = kv_dtype.startswith("fp8")
     want = backend if backend != "auto" else ("triton" if fp8 else "fi")
-    assert s.backend_name == want and s.device.type == "cuda"
+    assert s.backend_name == want and s.device.type == "cuda" and s.assumed_installed
     ps = backend_class(want).default_page_size(kv_dtype, 128)
     assert s.page_size == ps == (32 if want == "triton" and fp8 else 16)
     assert s.v_layout == ("HDN" if want == "triton" and fp8 else "HND")
@@ -102,6 +109,19 @@ def test_cuda_plan_prices_the_page_size_each_backend_chooses(backend, kv_dtype):
     assert explicit.settings.page_size == 64 and explicit.sizing.tokens == mem // (64 * bpt) * 64
 
 
+@CPU_HOST
+def test_plan_says_when_an_explicit_max_model_len_does_not_fit():
+    mem = parse_memory("1GiB")
+    rows = plan_capacity(EngineConfig(model=QWEN3, max_model_len=12_000), mem,
+                         ["bfloat16", "fp8_e4m3"])
+    from kvfit.plan import format_plan
+
+    text = format_plan(mem, rows)
+    assert rows[0].sizing.tokens < 12_000 <= rows[1].sizing.tokens
+    assert "--max-model-len 12,000 does not fit the bfloat16 KV cache" in text
+
+
+@CPU_HOST
 def test_plan_for_cuda_refuses_what_the_engine_would(tmp_path):
     hybrid = _config_json(tmp_path, "hybrid")
     s = resolve_settings(EngineConfig(model=hybrid, kv_dtype="fp8_e4m3"), plan_for="cuda")

@@ -98,11 +98,16 @@ def format_plan(memory_bytes: int, rows: list[PlanRow]) -> str:
                      f"{z.bytes_per_token:,} | {z.num_pages:,} | {z.tokens:,} | "
                      f"{z.pool_bytes / 2**30:.3f} | {r.ratio_vs_first:.2f}x | "
                      f"{r.max_concurrency:.2f} |")
+    explicit = s0.config.max_model_len
+    short = [r.kv_dtype for r in rows if explicit and r.sizing.tokens < explicit]
+    if short:
+        lines += ["", f"--max-model-len {explicit:,} does not fit the {', '.join(short)} KV "
+                  f"cache: the engine refuses to start with it (lower it or raise --memory)."]
     if s0.backend_chosen == "auto":
+        where = (" with FlashInfer and Triton installed (no CUDA device here)"
+                 if s0.assumed_installed else " here")
         lines += ["", f"Backend and page size: the engine's auto choice on {s0.device.type}"
-                  + (" with FlashInfer and Triton installed (whether or not they are here)"
-                     if s0.device.type == "cuda" else "")
-                  + "; --attention-backend and --page-size plan another."]
+                  f"{where}; --attention-backend and --page-size plan another."]
     else:
         lines += ["", f"Backend {s0.backend_name} as requested; page size "
                   + ("as requested." if s0.config.page_size else "its default.")]

@@ -110,6 +110,7 @@ class ModelRunner:
             budget = memory.cuda_budget_bytes(free_before, used, c.memory_ratio)
         else:
             budget = memory.cpu_budget_bytes(c.cpu_kv_space_gib, c.memory_ratio)
+        self.kv_budget_bytes = budget  # None when --num-pages/--num-tokens fix the pool
         sizing = self.pool_cls.solve_pages(self.layers, self.kv_format, c.page_size,
                                            self.settings.sizing_limits(budget))
         capacity = sizing.tokens

@@ -10,8 +10,9 @@ the scheduler, ``kvfit plan`` and the seed benchmark all read the same record, s
 build the same pool.
 
 ``resolve_settings(config, plan_for="cuda")`` resolves for a device that need not be present
-(``kvfit plan`` on a CPU machine): backends are judged by what they declare, as on a machine of
-that device type with every optional package (FlashInfer, Triton) installed.
+(``kvfit plan`` on a CPU machine): when the device is not here, backends are judged by what they
+declare, as on a machine of that device type with every optional package (FlashInfer, Triton)
+installed (``assumed_installed``); when it is here, exactly as the engine here would resolve.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class EngineSettings:
     page_size: int
     v_layout: str
     max_model_len: int
+    assumed_installed: bool = False  # planned for a device not here: every backend importable
 
     @property
     def backend_cls(self):
@@ -96,7 +98,7 @@ def resolve_settings(config: EngineConfig, plan_for: Optional[str] = None) -> En
         device = torch.device(plan_for)
     else:
         raise ValueError(f"plan_for must be 'cpu' or 'cuda', got {plan_for!r}")
-    assume_installed = plan_for is not None
+    assume_installed = plan_for == "cuda" and not torch.cuda.is_available()
     source = models.resolve_model(config.model)
     if source.kind == "config" and config.load_format != "dummy" and plan_for is None:
         raise ValueError(f"{config.model} is a config.json without weights; add "
@@ -123,4 +125,4 @@ def resolve_settings(config: EngineConfig, plan_for: Optional[str] = None) -> En
         dtype=dtype, kv_format=fmt, layers=layers, pool_cls=pool_cls, backend_name=backend_name,
         backend_chosen="auto" if config.attention_backend == "auto" else "requested",
         page_size=page_size, v_layout=backend.v_layout(fmt.name, page_size, head_dim),
-        max_model_len=config.max_model_len or ctx_len)
+        max_model_len=config.max_model_len or ctx_len, assumed_installed=assume_installed)
