@@ -107,8 +107,8 @@ class FlashInferBackend(AttentionBackend):
         self._active = wrapper
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        """Mutates self: plans the step's FlashInfer wrapper (deferred to the first forward until the query
-        head count is known)."""
+        """Mutates self: plans the step's FlashInfer wrapper (deferred to the first forward
+        until the query head count is known)."""
         self.meta = meta
         self._in_graph = False
         if self.num_q_heads is None:

@@ -14,7 +14,8 @@ import torch
 
 from kvfit.attention.base import AttentionMetadata, SlidingTables
 from kvfit.kvcache.pool import KVPool
-from kvfit.kvcache.sliding_pages import FREED, cdiv, first_live_position
+from kvfit.kvcache.sliding_pages import FREED, first_live_position
+from kvfit.kvcache.spec import pages_for
 
 
 def build_metadata(q_lens: Sequence[int], kv_lens: Sequence[int],
@@ -73,7 +74,7 @@ def build_hybrid_metadata(q_lens: Sequence[int], kv_lens: Sequence[int],
     mapped, first_live = [], []
     for i, (ql, kv, table) in enumerate(zip(q_lens, kv_lens, swa_tables)):
         first = first_live_position(kv - ql, window) // page_size
-        need = cdiv(kv, page_size)
+        need = pages_for(kv, page_size)
         if i < real and any(p == FREED for p in table[first:need]):
             raise ValueError(f"request {i}: sliding page list {list(table[:need])} has freed "
                              f"pages inside its window (positions {kv - ql}..{kv - 1})")

@@ -19,8 +19,8 @@ from typing import Optional, Sequence
 
 from kvfit.errors import KVBudgetError
 from kvfit.kvcache.dtypes import KVFormat
-from kvfit.kvcache.sliding_pages import cdiv
-from kvfit.kvcache.spec import KVLayerSpec, solve_num_pages, spec_kv_bytes_per_token
+from kvfit.kvcache.spec import (KVLayerSpec, pages_for, solve_num_pages,
+                                spec_kv_bytes_per_token)
 
 GiB = 1 << 30
 
@@ -41,7 +41,7 @@ class SizingLimits:
         if self.num_pages is not None:
             return self.num_pages
         if self.num_tokens is not None:
-            return cdiv(self.num_tokens, page_size)
+            return pages_for(self.num_tokens, page_size)
         return None
 
 
@@ -105,8 +105,8 @@ def sliding_pages_worst_case(window: int, page_size: int, max_num_seqs: int,
     A request computing positions [s, s+n) holds [s-W+1, s+n): at most ceil((W-1)/P) + 2 pages
     plus n/P; summed over requests, n adds up to at most max_num_batched_tokens.
     """
-    return (max_num_seqs * (cdiv(window - 1, page_size) + 2)
-            + cdiv(max_num_batched_tokens, page_size))
+    return (max_num_seqs * (pages_for(window - 1, page_size) + 2)
+            + pages_for(max_num_batched_tokens, page_size))
 
 
 def sliding_pages_one_request(window: int, page_size: int, max_num_batched_tokens: int) -> int:
@@ -152,7 +152,7 @@ class HybridBudget(PoolSizing):
     @property
     def window_requests(self) -> int:
         """Requests decoding past the window that the sliding pages hold at once."""
-        return self.num_swa_pages // (cdiv(self.window - 1, self.page_size) + 2)
+        return self.num_swa_pages // (pages_for(self.window - 1, self.page_size) + 2)
 
     def capacity_line(self, fmt: KVFormat, max_model_len: int) -> str:
         """What the full layers hold, what the windows cost."""
@@ -204,7 +204,7 @@ def solve_hybrid_pages(budget_bytes: int, layers: Sequence[KVLayerSpec], fmt: KV
         if full_bpt:
             num_pages = rest // (full_bpt * page_size)
         else:
-            num_pages = max_num_seqs * cdiv(max(window, max_num_batched_tokens), page_size)
+            num_pages = max_num_seqs * pages_for(max(window, max_num_batched_tokens), page_size)
     kinds = [l.kind for l in layers]
     return HybridBudget(num_pages, page_size, full_bpt, swa_pages, window, swa_bpt,
                         kinds.count("full"), kinds.count("sliding"))

@@ -16,12 +16,9 @@ one page id never handed out, zero-filled by the pool).
 from __future__ import annotations
 
 from kvfit.kvcache.allocator import OutOfPages, PageAllocator
+from kvfit.kvcache.spec import pages_for
 
 FREED = -1  # entry of a sliding page list whose page fell out of the window
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def first_live_position(start: int, window: int) -> int:
@@ -62,7 +59,7 @@ class SlidingWindowPages:
     def pages_needed(self, rid: str, start: int, end: int) -> int:
         """New pages ``reserve(rid, start, end)`` would take (after its releases)."""
         table = self.tables.get(rid, [])
-        return max(0, cdiv(end, self.page_size) - len(table))
+        return max(0, pages_for(end, self.page_size) - len(table))
 
     def can_reserve(self, rid: str, start: int, end: int) -> bool:
         """Whether ``reserve(rid, start, end)`` succeeds (counting the pages it releases first).
@@ -92,7 +89,7 @@ class SlidingWindowPages:
             raise ValueError(f"request {rid}: positions from {start} were already released; "
                              f"free() it before recomputing")
         self.release(rid, start)
-        need = cdiv(end, self.page_size) - len(table)
+        need = pages_for(end, self.page_size) - len(table)
         if need > 0:
             if not self.allocator.can_allocate(need):
                 raise OutOfPages(f"sliding-window pages exhausted: request {rid} needs {need}, "
