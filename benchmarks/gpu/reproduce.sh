@@ -42,6 +42,11 @@ run() {
   echo "   rc=$? after ${SECONDS}s"; grep -E "^\|" "$OUT/$name.log" | head -40
 }
 
+# table NAME KIND: the markdown table of docs/benchmarks.md from a `kvfit bench kernels` run
+table() {
+  python3 benchmarks/kernels/tables.py "$OUT/$1/kernels.json" "$2" | tee "$OUT/$1.md"
+}
+
 SEED=(bench seed --kv-dtypes bfloat16,fp8_e4m3 --contexts 16384,32768 --batches 16,64 --steps 24
       --prefill-len 2048)
 
@@ -66,18 +71,22 @@ target() {
         --baseline hf --out "$OUT/seed_hf_baseline" ;;
     decode-page16) gpu_env
       run decode_vs_flashinfer_page16 kvfit bench kernels --page-size 16 --no-prefill \
-        --out "$OUT/decode_vs_flashinfer_page16" ;;
+        --out "$OUT/decode_vs_flashinfer_page16"
+      table decode_vs_flashinfer_page16 decode ;;
     decode-page32) gpu_env
       run decode_vs_flashinfer_page32 kvfit bench kernels --page-size 32 --batches 8,32,128 \
-        --contexts 4096,16384,65536 --no-prefill --out "$OUT/decode_vs_flashinfer_page32" ;;
+        --contexts 4096,16384,65536 --no-prefill --out "$OUT/decode_vs_flashinfer_page32"
+      table decode_vs_flashinfer_page32 decode ;;
     decode-page-size) gpu_env
       for ps in 32 64; do
         run decode_fp8_page_size_$ps kvfit bench kernels --page-size $ps \
           --layouts qwen3-1.7b,llama-3.1-8b --batches 32,128 --contexts 16384 --no-prefill \
           --no-fi --out "$OUT/decode_fp8_page_size_$ps"
+        grep -E "^decode" "$OUT/decode_fp8_page_size_$ps.log"
       done ;;
     prefill) gpu_env
-      run prefill_vs_flashinfer kvfit bench kernels --no-decode --out "$OUT/prefill_vs_flashinfer" ;;
+      run prefill_vs_flashinfer kvfit bench kernels --no-decode --out "$OUT/prefill_vs_flashinfer"
+      table prefill_vs_flashinfer prefill ;;
     studies) gpu_env; studies ;;
     quality) quality ;;
     tests) gpu_env
