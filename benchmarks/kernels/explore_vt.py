@@ -142,10 +142,13 @@ def main():
                     import triton
                     us = triton.testing.do_bench(rotating(fns), warmup=20, rep=100,
                                                  return_mode="median") * 1e3
+                    timed = decode.compiled_split_kernel(
+                        qs[0], kv.caches[0][0], kv.vt[0] if vt else kv.caches[0][1],
+                        kv.block_table, kv.kv_lens, outs[0], d ** -0.5, cfg)
                     rec = dict(layout=layout, kv=name, page=PAGE, b=b, ctx=ctx, bn=bn, nw=nw,
                                ns=ns, vt=vt,
-                               maxnreg=mr, regs=kern.n_regs,
-                               smem=kern.metadata.shared, occ=occ,
+                               maxnreg=mr, regs=timed.n_regs,
+                               smem=timed.metadata.shared, occ=occ,
                                splits=cfg.num_splits, err=err, us=us,
                                tbps=kv.bytes / us / 1e6)
                     res["variants"].append(rec)
