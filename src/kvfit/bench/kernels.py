@@ -29,11 +29,13 @@ class Case:
     context: int
 
 
-def _args(p):
+def parser() -> argparse.ArgumentParser:
+    """The ``kvfit bench kernels`` flags; ``--page-size`` is EngineConfig's."""
     import dataclasses
 
     from kvfit.config import EngineConfig, add_engine_args
 
+    p = argparse.ArgumentParser(prog="kvfit bench kernels", description=__doc__)
     p.add_argument("--out", default="bench-out/kernels")
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3")
@@ -49,6 +51,7 @@ def _args(p):
     # per KV dtype and head size on the triton backend)
     add_engine_args(p, skip=tuple(f.name for f in dataclasses.fields(EngineConfig)
                                   if f.name != "page_size"))
+    return p
 
 
 def _torch_dtype(name):
@@ -346,9 +349,7 @@ def plot(results, path):
 
 def main(argv: list[str]) -> int:
     """Entry point of ``kvfit bench kernels``; returns the exit status."""
-    p = argparse.ArgumentParser(prog="kvfit bench kernels", description=__doc__)
-    _args(p)
-    args = p.parse_args(argv)
+    args = parser().parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():

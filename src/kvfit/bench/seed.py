@@ -36,7 +36,10 @@ BENCH_SETS = ("model", "kv_dtype", "device", "load_format", "tokenizer", "num_pa
               "cpu_kv_space_gib")
 
 
-def _args(p):
+def parser() -> argparse.ArgumentParser:
+    """The ``kvfit bench seed`` flags: the bench's own, then EngineConfig's engine flags."""
+    p = argparse.ArgumentParser(prog="kvfit bench seed", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEFAULT_CONFIG,
                    help="config.json (random weights) or model directory (default: the shipped "
                         "Qwen3-1.7B config, kvfit/bench/configs/qwen3-1.7b.json)")
@@ -50,6 +53,17 @@ def _args(p):
     p.add_argument("--baseline", choices=["none", "hf"], default="none")
     p.add_argument("--out", default="bench-out/seed")
     add_engine_args(p, skip=BENCH_SETS)
+    return p
+
+
+def engine_config(args: argparse.Namespace, kv_dtype: str, num_tokens: int, max_model_len: int,
+                  max_batch: int):
+    """The EngineConfig of one KV dtype's runner: the engine flags given, random weights on
+    CUDA, a pool of ``num_tokens`` and graphs up to ``max_batch`` requests."""
+    return config_from_args(args, load_format="dummy", kv_dtype=kv_dtype, device="cuda",
+                            num_tokens=num_tokens, max_model_len=max_model_len,
+                            max_num_seqs=max_batch, cuda_graph_max_bs=max_batch,
+                            max_num_batched_tokens=args.prefill_len)
 
 
 def _sync():
@@ -199,10 +213,7 @@ def run_dtype(args, kvd: str, contexts, batches, bw: float) -> dict:
     card_budget = int(free * args.memory_ratio) - weight_bytes - 2 * GiB  # 2 GiB activations
     fit_tokens = card_budget // per_tok
     tokens = min(need, fit_tokens)
-    cfg = config_from_args(args, load_format="dummy", kv_dtype=kvd, device="cuda",
-                           num_tokens=tokens, max_model_len=max_ctx + args.steps + 8,
-                           max_num_seqs=max(batches), cuda_graph_max_bs=max(batches),
-                           max_num_batched_tokens=args.prefill_len)
+    cfg = engine_config(args, kvd, tokens, max_ctx + args.steps + 8, max(batches))
     runner = ModelRunner(cfg)
     ps = runner.pool.page_size
     fill_pool(runner.pool)
@@ -304,10 +315,7 @@ def plot(res: dict, path: str) -> None:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``kvfit bench seed``; returns the exit status."""
-    p = argparse.ArgumentParser(prog="kvfit bench seed", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    _args(p)
-    args = p.parse_args(argv)
+    args = parser().parse_args(argv)
     import torch
 
     from kvfit.bench.kernels import copy_bandwidth
