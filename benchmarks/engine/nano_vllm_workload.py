@@ -12,6 +12,7 @@ import argparse
 import random
 import time
 
+from kvfit.bench.configs import config_path
 from kvfit.config import add_engine_args, config_from_args
 from kvfit.llm import LLM
 from kvfit.sampling_params import SamplingParams
@@ -22,7 +23,7 @@ p.add_argument("--num-seqs", type=int, default=256)
 p.add_argument("--passes", default="", help="timed passes 'T:on|off,...' (default: one pass "
                "at --temperature with the engine's async_scheduling)")
 add_engine_args(p)
-p.set_defaults(model="benchmarks/configs/qwen3-1.7b.json", load_format="dummy")
+p.set_defaults(model=config_path("qwen3-1.7b"), load_format="dummy")
 args = p.parse_args()
 cfg = config_from_args(args)
 

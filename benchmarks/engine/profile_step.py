@@ -17,6 +17,7 @@ import time
 import torch
 
 from kvfit.attention.meta_builder import build_metadata
+from kvfit.bench.configs import config_path
 from kvfit.config import make_config
 from kvfit.engine import llm_engine as le
 from kvfit.engine.runner import ModelRunner
@@ -24,7 +25,7 @@ from kvfit.sampling_params import SamplingParams
 
 KVD = sys.argv[1] if len(sys.argv) > 1 else "bfloat16"
 BACKEND = sys.argv[2] if len(sys.argv) > 2 else "triton"
-MODEL = "benchmarks/configs/qwen3-1.7b.json"
+MODEL = config_path("qwen3-1.7b")
 
 
 def kernels_of(fn, steps=5):
@@ -83,7 +84,7 @@ def runner_points():
     pos = torch.arange(n, device="cuda")
 
     def pstep():
-        r.backend.plan(meta)
+        r.backend.prepare(meta)
         h = r.model(ids, pos, r.ctx)
         r.model.compute_logits(h[-1:])
 

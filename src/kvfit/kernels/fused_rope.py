@@ -17,22 +17,23 @@ Optionally a per-head RMSNorm of q and k runs first in the same launch (``qk_nor
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
 from kvfit.kernels.outputs import check_out
 
-_KERNEL = None
 
-
-def _build():
+@functools.cache
+def build():
+    """The jitted RoPE kernel, built once per process on first use."""
     import triton
     import triton.language as tl
 
-    from kvfit.kernels.store import _kernels as store_kernels
+    from kvfit.kernels.store import build as build_store
 
-    quant = store_kernels()[2]  # the pool's element function, shared with the store kernels
+    quant = build_store()[2]  # the pool's element function, shared with the store kernels
 
     @triton.jit
     def _store_rows(C, base, stride_ch, heads, cols, col_stride, x, mask, inv, max_finite,
@@ -162,9 +163,6 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     pages at the target's slots in the same launch, the same bytes as ``store.store_kv`` would
     write from the returned k (mutates the target's caches; one launch fewer per layer).
     """
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = _build()
     import triton
 
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
@@ -203,7 +201,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     else:
         store_args, store_kw = _store_arguments(kv_store, k, t, hk, d)
         grid = (t, grid[1] + triton.cdiv(hk, bh))  # + the v head blocks
-    _KERNEL[grid](q, k, qo, ko, positions, cos, sin, qw, kw, q.stride(0), q.stride(1),
+    build()[grid](q, k, qo, ko, positions, cos, sin, qw, kw, q.stride(0), q.stride(1),
                   k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), float(eps),
                   float(offset), *store_args, HQ=hq, HK=hk, D=d, HALF=half, BLOCK_H=bh,
                   BLOCK_HALF=bhalf, BLOCK_P=bp, NORM=qk_norm is not None,
