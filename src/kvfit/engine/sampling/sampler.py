@@ -1,0 +1,167 @@
+"""The batched sampler: next-token ids for a whole step in a few whole-batch tensor ops.
+
+Order of operations on a logits row (float32):
+1. the structured-output bitmask: disallowed tokens become -inf (greedy rows too);
+2. ``logit_bias`` is added (so a +100 bias forces a token and -100 bans it, greedy rows too);
+3. greedy rows (temperature 0) take the argmax; the other rows are divided by their temperature,
+   then filtered: top-k (the k largest), min-p (probability >= min_p x the largest), top-p (the
+   smallest prefix, in descending order, whose mass reaches top_p of what top-k and min-p left).
+   Every filter is a cutoff on the row's values, so ties at a cutoff are kept and the kept set
+   does not depend on how ties are ordered;
+4. one token is drawn by inverting the CDF (float64 cumulative sum in token-id order) of the
+   softmax over the kept tokens at the row's uniform ``u`` (see ``randomness``).
+
+Cost: argmax, one softmax and one float64 cumsum over [N, V], plus a sort restricted to the rows
+that use top-k or top-p: ``topk`` of the largest top-k when every such row sets top-k, a full
+sort only when a row uses top-p without top-k. No per-row Python loop and no host sync: the
+chosen ids come back as a device tensor; the caller copies them once.
+
+Logprobs (vLLM semantics) are computed only for rows that ask: log_softmax of the raw logits
+(before the mask, bias, temperature and filters), the chosen token's and the top-N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kvfit.engine.sampling.batch import SamplingBatch
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplerOutput:
+    """token_ids: int64 [N] on the logits' device. For the rows in ``logprob_rows`` (in order):
+    chosen_logprobs float32 [M], top_ids int64 [M, n_max] and top_logprobs float32 [M, n_max]."""
+
+    token_ids: torch.Tensor
+    logprob_rows: list[int]
+    logprob_counts: list[int]
+    chosen_logprobs: Optional[torch.Tensor] = None
+    top_ids: Optional[torch.Tensor] = None
+    top_logprobs: Optional[torch.Tensor] = None
+
+    def logprob_dicts(self, token_ids: list[int]) -> dict[int, dict[int, float]]:
+        """row -> {chosen: lp, then the row's top-N: lp} (host lists; call after the ids copy)."""
+        if not self.logprob_rows:
+            return {}
+        chosen = self.chosen_logprobs.tolist()
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else None
+        top_lps = self.top_logprobs.tolist() if self.top_logprobs is not None else None
+        out = {}
+        for j, (row, n) in enumerate(zip(self.logprob_rows, self.logprob_counts)):
+            d = {token_ids[row]: chosen[j]}
+            for t, v in zip(top_ids[j][:n] if n else (), top_lps[j][:n] if n else ()):
+                d.setdefault(t, v)
+            out[row] = d
+        return out
+
+
+def unpack_bitmask(token_bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 [N, ceil(V/32)] in xgrammar's layout (bit j of word w: token 32*w + j allowed)
+    -> bool [N, V] allowed."""
+    n, words = token_bitmask.shape
+    if words * 32 < vocab_size:
+        raise ValueError(f"token_bitmask has {words} words per row, {vocab_size} logits need "
+                         f"{(vocab_size + 31) // 32}")
+    shifts = torch.arange(32, device=token_bitmask.device, dtype=torch.int32)
+    bits = (token_bitmask.to(torch.int32).unsqueeze(-1) >> shifts) & 1  # [N, W, 32]
+    return bits.reshape(n, words * 32)[:, :vocab_size].bool()  # [N, V]
+
+
+def processed_logits(logits: torch.Tensor, batch: SamplingBatch,
+                     token_bitmask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """float32 [N, V] copy of ``logits`` with the bitmask and logit_bias applied."""
+    x = logits.float()
+    if x is logits and (token_bitmask is not None or batch.bias_rows is not None):
+        x = x.clone()
+    if token_bitmask is not None:
+        x.masked_fill_(~unpack_bitmask(token_bitmask.to(x.device), x.shape[-1]), _NEG_INF)
+    if batch.bias_rows is not None:
+        x.index_put_((batch.bias_rows, batch.bias_tokens), batch.bias_values, accumulate=True)
+    return x
+
+
+def _cutoffs(x: torch.Tensor, batch: SamplingBatch) -> Optional[torch.Tensor]:
+    """x [N, V] temperature-scaled -> float32 [N] per-row cutoff (keep x >= cutoff), or None
+    when no row filters."""
+    if not batch.any_min_p and batch.sort_rows is None:
+        return None
+    if batch.any_min_p:  # p >= min_p * p_max  <=>  x >= x_max + log(min_p)
+        cut = x.amax(dim=-1) + torch.log(batch.min_p)  # min_p 0 -> -inf: keeps all
+    else:
+        cut = torch.full((x.shape[0],), _NEG_INF, device=x.device)
+    if batch.sort_rows is None:
+        return cut
+    rows = batch.sort_rows
+    xs = x.index_select(0, rows)  # [S, V]
+    k = batch.num_candidates
+    if k < x.shape[-1]:
+        vals = torch.topk(xs, k, dim=-1, sorted=True).values  # [S, K] descending
+    else:
+        vals = torch.sort(xs, dim=-1, descending=True).values  # [S, V]
+    top_k = batch.top_k.index_select(0, rows).clamp(max=k)
+    kth = vals.gather(1, (top_k - 1).unsqueeze(1))  # [S, 1]
+    keep = (vals >= kth) & (vals >= cut.index_select(0, rows).unsqueeze(1))  # a prefix of vals
+    probs = torch.softmax(vals.masked_fill(~keep, _NEG_INF), dim=-1)  # renormalised over keep
+    before = probs.cumsum(dim=-1) - probs  # mass strictly before each candidate
+    top_p = batch.top_p.index_select(0, rows)
+    top_p = torch.where(top_p < 1.0, top_p, torch.full_like(top_p, 2.0)).unsqueeze(1)  # 1 = off
+    keep &= before < top_p  # still a prefix; position 0 always stays
+    last = (keep.sum(dim=-1) - 1).clamp(min=0)
+    return cut.index_copy(0, rows, vals.gather(1, last.unsqueeze(1)).squeeze(1))
+
+
+def _draw(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """x [N, V] processed logits -> int64 [N] drawn ids (greedy rows: meaningless, replaced)."""
+    x = x / batch.temperature.unsqueeze(1)
+    cut = _cutoffs(x, batch)
+    if cut is not None:
+        x = x.masked_fill(x < cut.unsqueeze(1), _NEG_INF)
+    probs = torch.softmax(x, dim=-1)  # NaN only on rows with nothing allowed (replaced later)
+    cdf = probs.to(torch.float64).cumsum_(dim=-1)  # [N, V]
+    target = (batch.uniform * cdf[:, -1]).unsqueeze(1)  # in (0, total]
+    ids = torch.searchsorted(cdf, target).squeeze(1)  # first id with cdf >= target: p > 0
+    return ids.clamp_(max=x.shape[-1] - 1)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch,
+           token_bitmask: Optional[torch.Tensor] = None) -> SamplerOutput:
+    """logits [N, V] (any float dtype, row i = batch row i) -> SamplerOutput with the chosen ids
+    as a device tensor. ``token_bitmask``: optional int32 [N, ceil(V/32)], xgrammar's packing,
+    rows of unconstrained requests all ones (-1). Mutates nothing but what it allocates.
+
+    A row whose every token is disallowed yields the argmax of its processed logits (token 0),
+    never NaN or an out-of-range id.
+    """
+    if logits.shape[0] != batch.num_rows:
+        raise ValueError(f"logits have {logits.shape[0]} rows, the batch {batch.num_rows}")
+    x = processed_logits(logits, batch, token_bitmask)
+    greedy_ids = x.argmax(dim=-1)
+    if batch.all_greedy:
+        ids = greedy_ids
+    else:
+        alive = torch.isfinite(x.amax(dim=-1))
+        ids = torch.where(batch.greedy | ~alive, greedy_ids, _draw(x, batch))
+    out = SamplerOutput(ids, batch.logprob_rows, batch.logprob_counts)
+    if batch.logprob_rows:
+        rows = torch.tensor(batch.logprob_rows, dtype=torch.int64).to(logits.device)
+        lp = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)  # [M, V] raw
+        out.chosen_logprobs = lp.gather(1, ids.index_select(0, rows).unsqueeze(1)).squeeze(1)
+        n_max = max(batch.logprob_counts)
+        if n_max > 0:
+            out.top_logprobs, out.top_ids = torch.topk(lp, min(n_max, lp.shape[-1]), dim=-1)
+    return out
+
+
+def top_logprobs(logprobs_row: torch.Tensor, chosen: int, n: int) -> dict[int, float]:
+    """{chosen: lp, then the top-n tokens: lp} for one position (prompt logprobs)."""
+    d = {chosen: float(logprobs_row[chosen])}
+    if n > 0:
+        vals, ids = torch.topk(logprobs_row, n)
+        for v, t in zip(vals.tolist(), ids.tolist()):
+            d.setdefault(t, v)
+    return d
