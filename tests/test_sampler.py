@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvfit.engine.sampling import SamplingBatch, sample, unpack_bitmask
-from kvfit.engine.sampling.randomness import split_seeds, uniforms
+from kvfit.engine.sampling.randomness import uniforms
 from kvfit.errors import RequestRejected
 from kvfit.sampling_params import SamplingParams as SP
 
@@ -88,21 +88,21 @@ def test_uniforms_are_uniform_and_pure():
     g = torch.Generator().manual_seed(0)
     n = 50_000
     seeds = torch.randint(-2**63, 2**63 - 1, (n,), generator=g).tolist()
-    pos = torch.randint(0, 2**31, (n,), generator=g)
-    u = uniforms(split_seeds(seeds), pos)
+    pos = torch.randint(0, 2**31, (n,), generator=g).tolist()
+    u = torch.from_numpy(uniforms(seeds, pos))
     assert u.dtype == torch.float64 and bool(((u > 0) & (u < 1)).all())
     counts = torch.histc(u, bins=50, min=0, max=1)
     chi2 = float(((counts - n / 50) ** 2 / (n / 50)).sum())
     assert chi2 < _chi2_critical(49)
     # consecutive positions of one seed are uniform and uncorrelated too
-    one = uniforms(split_seeds([12345] * n), torch.arange(n))
+    one = torch.from_numpy(uniforms([12345] * n, range(n)))
     assert abs(float(one.mean()) - 0.5) < 0.01
     assert abs(float(torch.corrcoef(torch.stack([one[:-1], one[1:]]))[0, 1])) < 0.02
-    # a row's value depends on its own (seed, position) only
-    sub = uniforms(split_seeds(seeds[10:20][::-1]), pos[10:20].flip(0))
+    # a row's value depends on its own (seed, position) only; seeds are taken mod 2^64
+    sub = torch.from_numpy(uniforms(seeds[10:20][::-1], pos[10:20][::-1]))
     assert torch.equal(sub, u[10:20].flip(0))
-    assert not torch.equal(uniforms(split_seeds([1, 2]), torch.tensor([5, 5])),
-                           uniforms(split_seeds([1, 1]), torch.tensor([5, 5])))
+    assert uniforms([-1, 2**64 + 5], [3, 3]).tolist() == uniforms([2**64 - 1, 5], [3, 3]).tolist()
+    assert len(set(uniforms([1, 2, 1], [5, 5, 6]).tolist())) == 3
 
 
 def test_seeded_rows_same_alone_batched_and_reordered():

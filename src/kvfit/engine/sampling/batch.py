@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
-from kvfit.engine.sampling.randomness import split_seeds, uniforms
+from kvfit.engine.sampling.randomness import uniforms
 from kvfit.sampling_params import SamplingParams
 
 
@@ -42,6 +43,7 @@ class SamplingBatch:
     # rows that asked for logprobs, and how many top alternatives each wants
     logprob_rows: list[int]
     logprob_counts: list[int]
+    logprob_index: Optional[torch.Tensor]  # int64 [M] on the device: logprob_rows
 
     @staticmethod
     def build(params: Sequence[SamplingParams], seeds: Sequence[int], positions: Sequence[int],
@@ -49,43 +51,49 @@ class SamplingBatch:
         """params/seeds/positions per row: the request's parameters, its 64-bit sampling seed and
         the position (index in prompt + output) of the token being sampled."""
         n, v = len(params), vocab_size
-        greedy = [p.greedy for p in params]
-        top_k = [v if g or p.top_k in (-1, 0) else min(p.top_k, v) for p, g in zip(params, greedy)]
-        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
-        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
-        temp = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
-        sort_rows = [i for i in range(n) if top_k[i] < v or top_p[i] < 1.0]
-        need_full = any(top_k[i] == v for i in sort_rows)  # top-p without top-k sees every token
-        k_max = v if need_full else max((top_k[i] for i in sort_rows), default=0)
-
-        u = uniforms(split_seeds(seeds), torch.tensor(list(positions), dtype=torch.int64))
-        packed = torch.stack([torch.tensor(temp, dtype=torch.float64),
-                              torch.tensor(top_p, dtype=torch.float64),
-                              torch.tensor(min_p, dtype=torch.float64),
-                              torch.tensor(top_k, dtype=torch.float64),
-                              torch.tensor(greedy, dtype=torch.float64), u])  # [6, N]
+        raw = np.array([(p.temperature, p.top_p, p.min_p, p.top_k) for p in params],
+                       dtype=np.float64).reshape(n, 4)
+        greedy = raw[:, 0] == 0.0  # greedy rows filter nothing
+        temperature = np.where(greedy, 1.0, raw[:, 0])
+        top_p = np.where(greedy, 1.0, raw[:, 1])
+        min_p = np.where(greedy, 0.0, raw[:, 2])
+        top_k = np.where(greedy | (raw[:, 3] <= 0), v, np.minimum(raw[:, 3], v))
+        sort_mask = (top_k < v) | (top_p < 1.0)
+        sort_rows = np.flatnonzero(sort_mask)
+        need_full = bool((sort_mask & (top_k >= v)).any())  # top-p without top-k sees all tokens
+        k_max = v if need_full else int(top_k[sort_rows].max(initial=0))
+        all_greedy = bool(greedy.all())
+        u = np.full(n, 0.5) if all_greedy else uniforms(seeds, positions)
+        packed = torch.from_numpy(np.stack([temperature, top_p, min_p, top_k, greedy, u]))  # [6, N]
         dev = torch.device(device)
-        if dev.type == "cuda":
-            packed = packed.pin_memory()
-        packed = packed.to(dev, non_blocking=True)
+        packed = _to_device(packed, dev)
 
-        bias = [(i, t, b) for i, p in enumerate(params) if p.logit_bias
+        bias = [(i, t, b) for i, p in enumerate(params) if p.logit_bias is not None
                 for t, b in p.logit_bias.items()]
         bias_t = None
         if bias:
             rows, toks, vals = zip(*bias)
-            bias_t = (torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True),
-                      torch.tensor(toks, dtype=torch.int64).to(dev, non_blocking=True),
-                      torch.tensor(vals, dtype=torch.float32).to(dev, non_blocking=True))
+            bias_t = (_to_device(torch.tensor(rows, dtype=torch.int64), dev),
+                      _to_device(torch.tensor(toks, dtype=torch.int64), dev),
+                      _to_device(torch.tensor(vals, dtype=torch.float32), dev))
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         return SamplingBatch(
             num_rows=n, vocab_size=v,
             greedy=packed[4] > 0.5, temperature=packed[0].float(), top_k=packed[3].long(),
             top_p=packed[1].float(), min_p=packed[2].float(), uniform=packed[5],
-            all_greedy=all(greedy), any_min_p=any(m > 0.0 for m in min_p),
-            sort_rows=(torch.tensor(sort_rows, dtype=torch.int64).to(dev, non_blocking=True)
-                       if sort_rows else None),
+            all_greedy=all_greedy, any_min_p=bool((min_p > 0.0).any()),
+            sort_rows=(_to_device(torch.from_numpy(sort_rows.astype(np.int64)), dev)
+                       if sort_rows.size else None),
             num_candidates=k_max,
             bias_rows=bias_t[0] if bias_t else None, bias_tokens=bias_t[1] if bias_t else None,
             bias_values=bias_t[2] if bias_t else None,
-            logprob_rows=lp_rows, logprob_counts=[params[i].logprobs for i in lp_rows])
+            logprob_rows=lp_rows, logprob_counts=[params[i].logprobs for i in lp_rows],
+            logprob_index=(_to_device(torch.tensor(lp_rows, dtype=torch.int64), dev)
+                           if lp_rows else None))
+
+
+def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """Host tensor -> ``dev`` without a host sync (through pinned memory on CUDA)."""
+    if dev.type == "cuda":
+        return t.pin_memory().to(dev, non_blocking=True)
+    return t.to(dev)

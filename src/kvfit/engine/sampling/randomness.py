@@ -4,11 +4,11 @@ The scheme
 ----------
 Every sampled token draws exactly one uniform number ``u`` in (0, 1), computed as a pure function
 of two integers: the request's 64-bit sampling seed and the *position* of the token being sampled
-(its index in prompt + output). The function is a hash (a few rounds of a 32-bit integer mixer,
-Chris Wellons' "lowbias32", run on int64 tensors with the multiplications split into 16-bit
-halves so no intermediate exceeds 2^49) that yields two 32-bit words, joined into 52 random bits
-of a float64. The sampler then inverts the CDF of the filtered distribution (token-id order) at
-``u`` (see ``kvfit.engine.sampling.sampler``).
+(its index in prompt + output): ``u = ((mix(mix(seed + c) ^ position) >> 12) + 0.5) / 2^52`` where
+``mix`` is SplitMix64's finaliser (a bijective 64-bit mixer with full avalanche), evaluated on
+the host for the whole step in a few vectorised uint64 numpy ops (wrapping arithmetic). The
+uniforms travel to the device with the other per-row parameters; the sampler then inverts the CDF
+of the row's filtered distribution (token-id order) at ``u`` (see ``kvfit.engine.sampling.sampler``).
 
 Why it is reproducible
 ----------------------
@@ -21,52 +21,32 @@ tokens alone, batched and after preemption whenever its logits are the same (the
 invariance, tested for greedy decoding). Unseeded requests get a seed drawn at admission from the
 engine's RNG seeded by ``EngineConfig.seed``, so whole runs repeat too.
 
-The same integer ops run on CPU and CUDA tensors and give bit-identical uniforms on both.
+The uniforms are computed on the host, so they are identical whatever the device samples.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-import torch
+import numpy as np
 
-_MASK32 = 0xFFFFFFFF
 _MASK64 = (1 << 64) - 1
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for int64 x in [0, 2^32), without int64 overflow."""
-    lo = x * (c & 0xFFFF)  # < 2^48
-    hi = ((x * (c >> 16)) & 0xFFFF) << 16  # only the low 16 bits of x*c_hi survive the shift
-    return (lo + hi) & _MASK32
+def _mix(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser on uint64 (wrapping multiplications)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32: a bijective 32-bit mixer with good avalanche (int64 lanes in [0, 2^32))."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def split_seeds(seeds: Sequence[int]) -> torch.Tensor:
-    """Python ints (any sign or size, taken mod 2^64) -> int64 [N, 2] of (low, high) 32-bit words."""
-    words = [((s & _MASK64) & _MASK32, ((s & _MASK64) >> 32) & _MASK32) for s in seeds]
-    return torch.tensor(words, dtype=torch.int64).reshape(len(words), 2)
-
-
-def uniforms(seed_words: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """seed_words int64 [N, 2] (from ``split_seeds``), positions int64 [N] -> float64 [N] in (0, 1).
+def uniforms(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+    """Python int seeds (any sign or size, taken mod 2^64) and positions -> float64 [N] in (0, 1).
 
     A pure function of each row's (seed, position): rows never influence each other.
     """
-    lo, hi = seed_words[:, 0], seed_words[:, 1]
-    pos = positions.to(torch.int64) & _MASK32
-    h = _mix32(pos ^ 0x9E3779B9)
-    h = _mix32(h ^ hi)
-    h = _mix32(h ^ lo)
-    a = _mix32(h ^ 0x68E31DA4)  # two further words from the same state
-    b = _mix32(a ^ 0xB5297A4D)
-    bits52 = ((a >> 6) << 26) | (b >> 6)  # 26 + 26 random bits
-    return (bits52.to(torch.float64) + 0.5) / float(1 << 52)  # exact: never 0, never 1
+    s = np.fromiter((x & _MASK64 for x in seeds), dtype=np.uint64, count=len(seeds))
+    p = np.fromiter((x & _MASK64 for x in positions), dtype=np.uint64, count=len(positions))
+    with np.errstate(over="ignore"):
+        z = _mix(_mix(s + np.uint64(0x9E3779B97F4A7C15)) ^ p)
+    return ((z >> np.uint64(12)).astype(np.float64) + 0.5) / float(1 << 52)  # never 0, never 1

@@ -148,7 +148,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
         ids = torch.where(batch.greedy | ~alive, greedy_ids, _draw(x, batch))
     out = SamplerOutput(ids, batch.logprob_rows, batch.logprob_counts)
     if batch.logprob_rows:
-        rows = torch.tensor(batch.logprob_rows, dtype=torch.int64).to(logits.device)
+        rows = batch.logprob_index
         lp = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)  # [M, V] raw
         out.chosen_logprobs = lp.gather(1, ids.index_select(0, rows).unsqueeze(1)).squeeze(1)
         n_max = max(batch.logprob_counts)
