@@ -84,6 +84,39 @@ def test_distribution_matches_exact_filtered_softmax(case):
     assert df >= 2 and chi2 < _chi2_critical(df), (chi2, df, counts, expected)
 
 
+def test_distribution_across_cdf_blocks():
+    # the CDF is inverted in two levels (128-token blocks); put the mass in many blocks, the last
+    # one partial (V = 1000), and check the draws against the exact softmax
+    g = torch.Generator().manual_seed(11)
+    vocab, draws = 1000, 30000
+    row = torch.full((vocab,), -12.0)
+    hot = torch.tensor([0, 3, 127, 128, 129, 255, 256, 400, 511, 640, 767, 768, 900, 998, 999])
+    row[hot] = torch.randn(len(hot), generator=g)
+    p = SP(temperature=1.0, min_p=1e-4)  # min-p keeps the hot tokens, drops the rest
+    ids = torch.tensor(_ids(row.expand(draws, vocab).contiguous(), [p] * draws,
+                            list(range(draws)), [9] * draws))
+    counts = torch.bincount(ids, minlength=vocab).double()
+    expected = _reference_probs(row, p) * draws
+    assert set(torch.nonzero(counts).flatten().tolist()) <= set(hot.tolist())
+    assert counts[expected == 0].sum() == 0
+    live = expected > 0
+    chi2 = float(((counts[live] - expected[live]) ** 2 / expected[live]).sum())
+    df = int(live.sum()) - 1
+    assert df == len(hot) - 1 and chi2 < _chi2_critical(df), (chi2, df)
+    # without a filter every token is live: the cold tail together gets its exact share
+    q = SP(temperature=1.0)
+    ids = torch.tensor(_ids(row.expand(draws, vocab).contiguous(), [q] * draws,
+                            list(range(draws)), [9] * draws))
+    probs = _reference_probs(row, q)
+    cold = torch.ones(vocab, dtype=torch.bool)
+    cold[hot] = False
+    counts = torch.bincount(ids, minlength=vocab).double()
+    cats_obs = torch.cat([counts[hot], counts[cold].sum()[None]])
+    cats_exp = torch.cat([probs[hot], probs[cold].sum()[None]]) * draws
+    chi2 = float(((cats_obs - cats_exp) ** 2 / cats_exp).sum())
+    assert chi2 < _chi2_critical(len(hot)), chi2
+
+
 def test_uniforms_are_uniform_and_pure():
     g = torch.Generator().manual_seed(0)
     n = 50_000

@@ -24,13 +24,13 @@ class SamplingBatch:
 
     num_rows: int
     vocab_size: int
-    # device tensors, [N] each
-    greedy: torch.Tensor  # bool: temperature 0 (argmax)
-    temperature: torch.Tensor  # float32, 1.0 on greedy rows
-    top_k: torch.Tensor  # int64 in [1, V]; V when off
-    top_p: torch.Tensor  # float32 in (0, 1]; 1 when off
-    min_p: torch.Tensor  # float32 in [0, 1]; 0 when off
-    uniform: torch.Tensor  # float64 in (0, 1): the row's draw, a function of (seed, position)
+    # device tensors, [N] each; None when every row is greedy
+    greedy: Optional[torch.Tensor]  # bool: temperature 0 (argmax)
+    temperature: Optional[torch.Tensor]  # float32, 1.0 on greedy rows
+    top_k: Optional[torch.Tensor]  # int64 in [1, V]; V when off
+    top_p: Optional[torch.Tensor]  # float32 in (0, 1]; 1 when off
+    min_p: Optional[torch.Tensor]  # float32 in [0, 1]; 0 when off
+    uniform: Optional[torch.Tensor]  # float64 in (0, 1): the draw, a function of (seed, position)
     # host-side decisions (no device sync needed to make them)
     all_greedy: bool
     any_min_p: bool
@@ -63,10 +63,12 @@ class SamplingBatch:
         need_full = bool((sort_mask & (top_k >= v)).any())  # top-p without top-k sees all tokens
         k_max = v if need_full else int(top_k[sort_rows].max(initial=0))
         all_greedy = bool(greedy.all())
-        u = np.full(n, 0.5) if all_greedy else uniforms(seeds, positions)
-        packed = torch.from_numpy(np.stack([temperature, top_p, min_p, top_k, greedy, u]))  # [6, N]
         dev = torch.device(device)
-        packed = _to_device(packed, dev)
+        packed = None  # an all-greedy step needs no per-row tensors: argmax only
+        if not all_greedy:
+            u = uniforms(seeds, positions)
+            packed = _to_device(torch.from_numpy(
+                np.stack([temperature, top_p, min_p, top_k, greedy, u])), dev)  # [6, N] float64
 
         bias = [(i, t, b) for i, p in enumerate(params) if p.logit_bias is not None
                 for t, b in p.logit_bias.items()]
@@ -79,8 +81,12 @@ class SamplingBatch:
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         return SamplingBatch(
             num_rows=n, vocab_size=v,
-            greedy=packed[4] > 0.5, temperature=packed[0].float(), top_k=packed[3].long(),
-            top_p=packed[1].float(), min_p=packed[2].float(), uniform=packed[5],
+            greedy=None if packed is None else packed[4] > 0.5,
+            temperature=None if packed is None else packed[0].float(),
+            top_k=None if packed is None else packed[3].long(),
+            top_p=None if packed is None else packed[1].float(),
+            min_p=None if packed is None else packed[2].float(),
+            uniform=None if packed is None else packed[5],
             all_greedy=all_greedy, any_min_p=bool((min_p > 0.0).any()),
             sort_rows=(_to_device(torch.from_numpy(sort_rows.astype(np.int64)), dev)
                        if sort_rows.size else None),

@@ -8,10 +8,11 @@ Order of operations on a logits row (float32):
    smallest prefix, in descending order, whose mass reaches top_p of what top-k and min-p left).
    Every filter is a cutoff on the row's values, so ties at a cutoff are kept and the kept set
    does not depend on how ties are ordered;
-4. one token is drawn by inverting the CDF (float64 cumulative sum in token-id order) of the
-   softmax over the kept tokens at the row's uniform ``u`` (see ``randomness``).
+4. one token is drawn by inverting the CDF (float64, token-id order, computed in two levels:
+   128-token block sums, then inside the chosen block) of the softmax over the kept tokens at the
+   row's uniform ``u`` (see ``randomness``).
 
-Cost: argmax, one softmax and one float64 cumsum over [N, V], plus a sort restricted to the rows
+Cost: argmax, one softmax and one block-sum pass over [N, V], plus a sort restricted to the rows
 that use top-k or top-p: ``topk`` of the largest top-k when every such row sets top-k, a full
 sort only when a row uses top-p without top-k. No per-row Python loop and no host sync: the
 chosen ids come back as a device tensor; the caller copies them once.
@@ -122,10 +123,35 @@ def _draw(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if cut is not None:
         x = x.masked_fill(x < cut.unsqueeze(1), _NEG_INF)
     probs = torch.softmax(x, dim=-1)  # NaN only on rows with nothing allowed (replaced later)
-    cdf = probs.to(torch.float64).cumsum_(dim=-1)  # [N, V]
-    target = (batch.uniform * cdf[:, -1]).unsqueeze(1)  # in (0, total]
-    ids = torch.searchsorted(cdf, target).squeeze(1)  # first id with cdf >= target: p > 0
-    return ids.clamp_(max=x.shape[-1] - 1)
+    return _inverse_cdf(probs, batch.uniform)
+
+
+_BLOCK = 128  # tokens per block of the two-level CDF (divides 151,936, 128,256 and 49,152)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs float32 [N, V], u float64 [N] in (0, 1) -> int64 [N]: the first token (id order)
+    whose cumulative probability reaches u x total, always a token of positive probability.
+
+    Two levels, so no scan runs over a whole row (a long scan is one thread block per row, slow
+    at small N): float64 sums of 128-token blocks, a scan over the blocks picks the block, a scan
+    inside that block picks the token.
+    """
+    n, v = probs.shape
+    nb = -(-v // _BLOCK)
+    if nb * _BLOCK != v:
+        probs = torch.nn.functional.pad(probs, (0, nb * _BLOCK - v))  # zeros: never chosen
+    blocks = probs.view(n, nb, _BLOCK)  # [N, nb, B]
+    cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum_(dim=-1)  # [N, nb]
+    target = (u * cdf[:, -1]).unsqueeze(1)  # [N, 1] in (0, total]
+    b = torch.searchsorted(cdf, target).clamp_(max=nb - 1)  # [N, 1]: first block reaching it
+    before = torch.where(b > 0, cdf.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(target))
+    inner = blocks.gather(1, b.unsqueeze(2).expand(n, 1, _BLOCK)).squeeze(1)  # [N, B]
+    inner_cdf = inner.to(torch.float64).cumsum_(dim=-1)  # [N, B]
+    # rest > 0; capped at the block's own total (its sum and its scan may round apart)
+    rest = torch.minimum(target - before, inner_cdf[:, -1:])
+    j = torch.searchsorted(inner_cdf, rest).clamp_(max=_BLOCK - 1)  # [N, 1]
+    return (b * _BLOCK + j).squeeze(1).clamp_(max=v - 1)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch,
