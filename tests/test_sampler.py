@@ -170,8 +170,9 @@ def test_greedy_rows_are_exact_argmax_mixed_with_sampled_rows():
 def test_filter_edges_reduce_to_greedy():
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(40, 500, generator=g) * 2
+    logits[0, 0] = 80.0  # large logits with a tiny temperature must not overflow into NaN
     argmax = logits.argmax(-1).tolist()
-    for p in (SP(temperature=1.0, top_k=1), SP(temperature=2.0, top_p=1e-6),
+    for p in (SP(temperature=1.0, top_k=1), SP(temperature=2.0, top_p=1e-6), SP(temperature=1e-30),
               SP(temperature=1.0, min_p=1.0), SP(temperature=50.0, top_k=1, top_p=0.5)):
         assert _ids(logits, [p] * 40, positions=list(range(40))) == argmax, p
 

@@ -18,6 +18,9 @@ from kvfit.engine.sampling.randomness import uniforms
 from kvfit.sampling_params import SamplingParams
 
 
+_GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingBatch:
     """Row i describes the request whose logits are row i of the step's sample logits."""
@@ -33,6 +36,7 @@ class SamplingBatch:
     uniform: Optional[torch.Tensor]  # float64 in (0, 1): the draw, a function of (seed, position)
     # host-side decisions (no device sync needed to make them)
     all_greedy: bool
+    any_greedy: bool
     any_min_p: bool
     sort_rows: Optional[torch.Tensor]  # int64 [S] rows needing sorted candidates (top-k/top-p)
     num_candidates: int  # candidates per sort row: max top-k, or V if a row has top-p alone
@@ -53,7 +57,9 @@ class SamplingBatch:
         n, v = len(params), vocab_size
         raw = np.array([(p.temperature, p.top_p, p.min_p, p.top_k) for p in params],
                        dtype=np.float64).reshape(n, 4)
-        greedy = raw[:, 0] == 0.0  # greedy rows filter nothing
+        # greedy rows filter nothing; as in vLLM, temperatures below 1e-5 are greedy (x / T would
+        # overflow float32 and the distribution is the argmax anyway)
+        greedy = raw[:, 0] < _GREEDY_BELOW
         temperature = np.where(greedy, 1.0, raw[:, 0])
         top_p = np.where(greedy, 1.0, raw[:, 1])
         min_p = np.where(greedy, 0.0, raw[:, 2])
@@ -87,7 +93,7 @@ class SamplingBatch:
             top_p=None if packed is None else packed[1].float(),
             min_p=None if packed is None else packed[2].float(),
             uniform=None if packed is None else packed[5],
-            all_greedy=all_greedy, any_min_p=bool((min_p > 0.0).any()),
+            all_greedy=all_greedy, any_greedy=bool(greedy.any()), any_min_p=bool((min_p > 0.0).any()),
             sort_rows=(_to_device(torch.from_numpy(sort_rows.astype(np.int64)), dev)
                        if sort_rows.size else None),
             num_candidates=k_max,

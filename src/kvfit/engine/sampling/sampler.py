@@ -145,7 +145,7 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum_(dim=-1)  # [N, nb]
     target = (u * cdf[:, -1]).unsqueeze(1)  # [N, 1] in (0, total]
     b = torch.searchsorted(cdf, target).clamp_(max=nb - 1)  # [N, 1]: first block reaching it
-    before = torch.where(b > 0, cdf.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(target))
+    before = torch.nn.functional.pad(cdf, (1, 0)).gather(1, b)  # [N, 1] mass before block b
     inner = blocks.gather(1, b.unsqueeze(2).expand(n, 1, _BLOCK)).squeeze(1)  # [N, B]
     inner_cdf = inner.to(torch.float64).cumsum_(dim=-1)  # [N, B]
     # rest > 0; capped at the block's own total (its sum and its scan may round apart)
@@ -166,12 +166,18 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     if logits.shape[0] != batch.num_rows:
         raise ValueError(f"logits have {logits.shape[0]} rows, the batch {batch.num_rows}")
     x = processed_logits(logits, batch, token_bitmask)
-    greedy_ids = x.argmax(dim=-1)
     if batch.all_greedy:
-        ids = greedy_ids
+        ids = x.argmax(dim=-1)
     else:
-        alive = torch.isfinite(x.amax(dim=-1))
-        ids = torch.where(batch.greedy | ~alive, greedy_ids, _draw(x, batch))
+        ids = _draw(x, batch)
+        # only a bitmask can leave a row with nothing allowed (biases are finite)
+        fallback = None if token_bitmask is None else ~torch.isfinite(x.amax(dim=-1))
+        if batch.any_greedy and fallback is not None:
+            fallback = fallback | batch.greedy
+        elif batch.any_greedy:
+            fallback = batch.greedy
+        if fallback is not None:
+            ids = torch.where(fallback, x.argmax(dim=-1), ids)
     out = SamplerOutput(ids, batch.logprob_rows, batch.logprob_counts)
     if batch.logprob_rows:
         rows = batch.logprob_index
