@@ -17,7 +17,6 @@ import torch
 from kvfit.engine.sampling.randomness import uniforms
 from kvfit.sampling_params import SamplingParams
 
-
 _GREEDY_BELOW = 1e-5
 
 
@@ -28,7 +27,7 @@ class SamplingBatch:
     num_rows: int
     vocab_size: int
     # device tensors, [N] each; None when every row is greedy
-    greedy: Optional[torch.Tensor]  # bool: temperature 0 (argmax)
+    greedy: Optional[torch.Tensor]  # bool: temperature < 1e-5 (argmax)
     temperature: Optional[torch.Tensor]  # float32, 1.0 on greedy rows
     top_k: Optional[torch.Tensor]  # int64 in [1, V]; V when off
     top_p: Optional[torch.Tensor]  # float32 in (0, 1]; 1 when off
@@ -93,7 +92,8 @@ class SamplingBatch:
             top_p=None if packed is None else packed[1].float(),
             min_p=None if packed is None else packed[2].float(),
             uniform=None if packed is None else packed[5],
-            all_greedy=all_greedy, any_greedy=bool(greedy.any()), any_min_p=bool((min_p > 0.0).any()),
+            all_greedy=all_greedy, any_greedy=bool(greedy.any()),
+            any_min_p=bool((min_p > 0.0).any()),
             sort_rows=(_to_device(torch.from_numpy(sort_rows.astype(np.int64)), dev)
                        if sort_rows.size else None),
             num_candidates=k_max,

@@ -7,8 +7,8 @@ of two integers: the request's 64-bit sampling seed and the *position* of the to
 (its index in prompt + output): ``u = ((mix(mix(seed + c) ^ position) >> 12) + 0.5) / 2^52`` where
 ``mix`` is SplitMix64's finaliser (a bijective 64-bit mixer with full avalanche), evaluated on
 the host for the whole step in a few vectorised uint64 numpy ops (wrapping arithmetic). The
-uniforms travel to the device with the other per-row parameters; the sampler then inverts the CDF
-of the row's filtered distribution (token-id order) at ``u`` (see ``kvfit.engine.sampling.sampler``).
+uniforms travel to the device with the other per-row parameters; the sampler then inverts the
+CDF of the row's filtered distribution (token-id order) at ``u`` (see ``sampling.sampler``).
 
 Why it is reproducible
 ----------------------
