@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from kvfit.engine.sampling import SamplingBatch, sample, unpack_bitmask
+from kvfit.engine.sampling import SamplingBatch, apply_token_bitmask, sample, unpack_bitmask
 from kvfit.engine.sampling.randomness import uniforms
 from kvfit.errors import RequestRejected
 from kvfit.sampling_params import SamplingParams as SP
@@ -230,6 +230,8 @@ def test_bitmask_masks_everything_including_greedy():
     mask = _bitmask(allowed)
     mask[::3] = -1  # xgrammar's unconstrained rows: every bit set, padding bits included
     assert torch.equal(unpack_bitmask(mask, v), allowed)
+    assert torch.equal(apply_token_bitmask(logits, mask),
+                       torch.where(allowed, logits, torch.tensor(float("-inf"))))
     params = [SP(temperature=0) if i % 2 else SP(temperature=1.0, top_k=20) for i in range(n)]
     ids = _ids(logits, params, bitmask=mask)
     assert all(bool(allowed[i, t]) for i, t in enumerate(ids))

@@ -73,14 +73,20 @@ def unpack_bitmask(token_bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor
     return bits.reshape(n, words * 32)[:, :vocab_size].bool()  # [N, V]
 
 
+def apply_token_bitmask(logits: torch.Tensor, token_bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] -> a new float32 [N, V] with the tokens the bitmask disallows at -inf."""
+    allowed = unpack_bitmask(token_bitmask.to(logits.device, non_blocking=True), logits.shape[-1])
+    return logits.float().masked_fill(~allowed, _NEG_INF)
+
+
 def processed_logits(logits: torch.Tensor, batch: SamplingBatch,
                      token_bitmask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """float32 [N, V] copy of ``logits`` with the bitmask and logit_bias applied."""
     x = logits.float()
-    if x is logits and (token_bitmask is not None or batch.bias_rows is not None):
-        x = x.clone()
     if token_bitmask is not None:
-        x.masked_fill_(~unpack_bitmask(token_bitmask.to(x.device), x.shape[-1]), _NEG_INF)
+        x = apply_token_bitmask(x, token_bitmask)
+    elif x is logits and batch.bias_rows is not None:
+        x = x.clone()
     if batch.bias_rows is not None:
         x.index_put_((batch.bias_rows, batch.bias_tokens), batch.bias_values, accumulate=True)
     return x
