@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from kvfit.errors import RequestRejected
+from kvfit.structured_params import StructuredOutputsParams
+
+_INT64 = (-(2**63), 2**63 - 1)
 
 
 @dataclass
@@ -14,6 +17,9 @@ class SamplingParams:
 
     logprobs: None, or N >= 0: return the chosen token's logprob plus the top-N per step.
     prompt_logprobs: None, or N >= 0: logprobs of every prompt token (for echo/lm-eval).
+    logit_bias: None, or {token id: bias in [-100, 100]} added to the logits before sampling
+    (the engine checks the ids against the vocabulary).
+    structured_outputs: None, or the grammar the output must follow (JSON schema, regex, ...).
     """
 
     n: int = 1
@@ -29,6 +35,8 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
+    logit_bias: Optional[dict[int, float]] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -59,6 +67,16 @@ class SamplingParams:
                 bad(name, f"must be in [0, 20], got {v}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
+        if self.seed is not None and not _INT64[0] <= self.seed <= _INT64[1]:
+            bad("seed", f"must be in [{_INT64[0]}, {_INT64[1]}] (a 64-bit integer), got "
+                        f"{self.seed}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", f"must be token ids >= 0, got {self.stop_token_ids}")
+        for tok, bias in (self.logit_bias or {}).items():
+            if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+                bad("logit_bias", f"keys must be token ids >= 0, got {tok!r}")
+            if not -100.0 <= bias <= 100.0:
+                bad("logit_bias", f"values must be in [-100, 100], got {bias} for token {tok}")
 
     @property
     def greedy(self) -> bool:

@@ -54,6 +54,7 @@ class LLMEngine:
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self._structured = None  # StructuredOutputs, built on the first structured request
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -84,6 +85,7 @@ class LLMEngine:
                                       f"{bad[0]}", "prompt")
         if not ids:
             raise RequestRejected("the prompt is empty", "prompt")
+        self._check_vocab(params)
         room = self.max_model_len - len(ids)
         if params.max_tokens is None:
             if room < 1:
@@ -98,8 +100,25 @@ class LLMEngine:
             gen = torch.Generator(device=self.runner.device).manual_seed(seed)
         req = Request(request_id, text, ids, params, gen, next(self._arrival))
         req.detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        if params.structured_outputs is not None:
+            req.grammar = self._structured_outputs().new_matcher(params.structured_outputs)
         self.requests[request_id] = req
         self.scheduler.add(req)
+
+    def _check_vocab(self, params: SamplingParams) -> None:
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", params.logit_bias or ())):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise RequestRejected(f"{name}: token id {bad[0]} is out of the vocabulary "
+                                      f"(ids are in [0, {self.vocab_size}))", name)
+
+    def _structured_outputs(self):
+        if self._structured is None:
+            from kvfit.engine.structured import StructuredOutputs
+
+            self._structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_ids)
+        return self._structured
 
     def _too_long(self, n_prompt: int, n_out: int) -> RequestRejected:
         return RequestRejected(
@@ -153,15 +172,20 @@ class LLMEngine:
         samplers = [req for (req, _), s in zip(items, sample_mask) if s]
         outputs = []
         if samplers:
+            # host work while the forward runs: the structured-output masks of this step
+            bitmask = self._structured.fill_bitmask([r.grammar for r in samplers]) \
+                if self._structured is not None else None
             tokens, logprobs = sample(result.sample_logits, [r.params for r in samplers],
-                                      [r.generator for r in samplers])
+                                      [r.generator for r in samplers], bitmask)
             now = time.monotonic()
             for row, (req, tok) in enumerate(zip(samplers, tokens)):
-                self._append(req, tok, logprobs[row], now)
+                done = req.grammar is not None and self._structured.accept(req.grammar, tok)
+                self._append(req, tok, logprobs[row], now, grammar_done=done)
                 outputs.append(self._output(req))
         return outputs
 
-    def _append(self, req: Request, tok: int, lp_row: torch.Tensor, now: float) -> None:
+    def _append(self, req: Request, tok: int, lp_row: torch.Tensor, now: float,
+                grammar_done: bool = False) -> None:
         p = req.params
         req.output_token_ids.append(tok)
         self.generation_tokens_total += 1
@@ -174,7 +198,7 @@ class LLMEngine:
         reason, stop_reason = None, None
         if tok in p.stop_token_ids:
             reason, stop_reason = "stop", tok
-        elif not p.ignore_eos and tok in self.eos_ids:
+        elif not p.ignore_eos and tok in self.eos_ids or grammar_done:
             reason = "stop"
         full = req.detok.update(req.output_token_ids, final=reason is not None)
         if reason is None and p.stop:

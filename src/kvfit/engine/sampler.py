@@ -2,8 +2,10 @@
 
 Greedy rows take the argmax. Other rows apply temperature, top-k, top-p and min-p, then draw with
 the request's own ``torch.Generator`` (so a seeded request gives the same tokens alone or batched,
-and across preemption). Logprobs are those of the model's raw distribution (log_softmax of the
-logits before temperature), as vLLM reports them.
+and across preemption). Before either, each row's ``logit_bias`` is added and the structured-output
+``token_bitmask`` (xgrammar's packed int32 ``[N, ceil(V/32)]``, bit set = allowed) sets disallowed
+tokens to -inf. Logprobs are those of the model's raw distribution (log_softmax of the logits
+before bias, mask and temperature), as vLLM reports them.
 """
 
 from __future__ import annotations
@@ -33,10 +35,42 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return x
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [N, V], bitmask int32 [N, ceil(V/32)] (bit j of word w = token 32*w + j allowed)
+    -> logits with disallowed tokens at -inf (a new tensor)."""
+    n, v = logits.shape
+    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
+    words = bitmask.to(logits.device, non_blocking=True)
+    allowed = ((words.unsqueeze(-1) >> bits) & 1).bool()  # [N, W, 32]
+    allowed = allowed.reshape(n, -1)[:, :v]  # [N, V]
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def _apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Add each row's ``logit_bias`` {token id: bias} (ids checked against V by the engine)."""
+    rows, cols, vals = [], [], []
+    for i, p in enumerate(params):
+        for tok, bias in (p.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(tok)
+            vals.append(bias)
+    if not rows:
+        return logits
+    bias = torch.zeros_like(logits)
+    bias[rows, cols] = torch.tensor(vals, dtype=logits.dtype).to(logits.device)
+    return logits + bias
+
+
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[Optional[torch.Generator]]) -> tuple[list[int], torch.Tensor]:
-    """logits [N, V] float32 -> (token ids, log_softmax [N, V] of the raw logits)."""
+           generators: Sequence[Optional[torch.Generator]],
+           token_bitmask: Optional[torch.Tensor] = None) -> tuple[list[int], torch.Tensor]:
+    """logits [N, V] float32 -> (token ids, log_softmax [N, V] of the raw logits).
+
+    ``token_bitmask``: None, or int32 [N, ceil(V/32)] of allowed tokens (greedy rows too)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
+    logits = _apply_logit_bias(logits, params)
+    if token_bitmask is not None:
+        logits = apply_token_bitmask(logits, token_bitmask)
     greedy = logits.argmax(dim=-1)
     out = greedy.tolist()
     for i, p in enumerate(params):
