@@ -72,4 +72,9 @@ def test_alive_and_pages_free_after_fuzz(srv):
         time.sleep(0.2)
     assert m["kvfit_kv_pages_free"] == m["kvfit_kv_pages_total"]
     assert m["kvfit_num_requests_waiting"] == 0
+    for path in ("/v1/completions", "/v1/chat/completions"):  # the fuzzer did run, with both
+        codes = {k: v for k, v in m.items()  # accepted and refused requests
+                 if k.startswith("kvfit_http_requests_total") and f"endpoint={path}," in k}
+        print(path, codes)
+        assert sum(codes.values()) >= MAX_EXAMPLES // 2, codes
 

@@ -27,6 +27,12 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _documented(default, **bounds):
+    """A field whose allowed range is stated in the OpenAPI schema (clients and the fuzzer see
+    it) but checked by ``SamplingParams``/the handlers, whose 400s name the field and range."""
+    return Field(default, json_schema_extra=bounds)
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -37,15 +43,16 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: Optional[str] = None
-    max_tokens: Optional[int] = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    n: int = 1
-    seed: Optional[int] = None
+    max_tokens: Optional[int] = _documented(None, minimum=1)
+    temperature: float = _documented(1.0, minimum=0, maximum=100)
+    top_p: float = _documented(1.0, exclusiveMinimum=0, maximum=1)
+    top_k: int = _documented(-1, minimum=-1)
+    min_p: float = _documented(0.0, minimum=0, maximum=1)
+    n: int = _documented(1, minimum=1, maximum=64)
+    seed: Optional[int] = _documented(None, minimum=_INT64[0], maximum=_INT64[1])
     stop: Union[str, list[str], None] = None
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[int]] = _documented(None, items={"type": "integer",
+                                                                   "minimum": 0})
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
@@ -54,7 +61,9 @@ class _Sampling(BaseModel):
     repetition_penalty: float = 1.0
     user: Optional[str] = None
     skip_special_tokens: bool = True
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[str, float]] = _documented(
+        None, propertyNames={"pattern": "^[0-9]+$"},
+        additionalProperties={"type": "number", "minimum": -100, "maximum": 100})
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputsRequest] = None
     guided_json: Union[str, dict[str, Any], None] = None
@@ -118,8 +127,8 @@ class CompletionRequest(_Sampling):
     list of token-id lists (lm-eval's ``local-completions`` sends token ids)."""
 
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = 16
-    logprobs: Optional[int] = None
+    max_tokens: Optional[int] = _documented(16, minimum=1)
+    logprobs: Optional[int] = _documented(None, minimum=0, maximum=20)
     echo: bool = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
@@ -147,9 +156,9 @@ class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions. ``logprobs`` is a bool here and ``top_logprobs`` the count."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = _documented(None, minimum=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = _documented(None, minimum=0, maximum=20)
     add_generation_prompt: bool = True
 
 
