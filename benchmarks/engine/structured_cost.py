@@ -6,7 +6,7 @@ integer array of at least ``--output-len`` items) cannot end before ``max_tokens
 generate exactly ``batch x output_len`` tokens. Also reports the host time of the grammar work
 (bitmask fill + token accept) per step and the first compile of the schema.
 
-    OMP_NUM_THREADS=1 python3 benchmarks/structured_cost.py --device cpu
+    OMP_NUM_THREADS=1 python3 benchmarks/engine/structured_cost.py --device cpu
 """
 
 from __future__ import annotations
