@@ -30,8 +30,10 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        from kvfit.engine.preflight import preflight
         from kvfit.models.registry import resolve_model
 
+        preflight(config)  # cheap checks (inputs, guard, weights vs memory) before the tokenizer
         src = resolve_model(config.model)
         try:
             self.tokenizer = load_tokenizer(src, config.tokenizer)

@@ -1,0 +1,110 @@
+"""The cheap start-up checks, run before the tokenizer and the weights are loaded.
+
+``preflight(config)`` resolves the model source and its config (checked by models/validate.py),
+the compute dtype, KV format, pool, backend and page size, runs the combination guard, and
+checks that the weights fit in memory. It mutates nothing and allocates no weight: the weight
+bytes come from the model class built on the ``meta`` device. Every failure raises one of the
+user-facing errors in ``kvfit.errors`` (the CLI prints it as one ``kvfit: error:`` line).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvfit.attention.registry import (BACKENDS, backend_class, select_backend,
+                                      unavailable_reason)
+from kvfit.config import EngineConfig
+from kvfit.engine import memory
+from kvfit.engine.guard import check_combination
+from kvfit.errors import KVBudgetError, ModelInputError, UnsupportedCombinationError
+from kvfit.kvcache.registry import resolve_pool_class
+from kvfit.models import registry as models
+
+log = logging.getLogger("kvfit")
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class WeightEstimate:
+    """Bytes the weights take: ``resident`` in the compute dtype, ``peak`` while loading (the
+    model is built in torch's default dtype, float32, then cast)."""
+
+    num_params: int
+    resident: int
+    peak: int
+
+
+def config_dtype(hf_config):
+    """The dtype a HF config names (transformers 5 maps torch_dtype to ``dtype``), or None."""
+    d = getattr(hf_config, "dtype", None)
+    return getattr(torch, d, None) if isinstance(d, str) else d
+
+
+def estimate_weights(model_cls, hf_config, max_model_len: int, dtype: torch.dtype
+                     ) -> WeightEstimate:
+    """Weight bytes of ``model_cls(hf_config)`` without allocating them (built on ``meta``)."""
+    with torch.device("meta"):
+        model = model_cls(hf_config, max_model_len)
+    n = sum(p.numel() for p in model.parameters())
+    build = torch.get_default_dtype().itemsize
+    return WeightEstimate(n, n * dtype.itemsize, n * max(build, dtype.itemsize))
+
+
+def check_weights_fit(est: WeightEstimate, device: torch.device, memory_ratio: float,
+                      source: str) -> None:
+    """Refuse (KVBudgetError naming both numbers) weights that cannot fit: on CUDA in
+    ``memory_ratio`` x free GPU memory, on CPU in the available RAM; warn above half of it."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        allowed, where = int(free * memory_ratio), (f"{memory_ratio:.2f} x {free / GiB:.2f} GiB "
+                                                     f"free GPU memory")
+        fix = "raise --memory-ratio, free the GPU, or use a smaller model"
+    else:
+        allowed, where = memory.cpu_available_bytes(), "available RAM (MemAvailable)"
+        fix = "free memory, use a smaller model, or check the config's sizes"
+    if est.peak > allowed:
+        raise KVBudgetError(
+            f"the weights of {source} do not fit: {est.num_params / 1e9:.2f} B parameters need "
+            f"{est.peak / GiB:.2f} GiB while loading ({est.resident / GiB:.2f} GiB resident), "
+            f"but only {allowed / GiB:.2f} GiB is available ({where}); {fix}")
+    if est.peak > allowed // 2:
+        log.warning("the weights of %s take %.2f GiB while loading, more than half of the "
+                    "%.2f GiB available (%s); if this is not the model's size, check its config",
+                    source, est.peak / GiB, allowed / GiB, where)
+
+
+def preflight(config: EngineConfig) -> None:
+    """Every check that needs no tokenizer and no weights, in cost order."""
+    device = config.resolved_device
+    if config.attention_backend != "auto":  # a backend that cannot run here needs no model
+        why = unavailable_reason(config.attention_backend, device.type)
+        if why:
+            here = [b for b in BACKENDS if unavailable_reason(b, device.type) is None]
+            raise UnsupportedCombinationError(
+                f"unsupported combination (backend={config.attention_backend}, "
+                f"device={device.type}): {why}; these backends run here: {', '.join(here)} "
+                f"(--attention-backend)")
+    src = models.resolve_model(config.model)
+    if src.kind == "config" and config.load_format != "dummy":
+        raise ModelInputError(f"{config.model} is a config.json without weights; add "
+                              f"--load-format dummy for random weights")
+    hf_config = models.load_hf_config(src)
+    model_cls = models.model_class_for(hf_config)
+    dtype = config.resolved_dtype(config_dtype(hf_config))
+    fmt = config.resolved_kv_dtype(dtype)
+    layers = model_cls.kv_layer_specs(hf_config)
+    pool_cls = resolve_pool_class(layers)
+    head_dim = layers[0].head_dim
+    backend = select_backend(config.attention_backend, device.type, pool_cls.name, fmt.name,
+                             head_dim)
+    page_size = config.page_size or backend_class(backend).default_page_size(fmt.name, head_dim)
+    check_combination(backend, pool_cls, fmt, page_size, device.type, layers)
+    max_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
+    est = estimate_weights(model_cls, hf_config, max_len, dtype)
+    check_weights_fit(est, device, config.memory_ratio, src.path)
+    log.info("loading %s: %s, %.2f B parameters (%.2f GiB of %s weights), %s KV on %s",
+             config.model, hf_config.model_type, est.num_params / 1e9, est.resident / GiB,
+             str(dtype).replace("torch.", ""), fmt.name, device.type)
