@@ -199,3 +199,11 @@ def test_stop_on_max_tokens_is_reported(capsys):
     assert rc == 0 and out.strip()
     assert "kvfit: stopped on length (the --max-tokens limit of 3 tokens)" in err
     assert "3 tokens generated in" in err and "tok/s" in err
+
+
+def test_config_transformers_rejects_is_one_line(tmp_path, capsys):
+    path = _qwen3(tmp_path, hidden_size="big")
+    rc, _, err = _run(capsys, ["plan", "--model", path, "--memory", "1GiB"])
+    assert rc == 1
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"kvfit: error: {path}: transformers cannot build") and "hidden_size" in line

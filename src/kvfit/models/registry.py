@@ -148,18 +148,24 @@ def load_hf_config(src: ModelSource):
     raw, where = None, src.path
     if src.kind == "gguf":
         validate.check_gguf_file(src.path)
-        cfg = AutoConfig.from_pretrained(src.directory, gguf_file=os.path.basename(src.path))
     else:
         where = src.path if src.kind == "config" else os.path.join(src.path, "config.json")
         raw = _read_raw_config(where)
         validate.check_raw_config(raw, where, sorted(MODEL_CLASSES))
-        if src.kind == "config":
+    try:
+        if src.kind == "gguf":
+            cfg = AutoConfig.from_pretrained(src.directory, gguf_file=os.path.basename(src.path))
+        elif src.kind == "config":
             from transformers import CONFIG_MAPPING
 
             cfg = CONFIG_MAPPING[raw["model_type"]](
                 **{k: v for k, v in raw.items() if k != "model_type"})
         else:
             cfg = AutoConfig.from_pretrained(src.path)
+    except Exception as e:  # noqa: BLE001 - transformers rejected the file: its message says why
+        raise ModelInputError(f"{where}: transformers cannot build a config from it "
+                              f"({type(e).__name__}: {' '.join(str(e).split())}); fix the field it "
+                              f"names") from None
     for msg in validate.defaulted_fields(cfg, where, raw) if raw is not None else ():
         if msg not in _WARNED:
             _WARNED.add(msg)
