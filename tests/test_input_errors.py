@@ -207,3 +207,27 @@ def test_config_transformers_rejects_is_one_line(tmp_path, capsys):
     assert rc == 1
     line = err.strip().splitlines()[-1]
     assert line.startswith(f"kvfit: error: {path}: transformers cannot build") and "hidden_size" in line
+
+
+def test_busy_cpu_warning(monkeypatch, caplog):
+    import logging
+    import os
+
+    import torch
+
+    from kvfit.engine import preflight
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    caplog.set_level(logging.WARNING, logger="kvfit")
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.5, 1.0, 1.0))
+    preflight.warn_busy_cpu()
+    assert not caplog.records  # an idle machine: no warning
+    monkeypatch.setattr(os, "getloadavg", lambda: (7.5, 6.0, 5.0))
+    preflight.warn_busy_cpu()
+    assert "load average 7.5 on 2 cores" in caplog.text and "OMP_NUM_THREADS=1" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user chose: stay quiet
+    preflight.warn_busy_cpu()
+    assert not caplog.records

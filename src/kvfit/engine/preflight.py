@@ -10,6 +10,7 @@ user-facing errors in ``kvfit.errors`` (the CLI prints it as one ``kvfit: error:
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +77,22 @@ def check_weights_fit(est: WeightEstimate, device: torch.device, memory_ratio: f
                     source, est.peak / GiB, allowed / GiB, where)
 
 
+def warn_busy_cpu() -> None:
+    """On a CPU whose load exceeds its cores, torch's one-thread-per-core default oversubscribes
+    them (decode measured 23x slower on a loaded 2-core machine): say how to avoid it."""
+    if "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() < 2:
+        return
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return
+    cores = os.cpu_count() or 1
+    if load > cores:
+        log.warning("the CPU is busy (load average %.1f on %d cores) and torch uses %d threads; "
+                    "if generation is slow, run with OMP_NUM_THREADS=1", load, cores,
+                    torch.get_num_threads())
+
+
 def preflight(config: EngineConfig) -> None:
     """Every check that needs no tokenizer and no weights, in cost order."""
     device = config.resolved_device
@@ -105,6 +122,8 @@ def preflight(config: EngineConfig) -> None:
     max_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
     est = estimate_weights(model_cls, hf_config, max_len, dtype)
     check_weights_fit(est, device, config.memory_ratio, src.path)
+    if device.type == "cpu":
+        warn_busy_cpu()
     log.info("loading %s: %s, %.2f B parameters (%.2f GiB of %s weights), %s KV on %s",
              config.model, hf_config.model_type, est.num_params / 1e9, est.resident / GiB,
              str(dtype).replace("torch.", ""), fmt.name, device.type)
