@@ -231,3 +231,12 @@ def test_busy_cpu_warning(monkeypatch, caplog):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user chose: stay quiet
     preflight.warn_busy_cpu()
     assert not caplog.records
+
+
+def test_cuda_device_without_gpu(capsys, no_model_loading):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    rc, _, err = _run(capsys, ["generate", "hi", "--device", "cuda"])
+    assert rc == 1 and "kvfit: error: device='cuda' but no CUDA device" in err and "--device cpu" in err

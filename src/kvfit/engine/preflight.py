@@ -95,7 +95,10 @@ def warn_busy_cpu() -> None:
 
 def preflight(config: EngineConfig) -> None:
     """Every check that needs no tokenizer and no weights, in cost order."""
-    device = config.resolved_device
+    try:
+        device = config.resolved_device
+    except ValueError as e:  # --device cuda without a GPU
+        raise UnsupportedCombinationError(str(e)) from None
     if config.attention_backend != "auto":  # a backend that cannot run here needs no model
         why = unavailable_reason(config.attention_backend, device.type)
         if why:
