@@ -182,7 +182,9 @@ def test_default_max_tokens_capped_to_context(capsys):
     assert "tok/s" in err.strip().splitlines()[-1]
 
 
-def test_explicit_max_tokens_not_capped(capsys):
+def test_explicit_max_tokens_not_capped():
+    import dataclasses
+
     from kvfit.cli_generate import cap_max_tokens
     from kvfit.sampling_params import SamplingParams
 
@@ -190,6 +192,8 @@ def test_explicit_max_tokens_not_capped(capsys):
     assert cap_max_tokens(sp, 1, 64, given=False)[0].max_tokens == 63
     assert cap_max_tokens(sp, 1, 64, given=True)[0].max_tokens == 128  # refused by the engine
     assert cap_max_tokens(sp, 1, 4096, given=False)[0].max_tokens == 128
+    assert cap_max_tokens(sp, 70, 64, given=False) == (dataclasses.replace(sp, max_tokens=1),
+                                                       False)  # too long: refused with 70 + 1
 
 
 def test_stop_on_max_tokens_is_reported(capsys):

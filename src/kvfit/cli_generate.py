@@ -38,8 +38,10 @@ def cap_max_tokens(params: SamplingParams, n_prompt: int, max_model_len: int,
     not set it (an explicit value is kept: the engine then refuses it with both numbers).
     Returns (params, whether it was capped)."""
     room = max_model_len - n_prompt
-    if given or room < 1 or params.max_tokens <= room:
+    if given or params.max_tokens <= room:
         return params, False
+    if room < 1:  # the prompt alone is too long: the engine's refusal then names 1, not 128
+        return dataclasses.replace(params, max_tokens=1), False
     return dataclasses.replace(params, max_tokens=room), True
 
 
