@@ -20,11 +20,11 @@ ids = torch.tensor([5], device="cuda")
 pos = torch.tensor([1023], device="cuda")
 with torch.inference_mode():
     for _ in range(3):
-        r.backend.plan(meta)
+        r.backend.prepare(meta)
         r.model.compute_logits(r.model(ids, pos, r.ctx)).argmax(-1)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        r.backend.plan(meta)
+        r.backend.prepare(meta)
         r.model.compute_logits(r.model(ids, pos, r.ctx)).argmax(-1)
         torch.cuda.synchronize()
 kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]

@@ -217,8 +217,8 @@ def test_backend_decode_steps_match_reference():
             meta = build_metadata(q_lens, kv_lens, tables, ps, DEV)
             t = sum(q_lens)
             q, k, v = (torch.randn(t, h, d, device=DEV, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
-            be.plan(meta)
-            rb.plan(meta)
+            be.prepare(meta)
+            rb.prepare(meta)
             out = be.forward(q, k, v, 0)
             ro = rb.forward(q, k, v, 0)
             assert rel_err(out, ro.float()) < 1e-2

@@ -4,7 +4,7 @@ Per KV dtype (bfloat16, fp8_e4m3, fp8_e5m2 by default) it builds the engine's Mo
 ``--load-format dummy`` and reports:
 - KV budget in tokens at a fixed byte budget (the seed's 2.90 GiB) and at the card's ratio
   (``memory_ratio`` x free memory - weights; activations not subtracted), through the engine's
-  own page solver (``engine.memory.decide_num_pages``);
+  own page solver (the pool's ``solve_pages``, kvcache/sizing.py);
 - decode throughput (tok/s) at batch 1 and 64 and ~1k and ~16k context: the pages of each request
   are filled with random KV (decode cost does not depend on the values), then timed decode steps
   run through the runner's CUDA graphs (or eager, with ``--enforce-eager``);
@@ -96,7 +96,7 @@ def decode_point(runner, batch: int, ctx: int, steps: int) -> float:
             hidden = runner.graphs.run(toks, pos, lens, tables)
         else:
             meta = build_metadata([1] * batch, lens, tables, ps, dev)
-            runner.backend.plan(meta)
+            runner.backend.prepare(meta)
             hidden = runner.model(toks, pos, runner.ctx)
         toks = runner.model.compute_logits(hidden).argmax(-1)
 
@@ -128,7 +128,7 @@ def prefill_point(runner, n: int) -> float:
         for _ in range(8):
             _sync()
             t0 = time.perf_counter()
-            runner.backend.plan(meta)
+            runner.backend.prepare(meta)
             hidden = runner.model(ids, pos, runner.ctx)
             runner.model.compute_logits(hidden[-1:])
             _sync()
@@ -181,9 +181,10 @@ def run_dtype(args, kvd: str, contexts, batches, bw: float) -> dict:
     import torch
 
     from kvfit.config import make_config
-    from kvfit.engine import memory
     from kvfit.engine.runner import ModelRunner
+    from kvfit.engine.settings import resolve_settings
     from kvfit.kvcache.dtypes import kv_format
+    from kvfit.kvcache.sizing import SizingLimits
     from kvfit.kvcache.spec import spec_kv_bytes_per_token
 
     torch.cuda.empty_cache()
@@ -209,17 +210,20 @@ def run_dtype(args, kvd: str, contexts, batches, bw: float) -> dict:
                       max_num_seqs=max(batches), cuda_graph_max_bs=max(batches),
                       max_num_batched_tokens=args.prefill_len,
                       enforce_eager=args.enforce_eager)
-    runner = ModelRunner(cfg)
+    settings = resolve_settings(cfg)
+    runner = ModelRunner(settings)
     ps = runner.pool.page_size
+
+    def budget_tokens(budget: int) -> int:
+        return settings.pool_cls.solve_pages(layers, fmt, ps, SizingLimits(budget)).tokens
+
     _fill_pool(runner.pool)
     rec = {"kv_dtype": kvd, "kv_bytes_per_token": per_tok, "weight_bytes": runner.weight_bytes,
            "backend": runner.backend_name, "page_size": ps,
            "startup_s": time.time() - t0,
-           "budget_tokens_fixed": memory.decide_num_pages(
-               layers, fmt, ps, int(args.budget_gib * GiB), None, None) * ps,
-           "budget_tokens_card": memory.decide_num_pages(
-               layers, fmt, ps, int(free * args.memory_ratio) - runner.weight_bytes, None,
-               None) * ps,
+           "budget_tokens_fixed": budget_tokens(int(args.budget_gib * GiB)),
+           "budget_tokens_card": budget_tokens(int(free * args.memory_ratio)
+                                               - runner.weight_bytes),
            "decode": [], "prefill_tok_s": None}
     cap = runner.pool.num_pages * ps
     for ctx in contexts:

@@ -1,10 +1,12 @@
-"""The cheap start-up checks, run before the tokenizer and the weights are loaded.
+"""The cheap start-up checks around ``resolve_settings``, run before the tokenizer and the weights.
 
-``preflight(config)`` resolves the model source and its config (checked by models/validate.py),
-the compute dtype, KV format, pool, backend and page size, runs the combination guard, and
-checks that the weights fit in memory. It mutates nothing and allocates no weight: the weight
-bytes come from the model class built on the ``meta`` device. Every failure raises one of the
-user-facing errors in ``kvfit.errors`` (the CLI prints it as one ``kvfit: error:`` line).
+``check_runs_here(config)`` needs no model (device present, named backend runs on it);
+``resolve_settings`` (engine/settings.py) then reads and checks the model input
+(models/validate.py) and runs the guard; ``check_memory(settings)`` compares the weight bytes with
+available RAM / free GPU memory and warns about a busy CPU. Nothing here mutates state or
+allocates a weight: the bytes come from the model class built on the ``meta`` device. Every
+failure raises one of the user-facing errors in ``kvfit.errors`` (the CLI prints it as one
+``kvfit: error:`` line).
 """
 
 from __future__ import annotations
@@ -15,14 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfit.attention.registry import (BACKENDS, backend_class, select_backend,
-                                      unavailable_reason)
+from kvfit.attention.registry import BACKENDS, unavailable_reason
 from kvfit.config import EngineConfig
 from kvfit.engine import memory
-from kvfit.engine.guard import check_combination
-from kvfit.errors import KVBudgetError, ModelInputError, UnsupportedCombinationError
-from kvfit.kvcache.registry import resolve_pool_class
-from kvfit.models import registry as models
+from kvfit.engine.settings import EngineSettings
+from kvfit.errors import KVBudgetError, UnsupportedCombinationError
 
 log = logging.getLogger("kvfit")
 GiB = 1 << 30
@@ -36,12 +35,6 @@ class WeightEstimate:
     num_params: int
     resident: int
     peak: int
-
-
-def config_dtype(hf_config):
-    """The dtype a HF config names (transformers 5 maps torch_dtype to ``dtype``), or None."""
-    d = getattr(hf_config, "dtype", None)
-    return getattr(torch, d, None) if isinstance(d, str) else d
 
 
 def estimate_weights(model_cls, hf_config, max_model_len: int, dtype: torch.dtype
@@ -93,13 +86,14 @@ def warn_busy_cpu() -> None:
                     torch.get_num_threads())
 
 
-def preflight(config: EngineConfig) -> None:
-    """Every check that needs no tokenizer and no weights, in cost order."""
+def check_runs_here(config: EngineConfig) -> None:
+    """Checks that need not read the model: the device exists and a named attention backend can
+    run on it (raises UnsupportedCombinationError naming the backends that can)."""
     try:
         device = config.resolved_device
     except ValueError as e:  # --device cuda without a GPU
         raise UnsupportedCombinationError(str(e)) from None
-    if config.attention_backend != "auto":  # a backend that cannot run here needs no model
+    if config.attention_backend != "auto":
         why = unavailable_reason(config.attention_backend, device.type)
         if why:
             here = [b for b in BACKENDS if unavailable_reason(b, device.type) is None]
@@ -107,26 +101,17 @@ def preflight(config: EngineConfig) -> None:
                 f"unsupported combination (backend={config.attention_backend}, "
                 f"device={device.type}): {why}; these backends run here: {', '.join(here)} "
                 f"(--attention-backend)")
-    src = models.resolve_model(config.model)
-    if src.kind == "config" and config.load_format != "dummy":
-        raise ModelInputError(f"{config.model} is a config.json without weights; add "
-                              f"--load-format dummy for random weights")
-    hf_config = models.load_hf_config(src)
-    model_cls = models.model_class_for(hf_config)
-    dtype = config.resolved_dtype(config_dtype(hf_config))
-    fmt = config.resolved_kv_dtype(dtype)
-    layers = model_cls.kv_layer_specs(hf_config)
-    pool_cls = resolve_pool_class(layers)
-    head_dim = layers[0].head_dim
-    backend = select_backend(config.attention_backend, device.type, pool_cls.name, fmt.name,
-                             head_dim)
-    page_size = config.page_size or backend_class(backend).default_page_size(fmt.name, head_dim)
-    check_combination(backend, pool_cls, fmt, page_size, device.type, layers)
-    max_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
-    est = estimate_weights(model_cls, hf_config, max_len, dtype)
-    check_weights_fit(est, device, config.memory_ratio, src.path)
-    if device.type == "cpu":
+
+
+def check_memory(settings: EngineSettings) -> None:
+    """After the settings are resolved (inputs checked, guard run), before the tokenizer and the
+    weights: refuse weights that cannot fit, warn about a busy CPU, say what will load."""
+    est = estimate_weights(settings.model_cls, settings.hf_config, settings.max_model_len,
+                           settings.dtype)
+    check_weights_fit(est, settings.device, settings.config.memory_ratio, settings.source.path)
+    if settings.device.type == "cpu":
         warn_busy_cpu()
     log.info("loading %s: %s, %.2f B parameters (%.2f GiB of %s weights), %s KV on %s",
-             config.model, hf_config.model_type, est.num_params / 1e9, est.resident / GiB,
-             str(dtype).replace("torch.", ""), fmt.name, device.type)
+             settings.config.model, settings.hf_config.model_type, est.num_params / 1e9,
+             est.resident / GiB, str(settings.dtype).replace("torch.", ""),
+             settings.kv_format.name, settings.device.type)
