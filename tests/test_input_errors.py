@@ -11,7 +11,6 @@ import pytest
 
 from kvfit.cli import main
 
-QWEN3_CONFIG = "benchmarks/configs/qwen3-1.7b.json"
 
 
 def _run(capsys, argv):
@@ -22,10 +21,10 @@ def _run(capsys, argv):
 
 
 def _qwen3(tmp_path, drop=(), **changes) -> str:
-    import pathlib
+    from kvfit.bench.configs import config_path
 
-    root = pathlib.Path(__file__).resolve().parents[1]
-    cfg = json.loads((root / QWEN3_CONFIG).read_text())
+    with open(config_path("qwen3-1.7b")) as f:  # the shipped Qwen3-1.7B config
+        cfg = json.load(f)
     for k in drop:
         del cfg[k]
     cfg.update(changes)

@@ -11,6 +11,7 @@ import torch
 from kvfit.attention.meta_builder import build_metadata
 from kvfit.attention.torch_attend import attend
 from kvfit.attention.torch_ref import TorchRefBackend
+from kvfit.bench.configs import config_path
 from kvfit.cli import main as cli_main
 from kvfit.config import EngineConfig
 from kvfit.errors import UnsupportedCombinationError
@@ -19,7 +20,7 @@ from kvfit.kvcache.pool import MHAKVCache
 from kvfit.kvcache.spec import KVLayerSpec, solve_num_pages, spec_kv_bytes_per_token
 from kvfit.plan import parse_memory, plan_capacity
 
-QWEN3 = "benchmarks/configs/qwen3-1.7b.json"
+QWEN3 = config_path("qwen3-1.7b")
 FP8 = ["fp8_e4m3", "fp8_e5m2"]
 
 

@@ -12,6 +12,7 @@ import logging
 import pytest
 import torch
 
+from kvfit.bench.configs import config_path
 from kvfit.cli import main as cli_main
 from kvfit.config import EngineConfig
 from kvfit.engine.request_check import check_request
@@ -20,7 +21,7 @@ from kvfit.errors import RequestRejected, UnsupportedCombinationError
 from kvfit.kvcache.spec import spec_kv_bytes_per_token
 from kvfit.plan import parse_memory, plan_capacity
 
-QWEN3 = "benchmarks/configs/qwen3-1.7b.json"  # head_dim 128, 8 KV heads, 28 layers
+QWEN3 = config_path("qwen3-1.7b")  # head_dim 128, 8 KV heads, 28 layers
 GiB = 1 << 30
 
 

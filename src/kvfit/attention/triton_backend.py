@@ -21,8 +21,8 @@ import torch
 
 from kvfit.attention.base import AttentionBackend, AttentionMetadata
 from kvfit.kernels.decode import choose_config, paged_decode
-from kvfit.kernels.prefill import paged_prefill, plan_blocks, prefill_config
-from kvfit.kernels.store import plan_store_chunks, store_kv, store_kv_chunks
+from kvfit.kernels.prefill import order_prefill_blocks, paged_prefill, prefill_config
+from kvfit.kernels.store import split_store_chunks, store_kv, store_kv_chunks
 
 
 class TritonBackend(AttentionBackend):
@@ -94,14 +94,15 @@ class TritonBackend(AttentionBackend):
             self._blocks = {}
             if self._v_t:  # token-minor V: store a page row's new tokens together
                 real = len(self._q_lens) if meta.num_real_reqs is None else meta.num_real_reqs
-                self._store_chunks = plan_store_chunks(
+                self._store_chunks = split_store_chunks(
                     self._q_lens[:real], self._kv_lens[:real], self.pool.page_size,
                     meta.cu_seqlens_q.device)
 
     def _prefill_blocks(self, group: int) -> torch.Tensor:
         if group not in self._blocks:
-            self._blocks[group] = plan_blocks(self._q_lens, group, self._prefill_cfg.block_m,
-                                              self.meta.cu_seqlens_q.device, self._kv_lens)
+            self._blocks[group] = order_prefill_blocks(
+                self._q_lens, group, self._prefill_cfg.block_m, self.meta.cu_seqlens_q.device,
+                self._kv_lens)
         return self._blocks[group]
 
     # -- per layer ------------------------------------------------------------------------
