@@ -12,6 +12,7 @@ import torch
 
 from kvfit.config import EngineConfig
 from kvfit.engine.detokenizer import IncrementalDetokenizer
+from kvfit.engine.preflight import check_memory, check_runs_here
 from kvfit.engine.request_check import check_request
 from kvfit.engine.runner import ModelRunner
 from kvfit.engine.sampling import SamplingBatch, sample, top_logprobs
@@ -31,7 +32,9 @@ class LLMEngine:
     """Owns the runner, the scheduler and every live request (mutated by ``step``/``abort``)."""
 
     def __init__(self, config: EngineConfig):
+        check_runs_here(config)  # device and named backend: no model read yet
         self.settings = resolve_settings(config)  # checked before anything is loaded
+        check_memory(self.settings)  # weights vs memory, before the tokenizer and the weights
         src = self.settings.source
         try:
             self.tokenizer = load_tokenizer(src, config.tokenizer)

@@ -175,7 +175,8 @@ class EngineLoop:
             if self.state == "starting":
                 self.state = "ready"
         self._ready.set()
-        logger.info("engine ready (max_model_len=%s)", self.max_model_len)
+        logger.info("engine ready: serving requests (max_model_len=%s); /health answers 200",
+                    self.max_model_len)
         try:
             while True:
                 busy = eng.has_unfinished_requests()
