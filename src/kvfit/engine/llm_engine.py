@@ -12,10 +12,11 @@ import torch
 
 from kvfit.config import EngineConfig
 from kvfit.engine.detokenizer import IncrementalDetokenizer
+from kvfit.engine.preflight import check_memory, check_runs_here
 from kvfit.engine.request_check import check_request
 from kvfit.engine.runner import ModelRunner
 from kvfit.engine.inflight import InFlightStep, launch_sampling
-from kvfit.engine.sampler import top_logprobs
+from kvfit.engine.sampling import top_logprobs
 from kvfit.engine.settings import resolve_settings
 from kvfit.errors import RequestRejected
 from kvfit.kvcache.allocator import PageAllocator
@@ -32,7 +33,9 @@ class LLMEngine:
     """Owns the runner, the scheduler and every live request (mutated by ``step``/``abort``)."""
 
     def __init__(self, config: EngineConfig):
+        check_runs_here(config)  # device and named backend: no model read yet
         self.settings = resolve_settings(config)  # checked before anything is loaded
+        check_memory(self.settings)  # weights vs memory, before the tokenizer and the weights
         src = self.settings.source
         try:
             self.tokenizer = load_tokenizer(src, config.tokenizer)
@@ -56,6 +59,7 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.overlap = config.resolved_async_scheduling
         self._inflight: Optional[InFlightStep] = None  # launched, ids not yet read (overlap)
+        self._structured = None  # StructuredOutputs, built on the first structured request
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -82,15 +86,32 @@ class LLMEngine:
             text, ids = None, [int(t) for t in prompt]
         params.max_tokens = check_request(ids, params.max_tokens, self.max_model_len,
                                           self.vocab_size)
-        gen = None
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else int(
+        self._check_vocab(params)
+        seed = params.seed
+        if seed is None:  # drawn from the engine's RNG (EngineConfig.seed): runs repeat
+            seed = 0 if params.greedy else int(
                 torch.randint(0, 2**62, (1,), generator=self._seed_rng))
-            gen = torch.Generator(device=self.runner.device).manual_seed(seed)
-        req = Request(request_id, text, ids, params, gen, next(self._arrival))
+        req = Request(request_id, text, ids, params, seed, next(self._arrival))
         req.detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        if params.structured_outputs is not None:
+            req.grammar = self._structured_outputs().new_matcher(params.structured_outputs)
         self.requests[request_id] = req
         self.scheduler.add(req)
+
+    def _check_vocab(self, params: SamplingParams) -> None:
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", params.logit_bias or ())):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise RequestRejected(f"{name}: token id {bad[0]} is out of the vocabulary "
+                                      f"(ids are in [0, {self.vocab_size}))", name)
+
+    def _structured_outputs(self):
+        if self._structured is None:
+            from kvfit.engine.structured import StructuredOutputs
+
+            self._structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_ids)
+        return self._structured
 
     def abort_request(self, request_id: str) -> bool:
         """Finish a request as 'abort' and free its pages now. False if unknown/finished."""
@@ -126,8 +147,17 @@ class LLMEngine:
         extra token launched in N: it is discarded and the request's pages are freed when N-1
         is processed (stream order keeps N's writes before any later reuse of those pages)."""
         batch = self.scheduler.schedule()
-        launched = self._launch(batch.items) if not batch.empty else None
-        outputs = self._process(self._inflight) if self._inflight is not None else []
+        items = batch.items
+        outputs = []
+        if self._inflight is not None and any(r.grammar is not None for r, _ in items):
+            # structured output: the next mask needs the grammar to have accepted the pending
+            # token, so read the in-flight step first (requests it finished drop out)
+            outputs = self._process(self._inflight)
+            self._inflight = None
+            items = [(r, n) for r, n in items if not r.finished]
+        launched = self._launch(items) if items else None
+        if self._inflight is not None:
+            outputs = self._process(self._inflight)
         self._inflight = launched
         if not self.overlap and launched is not None:
             outputs += self._process(launched)
@@ -150,10 +180,13 @@ class LLMEngine:
             offset += n
         carried = None
         if pairs:
-            carried = (self._inflight.ids, pairs)
+            carried = (self._inflight.sampled.token_ids, pairs)
         result = self.runner.execute(items, sample_mask, prompt_lp, carried)
         samplers = [req for (req, _), s in zip(items, sample_mask) if s]
-        ids, ids_host, event, lp_rows = launch_sampling(result.sample_logits, samplers)
+        bitmask = None  # host work while the forward runs: the structured-output masks
+        if samplers and self._structured is not None:
+            bitmask = self._structured.fill_bitmask([r.grammar for r in samplers])
+        sampled, ids_host, event = launch_sampling(result.sample_logits, samplers, bitmask)
         for req, n in items:
             if req.num_computed_tokens < req.num_prompt_tokens:
                 self.prompt_tokens_total += min(n, req.num_prompt_tokens - req.num_computed_tokens)
@@ -162,8 +195,7 @@ class LLMEngine:
             req.output_token_ids.append(PLACEHOLDER)
             req.num_pending += 1
             req.pending_row = row
-        return InFlightStep(list(items), samplers, ids, ids_host, event, lp_rows,
-                            result.prompt_rows)
+        return InFlightStep(list(items), samplers, sampled, ids_host, event, result.prompt_rows)
 
     def _process(self, step: InFlightStep) -> list[RequestOutput]:
         """Read a launched step's ids (waits for its copy), record prompt logprobs, append the
@@ -182,16 +214,20 @@ class LLMEngine:
                                                             req.params.prompt_logprobs))
         outputs = []
         now = time.monotonic()
+        logprobs = step.sampled.logprob_dicts(tokens) if step.sampled is not None else {}
         for row, (req, tok) in enumerate(zip(step.samplers, tokens)):
             if req.finished:  # stopped at an earlier step or aborted: a discarded extra token
                 continue
-            lp_row = step.logprob_rows.get(row)
-            self._append(req, tok, None if lp_row is None else lp_row.cpu(), now)
+            done = req.grammar is not None and self._structured.accept(req.grammar, tok)
+            self._append(req, tok, logprobs.get(row), now, grammar_done=done)
             outputs.append(self._output(req))
         return outputs
 
-    def _append(self, req: Request, tok: int, lp_row: Optional[torch.Tensor], now: float) -> None:
-        """Confirm ``req``'s oldest pending token as ``tok`` and run the stop checks."""
+    def _append(self, req: Request, tok: int, lp: Optional[dict[int, float]], now: float,
+                grammar_done: bool = False) -> None:
+        """Confirm ``req``'s oldest pending token as ``tok`` (``lp``: its logprob dict when the
+        request asked for logprobs), then decide whether the request finishes
+        (``grammar_done``: its grammar completed)."""
         p = req.params
         k = req.num_output_confirmed
         req.output_token_ids[k] = tok
@@ -200,13 +236,13 @@ class LLMEngine:
         self.generation_tokens_total += 1
         if req.t_first_token is None:
             req.t_first_token = now
-        if lp_row is not None:
-            req.cumulative_logprob += float(lp_row[tok])
-            req.logprobs.append(top_logprobs(lp_row, tok, p.logprobs))
+        if req.logprobs is not None:
+            req.cumulative_logprob += lp[tok]
+            req.logprobs.append(lp)
         reason, stop_reason = None, None
         if tok in p.stop_token_ids:
             reason, stop_reason = "stop", tok
-        elif not p.ignore_eos and tok in self.eos_ids:
+        elif not p.ignore_eos and tok in self.eos_ids or grammar_done:
             reason = "stop"
         full = req.detok.update(confirmed, final=reason is not None)
         if reason is None and p.stop:

@@ -41,10 +41,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(str(e))
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(args.log_level.upper())  # also when `kvfit` set up logging
     from kvfit.engine.llm_engine import LLMEngine
     from kvfit.server.launch import make_server
 
     name = args.served_model_name or config.model
+    logging.getLogger("kvfit.server").info(
+        "starting: loading %s in the background (config, tokenizer, weights, KV cache); "
+        "http://%s:%d/health answers 503 until the 'engine ready' line", config.model,
+        args.host, args.port)
     server = make_server(lambda: LLMEngine(config), name, args.host, args.port, args.log_level,
                          aliases=(config.model,))
     # uvicorn re-raises the signal it caught once it has shut down; a SIGTERM handler of ours
