@@ -1,19 +1,28 @@
-"""The engine thread: the one owner of an ``LLMEngine`` inside the server.
+"""The server's side of the engine: ``EngineLoop`` hands requests to the engine core
+(``engine_core.CoreLoop``) and turns its one-message-per-step output into per-request events on
+each request's asyncio queue.
 
-Why a thread (and not the event loop, nor a process):
-- ``LLMEngine`` is not thread-safe and ``step()`` blocks for a whole forward pass. Run on the
-  asyncio loop it would freeze every HTTP connection for that time; so it runs elsewhere, and
-  only one thread ever calls it.
-- A thread rather than a process (vLLM's engine-core process): torch releases the GIL inside its
-  kernels (CPU and CUDA launches), the HTTP side is light, and in-process we need no IPC, no
-  serialization of outputs and no second copy of the tokenizer or CUDA context. The price is some
-  GIL sharing between scheduling code and the event loop, small at this engine's scale.
+Where the engine runs (``process=True``, what ``kvfit serve`` and ``kvfit bench serve`` use):
+in its own process, as vLLM's and SGLang's engine cores do. Measured reasons, not taste:
+- The engine's step is host-bound Python (scheduling, metadata, kernel launches). In one process
+  it shares the GIL with uvicorn, JSON/SSE framing and (in ``bench serve``) the load generator:
+  every token costs the HTTP side tens of microseconds of GIL, and a thread that gave the GIL up
+  (a CUDA sync, a socket wait) waits up to ``sys.getswitchinterval()`` (5 ms) to get it back from
+  a busy event loop. On the H200 that kept 43% (fp8) / 36% (bf16) of the offline throughput at
+  concurrency 64 (docs/benchmarks.md has the before/after figures and the profiles).
+- In its own process the engine never waits for the GIL; what crosses the pipe is one pickled
+  message per step (new token ids, a text piece, logprobs only when asked), a few KB, while the
+  detokenized text pieces, Deltas, SSE framing and HTTP run on the server's side.
+- Costs: a second process start (imports, ~1-3 s), a tokenizer loaded on both sides, and the
+  engine object is not reachable from the server process (``engine`` is None).
+``process=False`` runs the same core in a daemon thread of this process (``factory`` may then be
+any callable, e.g. a closure: tests inject faults through ``engine``).
 
-Protocol: handlers call ``add`` / ``abort`` (thread-safe: commands go through a ``SimpleQueue``);
-the thread drains commands between steps, runs ``engine.step()`` while there is work, and pushes
-events to each request's asyncio queue with ``loop.call_soon_threadsafe``. Events are tuples
+Protocol: handlers call ``add`` / ``abort`` (thread-safe: commands go through a ``SimpleQueue``;
+in process mode a sender thread moves them into the pipe). Events reach a request's queue as
 ``(index, kind, payload)`` with kind ``accepted`` (payload None), ``output`` (a ``Delta``) or
-``error`` (an ``APIError``). If the loop dies, every in-flight request gets an ``error`` event,
+``error`` (an ``APIError``), one ``call_soon_threadsafe`` per event loop per step. If the engine
+dies (an exception, or its process exits), every in-flight request gets an ``error`` event,
 ``alive`` turns False (``/health`` says 503) and later ``add`` calls raise at once.
 """
 
@@ -27,21 +36,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from kvfit.errors import (KVBudgetError, ModelNotFoundError, RequestRejected,
-                          UnsupportedCombinationError)
+from kvfit.errors import KVBudgetError, ModelNotFoundError, UnsupportedCombinationError
 from kvfit.server.errors import APIError
 from kvfit.server.metrics import ServerMetrics
 
 logger = logging.getLogger("kvfit.server")
 
-_USER_ERRORS = (ModelNotFoundError, UnsupportedCombinationError, KVBudgetError, ValueError)
+USER_ERRORS = (ModelNotFoundError, UnsupportedCombinationError, KVBudgetError, ValueError)
 
 
 @dataclass
 class Delta:
-    """What one step changed for one engine request (built in the engine thread, so the HTTP
-    side never reads engine-owned lists while they grow). ``text`` is the cumulative text;
-    ``prompt_logprobs`` (echo) comes with the first delta of a request only."""
+    """What one step changed for one engine request (built on the server side from the core's
+    message). ``text`` is the cumulative text; ``prompt_logprobs`` (echo) comes with the first
+    delta of a request only."""
 
     text: str
     new_token_ids: list[int]
@@ -59,13 +67,7 @@ class _Stream:
     arrival: float = field(default_factory=time.monotonic)
     last_token_time: Optional[float] = None
     num_tokens: int = 0
-    sent_prompt_logprobs: bool = False
-
-    def push(self, kind: str, payload: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, kind, payload))
-        except RuntimeError:  # the event loop is closed (server shut down): nobody listens
-            pass
+    text: str = ""
 
 
 def _put_all(items: list) -> None:
@@ -74,26 +76,39 @@ def _put_all(items: list) -> None:
         q.put_nowait(item)
 
 
+def _post(batches: dict) -> None:
+    for loop, items in batches.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # that event loop is closed: nobody listens any more
+            pass
+
+
 def unavailable(msg: str) -> APIError:
     return APIError(503, msg, code="engine_unavailable")
 
 
 class EngineLoop:
-    """Runs ``factory()`` (building the engine, e.g. loading weights) and then the step loop in a
-    daemon thread. ``state`` is ``starting`` → ``ready`` → ``stopped`` | ``dead``."""
+    """Starts the engine core (``factory()`` builds the engine, e.g. loading weights) in a daemon
+    thread, or with ``process=True`` in a child process (``factory`` must then be picklable, e.g.
+    ``functools.partial(LLMEngine, config)``, and ``tokenizer_factory`` gives this side its
+    tokenizer). ``state`` is ``starting`` → ``ready`` → ``stopped`` | ``dead``."""
 
     def __init__(self, factory: Callable[[], Any],
-                 on_start_failure: Optional[Callable[[], None]] = None):
+                 on_start_failure: Optional[Callable[[], None]] = None, process: bool = False,
+                 tokenizer_factory: Optional[Callable[[], Any]] = None):
         self._factory, self._on_start_failure = factory, on_start_failure
+        self._process_mode, self._tokenizer_factory = process, tokenizer_factory
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()  # orders add() against death/stop: no command is stranded
-        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._lock = threading.Lock()  # orders add() against death/stop: no request is stranded
+        self._streams: dict[str, _Stream] = {}  # requests the HTTP side waits on
         self._ready = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._threads: list[threading.Thread] = []
+        self._proc: Any = None
         self._stats: Optional[dict] = None
         self.state = "starting"
         self.error: Optional[str] = None
-        self.engine: Any = None
+        self.engine: Any = None  # the engine object (thread mode only)
         self.tokenizer: Any = None
         self.max_model_len: Optional[int] = None
         self.metrics = ServerMetrics(lambda: self._stats, lambda: self.state == "ready")
@@ -105,8 +120,12 @@ class EngineLoop:
         return self.state == "ready"
 
     def start(self) -> "EngineLoop":
-        self._thread = threading.Thread(target=self._run, name="kvfit-engine", daemon=True)
-        self._thread.start()
+        if self._process_mode:
+            from kvfit.server.engine_process import start_engine_process
+
+            start_engine_process(self)
+        else:
+            self._spawn(self._run_thread, "kvfit-engine")
         return self
 
     def wait_ready(self, timeout: Optional[float] = None) -> bool:
@@ -131,181 +150,160 @@ class EngineLoop:
         with self._lock:
             if self.state != "ready":
                 raise self.unavailable_error()
-            self._cmds.put(("add", request_id, prompt, params, stream))
+            if request_id in self._streams:
+                _post({stream.loop: [(q, (index, "error", APIError(
+                    400, f"duplicate request id {request_id}")))]})
+                return
+            self._streams[request_id] = stream
+            self._cmds.put(("add", request_id, prompt, params))
 
     def abort(self, request_id: str, disconnected: bool = True) -> None:
-        """Abort a request (its pages are freed by the engine thread at its next command drain)."""
-        self._cmds.put(("abort", request_id, disconnected))
+        """Abort a request (the engine frees its pages before its next step)."""
+        if self._streams.pop(request_id, None) is not None:
+            if disconnected:
+                self.metrics.disconnects.inc()
+            self.metrics.finished.labels("abort").inc()
+        self._cmds.put(("abort", request_id))
 
     def abort_all(self, reason: str) -> None:
         """Abort every in-flight request; each gets a 503 error event saying ``reason``."""
-        self._cmds.put(("abort_all", reason))
+        with self._lock:
+            self._fail_all(unavailable(reason), count_abort=True)
+            self._cmds.put(("abort_all",))
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the loop: in-flight requests are aborted (503 events), the thread exits."""
+        """Stop the engine: in-flight requests are aborted (503 events), the core exits."""
         with self._lock:
             if self.state in ("starting", "ready"):
                 self.state = "stopping"
         self._cmds.put(("stop",))
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout)
+        if self._proc is not None:
+            self._proc.join(timeout)
+            if self._proc.is_alive():
+                logger.warning("the engine process did not stop in %.0f s; terminating", timeout)
+                self._proc.terminate()
+                self._proc.join(5)
+        self._finish_stopped()
 
-    # ---- engine thread ----------------------------------------------------------------------
+    # ---- the core's side (engine thread, or the process mode's receiver thread) --------------
 
-    def _run(self) -> None:
+    def _spawn(self, target: Callable[[], None], name: str) -> None:
+        t = threading.Thread(target=target, name=name, daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _get_commands(self, block: bool) -> list:
+        try:
+            cmds = [self._cmds.get(timeout=0.5) if block else self._cmds.get_nowait()]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                cmds.append(self._cmds.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _run_thread(self) -> None:
+        from kvfit.server.engine_core import CoreLoop
+
         try:
             eng = self._factory()
-            self.engine, self.tokenizer = eng, eng.tokenizer
-            self.max_model_len = eng.max_model_len
-            self._stats = dict(eng.stats())
         except BaseException as e:  # noqa: BLE001 - reported through /health and the log
-            if isinstance(e, _USER_ERRORS):  # a message naming the fix; no traceback needed
-                logger.error("engine failed to start: %s", e)
-            else:
-                logger.exception("engine failed to start")
-            self._die(f"engine failed to start: {type(e).__name__}: {e}")
-            self._ready.set()
-            if self._on_start_failure is not None:
-                self._on_start_failure()
+            self._start_failed(f"{type(e).__name__}: {e}", isinstance(e, USER_ERRORS), e)
             return
+        self.engine = eng
+        self._mark_ready(eng.tokenizer, eng.max_model_len, dict(eng.stats()))
+        try:
+            CoreLoop(eng, self._get_commands, self._deliver).run()
+        except BaseException as e:  # noqa: BLE001
+            logger.exception("engine loop died")
+            self._die(f"{type(e).__name__}: {e}")
+            return
+        self._stats = dict(eng.stats())
+        self._finish_stopped()
+
+    def _mark_ready(self, tokenizer, max_model_len: int, stats: dict) -> None:
+        self.tokenizer, self.max_model_len, self._stats = tokenizer, max_model_len, stats
         with self._lock:
             if self.state == "starting":
                 self.state = "ready"
         self._ready.set()
         logger.info("engine ready (max_model_len=%s)", self.max_model_len)
-        try:
-            while True:
-                busy = eng.has_unfinished_requests()
-                if not self._drain(eng, block=not busy):
-                    break
-                outputs = eng.step() if eng.has_unfinished_requests() else []
-                # NOTE: stats before events: a client that saw its request finish then reads
-                # /metrics with that request's pages already counted free.
-                self._stats = dict(eng.stats())
-                if outputs:
-                    self._dispatch(outputs)
-        except BaseException as e:  # noqa: BLE001
-            logger.exception("engine loop died")
-            self._die(f"{type(e).__name__}: {e}")
-            return
-        self._abort_everything(eng, "the server is shutting down")
-        self._stats = dict(eng.stats())
-        with self._lock:
-            self.state = "stopped"
-            self._fail_pending(unavailable("the server is shutting down"))
 
-    def _drain(self, eng, block: bool) -> bool:
-        """Apply queued commands; False once a stop command arrives."""
-        try:
-            cmd = self._cmds.get(timeout=0.5) if block else self._cmds.get_nowait()
-        except queue.Empty:
-            return self.state in ("ready", "starting")
-        while True:
-            op = cmd[0]
-            if op == "stop":
-                return False
-            if op == "add":
-                self._add(eng, *cmd[1:])
-            elif op == "abort":
-                self._abort(eng, cmd[1], cmd[2])
-            elif op == "abort_all":
-                self._abort_everything(eng, cmd[1])
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                return True
+    def _start_failed(self, msg: str, user_error: bool, exc: Optional[BaseException]) -> None:
+        if user_error or exc is None:  # a message naming the fix; no traceback needed
+            logger.error("engine failed to start: %s", msg)
+        else:
+            logger.error("engine failed to start", exc_info=exc)
+        self._die(f"engine failed to start: {msg}")
+        self._ready.set()
+        if self._on_start_failure is not None:
+            self._on_start_failure()
 
-    def _add(self, eng, rid: str, prompt, params, stream: _Stream) -> None:
-        if rid in self._streams:
-            stream.push("error", APIError(400, f"duplicate request id {rid}"))
-            return
-        try:
-            eng.add_request(rid, prompt, params)
-        except RequestRejected as e:
-            stream.push("error", APIError(400, str(e), param=e.param))
-            return
-        except (ValueError, TypeError) as e:
-            stream.push("error", APIError(400, str(e)))
-            return
-        except Exception as e:  # noqa: BLE001 - an engine bug hit by one request: answer it,
-            # keep serving the others (add_request validates before it mutates anything)
-            logger.exception("add_request failed for %s", rid)
-            stream.push("error", APIError(500, f"internal error ({type(e).__name__})"))
-            return
-        self._streams[rid] = stream
-        stream.push("accepted", None)
-
-    def _abort(self, eng, rid: str, disconnected: bool) -> None:
-        if self._streams.pop(rid, None) is None:
-            return  # already finished
-        eng.abort_request(rid)
-        if disconnected:
-            self.metrics.disconnects.inc()
-        self.metrics.finished.labels("abort").inc()
-
-    def _abort_everything(self, eng, reason: str) -> None:
-        for rid, stream in list(self._streams.items()):
-            eng.abort_request(rid)
-            self.metrics.finished.labels("abort").inc()
-            stream.push("error", unavailable(reason))
-        self._streams.clear()
-
-    def _dispatch(self, outputs) -> None:
-        """Turn a step's outputs into Deltas; one wake-up per event loop per step (not one per
-        request: at large batch sizes per-request wake-ups would cost more than the step)."""
+    def _deliver(self, events: list, stats: dict) -> None:
+        """One core message → Deltas and metrics; one wake-up per event loop."""
+        self._stats = stats
         now = time.monotonic()
         m = self.metrics
         batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
+        for ev in events:
+            rid = ev[1]
+            stream = self._streams.get(rid)
             if stream is None:
-                continue
-            comp = out.outputs[0]
-            n_new = len(comp.token_ids) - stream.num_tokens
-            if n_new > 0:
-                if stream.last_token_time is None:
-                    m.ttft.observe(now - stream.arrival)
-                    for _ in range(n_new - 1):
-                        m.itl.observe(0.0)
-                else:
-                    gap = (now - stream.last_token_time) / n_new
-                    for _ in range(n_new):
-                        m.itl.observe(gap)
-                stream.last_token_time = now
-            new_ids = list(comp.token_ids[stream.num_tokens:])
-            new_lps = list(comp.logprobs[stream.num_tokens:]) if comp.logprobs else None
-            plp = None
-            if out.prompt_logprobs is not None and not stream.sent_prompt_logprobs:
-                plp, stream.sent_prompt_logprobs = list(out.prompt_logprobs), True
-            stream.num_tokens = len(comp.token_ids)
-            batches.setdefault(stream.loop, []).append((stream.queue, (
-                stream.index, "output", Delta(comp.text, new_ids, new_lps, stream.num_tokens,
-                                              comp.finish_reason, plp))))
-            if out.finished or comp.finish_reason is not None:
-                self._streams.pop(out.request_id, None)
-                m.finished.labels(comp.finish_reason or "stop").inc()
-                m.e2e.observe(now - stream.arrival)
-        for loop, items in batches.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that event loop is closed: nobody listens any more
-                pass
+                continue  # aborted or failed meanwhile
+            kind = ev[0]
+            if kind == "accepted":
+                item = (stream.index, "accepted", None)
+            elif kind == "rejected":
+                self._streams.pop(rid, None)
+                item = (stream.index, "error", APIError(ev[2], ev[3], param=ev[4]))
+            else:
+                _, _, new_ids, offset, piece, lps, plp, finish = ev
+                n_new = len(new_ids)
+                if n_new:
+                    if stream.last_token_time is None:
+                        m.ttft.observe(now - stream.arrival)
+                        for _ in range(n_new - 1):
+                            m.itl.observe(0.0)
+                    else:
+                        gap = (now - stream.last_token_time) / n_new
+                        for _ in range(n_new):
+                            m.itl.observe(gap)
+                    stream.last_token_time = now
+                if piece or offset != len(stream.text):
+                    stream.text = stream.text[:offset] + piece
+                stream.num_tokens += n_new
+                item = (stream.index, "output", Delta(stream.text, new_ids, lps,
+                                                      stream.num_tokens, finish, plp))
+                if finish is not None:
+                    self._streams.pop(rid, None)
+                    m.finished.labels(finish).inc()
+                    m.e2e.observe(now - stream.arrival)
+            batches.setdefault(stream.loop, []).append((stream.queue, item))
+        _post(batches)
 
-    def _fail_pending(self, err: APIError) -> None:
-        """Answer commands nobody will execute (call with ``_lock`` held)."""
-        while True:
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                return
-            if cmd[0] == "add":
-                cmd[4].push("error", err)
+    def _fail_all(self, err: APIError, count_abort: bool = False) -> None:
+        """Answer every waiting request with ``err`` (call with ``_lock`` held)."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream in self._streams.values():
+            if count_abort:
+                self.metrics.finished.labels("abort").inc()
+            batches.setdefault(stream.loop, []).append((stream.queue,
+                                                        (stream.index, "error", err)))
+        self._streams.clear()
+        _post(batches)
+
+    def _finish_stopped(self) -> None:
+        with self._lock:
+            if self.state != "dead":
+                self.state = "stopped"
+            self._fail_all(unavailable("the server is shutting down"))
+        self._ready.set()
 
     def _die(self, msg: str) -> None:
-        err = unavailable(f"the engine loop died: {msg}")
         with self._lock:
             self.state, self.error = "dead", msg
-            for stream in self._streams.values():
-                stream.push("error", err)
-            self._streams.clear()
-            self._fail_pending(err)
+            self._fail_all(unavailable(f"the engine loop died: {msg}"))
