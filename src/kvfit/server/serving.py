@@ -2,9 +2,14 @@
 their events gathered from one asyncio queue, aborts when the client leaves.
 
 ``Submission`` owns the engine request ids of one HTTP request: ``start`` waits until the engine
-thread accepted every one (so a rejected request is a 400 before any stream starts), ``events``
-yields ``(index, Delta)`` until every choice finished, and ``close`` aborts what is unfinished
+accepted every one (so a rejected request is a 400 before any stream starts), ``events`` yields
+``(index, Delta)`` until every choice finished, and ``close`` aborts what is unfinished
 (``disconnected=True`` counts a client disconnect in /metrics).
+
+NOTE: a handler that fell behind the engine (the event loop busy with other streams) finds
+several steps' Deltas of one choice waiting; ``events`` merges them into one (vLLM's output
+collector does the same), so one SSE chunk and one socket write carry them all. The HTTP side's
+cost then stays per step, not per token, and a busy server slows no request down further.
 """
 
 from __future__ import annotations
@@ -68,6 +73,8 @@ class Submission:
                 index, kind, payload = self._buffer.pop(0)
             else:
                 index, kind, payload = await self._get(poll_client)
+                if kind == "output":
+                    payload = self._merge_waiting(index, payload)
             if kind == "error":
                 self.unfinished.discard(index)
                 raise payload
@@ -76,6 +83,16 @@ class Submission:
             if payload.finish_reason is not None:
                 self.unfinished.discard(index)
             yield index, payload
+
+    def _merge_waiting(self, index: int, delta: Delta) -> Delta:
+        """Fold the Deltas of choice ``index`` already waiting right behind ``delta`` into it."""
+        while delta.finish_reason is None and not self.queue.empty():
+            item = self.queue.get_nowait()
+            if item[0] != index or item[1] != "output":
+                self._buffer.append(item)
+                break
+            delta = merge_deltas(delta, item[2])
+        return delta
 
     async def _get(self, poll_client: bool):
         # NOTE: the client is checked every _POLL_S whether or not events keep arriving (a busy
@@ -103,6 +120,16 @@ class Submission:
         for i in sorted(self.unfinished):
             self.loop.abort(self.ids[i], disconnected=disconnected)
         self.unfinished.clear()
+
+
+def merge_deltas(first: Delta, then: Delta) -> Delta:
+    """One Delta saying what ``first`` and then ``then`` (of the same request) said."""
+    lps = None
+    if first.new_logprobs is not None or then.new_logprobs is not None:
+        lps = (first.new_logprobs or []) + (then.new_logprobs or [])
+    plp = first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs
+    return Delta(then.text, first.new_token_ids + then.new_token_ids, lps, then.num_tokens,
+                 then.finish_reason, plp)
 
 
 class ClientGone(APIError):
