@@ -95,6 +95,7 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=8)
     p.add_argument("--profile", default=None)
     a = p.parse_args()
     from kvfit.bench.serve import format_table, run_benchmark
@@ -115,7 +116,7 @@ def main() -> None:
         time.sleep(0.2)
     c0 = time.process_time()
     s = asyncio.run(run_benchmark(f"http://127.0.0.1:{port}", "fake", a.num_prompts,
-                                  a.concurrency, 8, a.output_len, (1, 100)))
+                                  a.concurrency, a.input_len, a.output_len, (1, 100)))
     client_cpu = time.process_time() - c0
     proc.terminate()
     proc.join(30)

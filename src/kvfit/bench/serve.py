@@ -53,7 +53,8 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="model name sent in requests (default: the server's first model)")
     parser.add_argument("--bench-seed", type=int, default=0, help="seed of the prompt sampler")
     parser.add_argument("--no-warmup", action="store_true",
-                        help="skip the one uncounted warm-up request")
+                        help="skip the one uncounted warm-up request (a whole prompt, <= 4 "
+                             "tokens out; the offline run makes the same one)")
     parser.add_argument("--result-json", default=None, help="also write the results here")
     parser.add_argument("--offline", action="store_true",
                         help="after the server run, run the same requests offline in this process "
@@ -117,8 +118,8 @@ async def run_benchmark(base_url: str, model: Optional[str], num_prompts: int,
     async with httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits) as http:
         if model is None:
             model = (await http.get("/v1/models")).json()["data"][0]["id"]
-        if warmup:
-            w = await _one(http, model, prompts[0][: max(1, min(input_len, 16))], 2)
+        if warmup:  # a whole prompt: compiles the prefill kernels' shapes before timing
+            w = await _one(http, model, prompts[0], min(output_len, 4))
             if not w.ok:
                 raise RuntimeError(f"warm-up request failed: {w.error}")
         sem = asyncio.Semaphore(max_concurrency)
@@ -152,8 +153,8 @@ def run_offline(config, prompts: list[list[int]], output_len: int, max_concurren
     llm = LLM(**{**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
                  "max_num_seqs": seqs})
     try:
-        warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-        llm.generate([prompts[0][:16]], warm, use_tqdm=False)
+        warm = SamplingParams(temperature=0.0, max_tokens=min(output_len, 4), ignore_eos=True)
+        llm.generate([prompts[0]], warm, use_tqdm=False)  # the server run's warm-up
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)

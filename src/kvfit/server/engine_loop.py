@@ -10,16 +10,23 @@ in its own process, as vLLM's and SGLang's engine cores do. Measured reasons, no
   (a CUDA sync, a socket wait) waits up to ``sys.getswitchinterval()`` (5 ms) to get it back from
   a busy event loop. On the H200 that kept 43% (fp8) / 36% (bf16) of the offline throughput at
   concurrency 64 (docs/benchmarks.md has the before/after figures and the profiles).
-- In its own process the engine never waits for the GIL; what crosses the pipe is one pickled
+- In its own process the engine never waits for the GIL; what crosses the socket is one pickled
   message per step (new token ids, a text piece, logprobs only when asked), a few KB, while the
-  detokenized text pieces, Deltas, SSE framing and HTTP run on the server's side.
+  Deltas, SSE framing and HTTP run on the server's side, all on uvicorn's event loop (no extra
+  thread in the server process: see ``engine_process``).
 - Costs: a second process start (imports, ~1-3 s), a tokenizer loaded on both sides, and the
   engine object is not reachable from the server process (``engine`` is None).
+- Stop strings and detokenization stay in the engine (they decide when a request finishes);
+  the engine's step overlap (issue 13, deliverable 2) hides them behind the GPU.
+Measured on the H200 (Qwen3-1.7B shape, fp8 KV, 256 x 1,024 in / 256 out, concurrency 64):
+the thread kept 43% of the offline output throughput; the process with a receiver/sender
+thread pair 74-76% (decode TPOT equal to offline's step time; the loss was time to first token,
+the server process at ~90% CPU); the figures for this version are in docs/benchmarks.md.
 ``process=False`` runs the same core in a daemon thread of this process (``factory`` may then be
 any callable, e.g. a closure: tests inject faults through ``engine``).
 
-Protocol: handlers call ``add`` / ``abort`` (thread-safe: commands go through a ``SimpleQueue``;
-in process mode a sender thread moves them into the pipe). Events reach a request's queue as
+Protocol: handlers call ``add`` / ``abort`` (thread-safe: commands go to the engine thread's
+``SimpleQueue``, or in process mode straight into the socket). Events reach a request's queue as
 ``(index, kind, payload)`` with kind ``accepted`` (payload None), ``output`` (a ``Delta``) or
 ``error`` (an ``APIError``), one ``call_soon_threadsafe`` per event loop per step. If the engine
 dies (an exception, or its process exits), every in-flight request gets an ``error`` event,
@@ -77,7 +84,14 @@ def _put_all(items: list) -> None:
 
 
 def _post(batches: dict) -> None:
+    try:
+        here = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
     for loop, items in batches.items():
+        if loop is here:  # process mode: we are on the server's loop already
+            _put_all(items)
+            continue
         try:
             loop.call_soon_threadsafe(_put_all, items)
         except RuntimeError:  # that event loop is closed: nobody listens any more
@@ -91,8 +105,9 @@ def unavailable(msg: str) -> APIError:
 class EngineLoop:
     """Starts the engine core (``factory()`` builds the engine, e.g. loading weights) in a daemon
     thread, or with ``process=True`` in a child process (``factory`` must then be picklable, e.g.
-    ``functools.partial(LLMEngine, config)``, and ``tokenizer_factory`` gives this side its
-    tokenizer). ``state`` is ``starting`` → ``ready`` → ``stopped`` | ``dead``."""
+    ``functools.partial(LLMEngine, config)``, ``tokenizer_factory`` gives this side its
+    tokenizer, and ``attach`` must be called from the server's event loop). ``state`` is
+    ``starting`` → ``ready`` → ``stopped`` | ``dead``."""
 
     def __init__(self, factory: Callable[[], Any],
                  on_start_failure: Optional[Callable[[], None]] = None, process: bool = False,
@@ -104,7 +119,8 @@ class EngineLoop:
         self._streams: dict[str, _Stream] = {}  # requests the HTTP side waits on
         self._ready = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._proc: Any = None
+        self._channel: Any = None  # process mode: engine_process.Channel
+        self._submit: Callable[[tuple], None] = self._cmds.put
         self._stats: Optional[dict] = None
         self.state = "starting"
         self.error: Optional[str] = None
@@ -123,10 +139,17 @@ class EngineLoop:
         if self._process_mode:
             from kvfit.server.engine_process import start_engine_process
 
-            start_engine_process(self)
+            self._channel = start_engine_process(self)
+            self._submit = self._channel.submit
         else:
             self._spawn(self._run_thread, "kvfit-engine")
         return self
+
+    def attach(self, aio: asyncio.AbstractEventLoop) -> None:
+        """Process mode: serve the engine's socket on ``aio`` (the server's loop, from its
+        thread; until then the engine's messages wait in the socket). No-op in thread mode."""
+        if self._channel is not None:
+            self._channel.attach(aio)
 
     def wait_ready(self, timeout: Optional[float] = None) -> bool:
         """True once the engine is up; False on timeout or if it failed to start."""
@@ -155,7 +178,7 @@ class EngineLoop:
                     400, f"duplicate request id {request_id}")))]})
                 return
             self._streams[request_id] = stream
-            self._cmds.put(("add", request_id, prompt, params))
+            self._submit(("add", request_id, prompt, params))
 
     def abort(self, request_id: str, disconnected: bool = True) -> None:
         """Abort a request (the engine frees its pages before its next step)."""
@@ -163,29 +186,26 @@ class EngineLoop:
             if disconnected:
                 self.metrics.disconnects.inc()
             self.metrics.finished.labels("abort").inc()
-        self._cmds.put(("abort", request_id))
+        self._submit(("abort", request_id))
 
     def abort_all(self, reason: str) -> None:
         """Abort every in-flight request; each gets a 503 error event saying ``reason``."""
         with self._lock:
             self._fail_all(unavailable(reason), count_abort=True)
-            self._cmds.put(("abort_all",))
+            self._submit(("abort_all",))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine: in-flight requests are aborted (503 events), the core exits."""
         with self._lock:
             if self.state in ("starting", "ready"):
                 self.state = "stopping"
-        self._cmds.put(("stop",))
+        if self._channel is not None:
+            self._channel.stop(timeout)
+        else:
+            self._cmds.put(("stop",))
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout)
-        if self._proc is not None:
-            self._proc.join(timeout)
-            if self._proc.is_alive():
-                logger.warning("the engine process did not stop in %.0f s; terminating", timeout)
-                self._proc.terminate()
-                self._proc.join(5)
         self._finish_stopped()
 
     # ---- the core's side (engine thread, or the process mode's receiver thread) --------------
@@ -302,6 +322,19 @@ class EngineLoop:
                 self.state = "stopped"
             self._fail_all(unavailable("the server is shutting down"))
         self._ready.set()
+
+    def _engine_gone(self, proc) -> None:
+        """Process mode: the engine's socket closed."""
+        proc.join(1.0)
+        if self.state in ("starting", "ready"):
+            msg = f"the engine process exited unexpectedly (exit code {proc.exitcode})"
+            if self.state == "starting":
+                self._start_failed(msg, False, None)
+            else:
+                logger.error(msg)
+                self._die(msg)
+        else:
+            self._finish_stopped()
 
     def _die(self, msg: str) -> None:
         with self._lock:

@@ -9,6 +9,7 @@ ends and the engine thread stops (pages freed, thread joined).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import socket
@@ -29,11 +30,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class KvfitUvicorn(uvicorn.Server):
-    """uvicorn.Server that aborts the engine's in-flight requests when shutdown begins."""
+    """uvicorn.Server that serves the engine's socket on its loop (process mode) and aborts the
+    engine's in-flight requests when shutdown begins."""
 
     def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop):
         super().__init__(config)
         self.engine_loop = engine_loop
+
+    async def startup(self, sockets=None) -> None:
+        self.engine_loop.attach(asyncio.get_running_loop())  # process mode: the engine's socket
+        await super().startup(sockets)
 
     async def shutdown(self, sockets=None) -> None:
         self.engine_loop.abort_all("the server is shutting down")

@@ -6,10 +6,11 @@ accepted every one (so a rejected request is a 400 before any stream starts), ``
 ``(index, Delta)`` until every choice finished, and ``close`` aborts what is unfinished
 (``disconnected=True`` counts a client disconnect in /metrics).
 
-NOTE: a handler that fell behind the engine (the event loop busy with other streams) finds
-several steps' Deltas of one choice waiting; ``events`` merges them into one (vLLM's output
-collector does the same), so one SSE chunk and one socket write carry them all. The HTTP side's
-cost then stays per step, not per token, and a busy server slows no request down further.
+NOTE: a handler that fell ``MERGE_BACKLOG`` or more steps behind the engine (the event loop
+overloaded by other streams) finds that many Deltas waiting; ``events`` merges them into one
+(vLLM's output collector does the same), so one SSE chunk and one socket write carry them all
+and an overloaded server catches up instead of falling further behind. Below that backlog (the
+jitter of a busy loop) every step's tokens stay a chunk of their own.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvfit.server.errors import APIError
 from kvfit.server.protocol import random_id
 
 _POLL_S = 0.5  # how often a waiting non-streaming handler checks the client and the engine
+MERGE_BACKLOG = 4  # waiting events from which a lagging stream's Deltas merge into one chunk
 
 
 class Submission:
@@ -73,7 +75,7 @@ class Submission:
                 index, kind, payload = self._buffer.pop(0)
             else:
                 index, kind, payload = await self._get(poll_client)
-                if kind == "output":
+                if kind == "output" and self.queue.qsize() >= MERGE_BACKLOG:
                     payload = self._merge_waiting(index, payload)
             if kind == "error":
                 self.unfinished.discard(index)
@@ -109,10 +111,10 @@ class Submission:
                     raise ClientGone()
             if not self.queue.empty():  # fast path: no timer task when an event is waiting
                 return self.queue.get_nowait()
-            try:
-                return await asyncio.wait_for(self.queue.get(),
-                                              timeout=max(self._next_check - now, 0.01))
-            except asyncio.TimeoutError:
+            try:  # NOTE: asyncio.timeout, not wait_for: no extra Task per wait (per step)
+                async with asyncio.timeout(max(self._next_check - now, 0.01)):
+                    return await self.queue.get()
+            except TimeoutError:
                 pass
 
     def close(self, disconnected: bool) -> None:
