@@ -7,7 +7,8 @@ step itself, a few microseconds of Python per request per step. ``detach`` resto
 Per step it keeps ``decode_tokens`` (requests decoding one token), ``prefill_tokens``,
 ``kv_tokens`` (the KV entries the step's attention reads: each request's context after the step),
 ``decode_kv`` (the decoding requests' share of ``kv_tokens``), ``prefill_attn`` (sum over
-prefill query tokens of their context length: the causal attention work) and ``sampled`` (rows that reach the LM head: decodes and last prompt chunks).
+prefill query tokens of their context length: the causal attention work) and ``sampled``
+(rows that reach the LM head: decodes and last prompt chunks).
 """
 
 from __future__ import annotations

@@ -13,9 +13,10 @@ tokens, KV entries read per step). A step cannot take less than
 FLOPs = 2 x linear parameters x tokens + 2 x LM-head parameters x sampled rows + 4 x q-heads x
 head_dim x layers x (causal prefill pairs + decode KV length); the workload's roofline time is
 the sum over the steps the engine actually ran (so preemption recompute counts as work), and the
-achieved fraction is that over the measured time. Both ceilings are measured at start on the GPU
-(a 2 GiB device-to-device copy, read + write bytes; an 8192^3 bf16 matmul); on the CPU the
-roofline is skipped. Weight bytes count every parameter once (as ``kvfit bench seed`` does).
+achieved fraction is that over the measured time. Both ceilings are measured at start on the
+GPU, before the engine takes its memory (a 2 GiB device-to-device copy, read + write bytes; an
+8192^3 bf16 matmul); on the CPU the roofline is skipped. Weight bytes count every parameter once
+(as ``kvfit bench seed`` does).
 """
 
 from __future__ import annotations
@@ -70,11 +71,11 @@ def measure_ceilings(device) -> dict:
 
     bw = copy_bandwidth(device)
     n = 8192
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    ms = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
-    del a, b
-    torch.cuda.empty_cache()
+    ab = [torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2)]
+    ms = triton.testing.do_bench(lambda: ab[0] @ ab[1], warmup=25, rep=200,
+                                 return_mode="median")
+    ab.clear()
+    torch.cuda.empty_cache()  # before the engine sizes its KV pool from the free memory
     return {"copy_bytes_per_s": bw, "matmul_flops_per_s": 2 * n ** 3 / (ms * 1e-3)}
 
 
@@ -117,11 +118,11 @@ def run(args) -> dict:
     config = config_from_args(args)
     prompts, out_lens = make_workload(args.num_prompts, args.input_len, args.output_len,
                                       tuple(args.token_id_range), args.bench_seed)
+    ceilings = None
+    if not args.no_roofline and config.resolved_device.type == "cuda":
+        ceilings = measure_ceilings(config.resolved_device)
     llm = LLM(**{k: getattr(config, k) for k in config.__dataclass_fields__})
     engine = llm.engine
-    ceilings = None
-    if not args.no_roofline and engine.runner.device.type == "cuda":
-        ceilings = measure_ceilings(engine.runner.device)
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n)
               for n in out_lens]
     llm.generate([prompts[0][:32]], SamplingParams(temperature=args.temperature, max_tokens=16,
