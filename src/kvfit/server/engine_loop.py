@@ -9,7 +9,7 @@ in its own process, as vLLM's and SGLang's engine cores do. Measured reasons, no
   every token costs the HTTP side tens of microseconds of GIL, and a thread that gave the GIL up
   (a CUDA sync, a socket wait) waits up to ``sys.getswitchinterval()`` (5 ms) to get it back from
   a busy event loop. On the H200 that kept 43% (fp8) / 36% (bf16) of the offline throughput at
-  concurrency 64 (docs/benchmarks.md has the before/after figures and the profiles).
+  concurrency 64 (with the load generator in the same process; docs/benchmarks.md).
 - In its own process the engine never waits for the GIL; what crosses the socket is one pickled
   message per step (new token ids, a text piece, logprobs only when asked), a few KB, while the
   Deltas, SSE framing and HTTP run on the server's side, all on uvicorn's event loop (no extra
@@ -20,15 +20,18 @@ in its own process, as vLLM's and SGLang's engine cores do. Measured reasons, no
   the engine's step overlap (issue 13, deliverable 2) hides them behind the GPU.
 Measured on the H200 (Qwen3-1.7B shape, fp8 KV, 256 x 1,024 in / 256 out, concurrency 64):
 the thread kept 43% of the offline output throughput; the process with a receiver/sender
-thread pair 74-76% (decode TPOT equal to offline's step time; the loss was time to first token,
-the server process at ~90% CPU); the figures for this version are in docs/benchmarks.md.
+thread pair in the server 74-76% (decode TPOT equal to offline's step time; the loss was time
+to first token, the server process at ~90% CPU). A CPU profile then showed those threads' GIL
+hand-offs stalling the event loop ~4 ms per request, hence no threads now; this version's GPU
+figure is still to be taken (docs/benchmarks.md).
 ``process=False`` runs the same core in a daemon thread of this process (``factory`` may then be
 any callable, e.g. a closure: tests inject faults through ``engine``).
 
 Protocol: handlers call ``add`` / ``abort`` (thread-safe: commands go to the engine thread's
 ``SimpleQueue``, or in process mode straight into the socket). Events reach a request's queue as
 ``(index, kind, payload)`` with kind ``accepted`` (payload None), ``output`` (a ``Delta``) or
-``error`` (an ``APIError``), one ``call_soon_threadsafe`` per event loop per step. If the engine
+``error`` (an ``APIError``), one wake-up per event loop per step (``call_soon_threadsafe`` from
+the engine thread; in process mode the server's loop reads the step itself). If the engine
 dies (an exception, or its process exits), every in-flight request gets an ``error`` event,
 ``alive`` turns False (``/health`` says 503) and later ``add`` calls raise at once.
 """
@@ -118,7 +121,7 @@ class EngineLoop:
         self._lock = threading.Lock()  # orders add() against death/stop: no request is stranded
         self._streams: dict[str, _Stream] = {}  # requests the HTTP side waits on
         self._ready = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._thread: Optional[threading.Thread] = None  # thread mode
         self._channel: Any = None  # process mode: engine_process.Channel
         self._submit: Callable[[tuple], None] = self._cmds.put
         self._stats: Optional[dict] = None
@@ -142,7 +145,9 @@ class EngineLoop:
             self._channel = start_engine_process(self)
             self._submit = self._channel.submit
         else:
-            self._spawn(self._run_thread, "kvfit-engine")
+            self._thread = threading.Thread(target=self._run_thread, name="kvfit-engine",
+                                            daemon=True)
+            self._thread.start()
         return self
 
     def attach(self, aio: asyncio.AbstractEventLoop) -> None:
@@ -203,17 +208,11 @@ class EngineLoop:
             self._channel.stop(timeout)
         else:
             self._cmds.put(("stop",))
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join(timeout)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
         self._finish_stopped()
 
-    # ---- the core's side (engine thread, or the process mode's receiver thread) --------------
-
-    def _spawn(self, target: Callable[[], None], name: str) -> None:
-        t = threading.Thread(target=target, name=name, daemon=True)
-        self._threads.append(t)
-        t.start()
+    # ---- the core's side (the engine thread, or in process mode the server's event loop) ----
 
     def _get_commands(self, block: bool) -> list:
         try:
