@@ -27,7 +27,7 @@ class FakeEngine:
 
         self._co, self._ro = CompletionOutput, RequestOutput
         self.step_s, self.host_s, self.max_num_seqs = step_s, host_s, max_num_seqs
-        self.tokenizer, self.max_model_len = None, 1 << 20
+        self.tokenizer, self.max_model_len, self.vocab_size = None, 1 << 20, 1 << 17
         self.running: dict[str, list] = {}
         self.waiting: list = []
 

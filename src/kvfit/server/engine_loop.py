@@ -130,6 +130,7 @@ class EngineLoop:
         self.engine: Any = None  # the engine object (thread mode only)
         self.tokenizer: Any = None
         self.max_model_len: Optional[int] = None
+        self.vocab_size: Optional[int] = None
         self.metrics = ServerMetrics(lambda: self._stats, lambda: self.state == "ready")
 
     # ---- called from any thread -----------------------------------------------------------
@@ -234,7 +235,7 @@ class EngineLoop:
             self._start_failed(f"{type(e).__name__}: {e}", isinstance(e, USER_ERRORS), e)
             return
         self.engine = eng
-        self._mark_ready(eng.tokenizer, eng.max_model_len, dict(eng.stats()))
+        self._mark_ready(eng.tokenizer, eng.max_model_len, eng.vocab_size, dict(eng.stats()))
         try:
             CoreLoop(eng, self._get_commands, self._deliver).run()
         except BaseException as e:  # noqa: BLE001
@@ -244,8 +245,9 @@ class EngineLoop:
         self._stats = dict(eng.stats())
         self._finish_stopped()
 
-    def _mark_ready(self, tokenizer, max_model_len: int, stats: dict) -> None:
+    def _mark_ready(self, tokenizer, max_model_len: int, vocab_size: int, stats: dict) -> None:
         self.tokenizer, self.max_model_len, self._stats = tokenizer, max_model_len, stats
+        self.vocab_size = vocab_size
         with self._lock:
             if self.state == "starting":
                 self.state = "ready"

@@ -1,7 +1,7 @@
 """The engine core in a child process (``EngineLoop(process=True)``): why, in ``engine_loop``.
 
 One socket pair, frames of an 8-byte length and a pickle. Server → engine: lists of commands.
-Engine → server: ``("ready", max_model_len, stats)``, ``("start_failed", message, user_error)``,
+Engine → server: ``("ready", max_model_len, vocab_size, stats)``, ``("start_failed", message, user_error)``,
 ``("step", events, stats)`` (``engine_core``), ``("died", message)`` and ``("stopped", stats)``.
 
 The server's end lives on uvicorn's event loop (``Channel.attach``, called as the server starts):
@@ -75,7 +75,7 @@ def _engine_main(factory: Callable[[], Any], sock: socket.socket, log_level: int
             logger.exception("engine failed to start")
         send(("start_failed", f"{type(e).__name__}: {e}", isinstance(e, USER_ERRORS)))
         return
-    send(("ready", eng.max_model_len, dict(eng.stats())))
+    send(("ready", eng.max_model_len, eng.vocab_size, dict(eng.stats())))
     buf = bytearray()
 
     def get_commands(block: bool):
@@ -189,7 +189,7 @@ class Channel:
             if kind == "step":
                 self.engine_loop._deliver(msg[1], msg[2])
             elif kind == "ready":
-                self.engine_loop._mark_ready(self.engine_loop.tokenizer, msg[1], msg[2])
+                self.engine_loop._mark_ready(self.engine_loop.tokenizer, *msg[1:])
             elif kind == "start_failed":
                 self.engine_loop._start_failed(msg[1], msg[2], None)
             elif kind == "died":
