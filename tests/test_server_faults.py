@@ -160,3 +160,44 @@ def test_bench_serve_runs_and_stops(tmp_path, capsys):
         assert set(res[key]) == {"mean", "median", "p99"} and res[key]["mean"] > 0
     assert res["itl_ms"]["mean"] == pytest.approx(res["tpot_ms"]["mean"], rel=0.05)
     assert "Serving Benchmark Result" in capsys.readouterr().out
+
+
+def test_ready_logged_only_when_the_engine_is(tmp_path, caplog):
+    """Issue 19: uvicorn's bind line says the engine is still loading, /health is 503 until the
+    engine is up, and 'engine ready' comes after the start-up capacity line."""
+    import logging
+
+    path, gate = tiny_config(tmp_path), threading.Event()
+
+    def slow_factory():
+        gate.wait(60)
+        return _tiny_engine(path)
+
+    caplog.set_level(logging.INFO, logger="kvfit")
+    caplog.set_level(logging.INFO, logger="uvicorn.error")
+    srv = BackgroundServer(slow_factory, "tiny", log_level="info")  # configures uvicorn logging
+    uv = logging.getLogger("uvicorn.error")
+    uv.addHandler(caplog.handler)  # uvicorn's loggers do not propagate to the root
+    thread = threading.Thread(target=srv.server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not srv.server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(srv.base_url + "/health").status_code == 503
+        running = [r.getMessage() for r in caplog.records if "Uvicorn running" in r.getMessage()]
+        assert running and "still loading" in running[0] and "503" in running[0]
+        assert not any(r.getMessage().startswith("engine ready") for r in caplog.records)
+        gate.set()
+        assert srv.engine_loop.wait_ready(60)
+        assert httpx.get(srv.base_url + "/health").status_code == 200
+        msgs = [r.getMessage() for r in caplog.records]
+        kv = next(i for i, m in enumerate(msgs) if m.startswith("KV cache:"))
+        ready = next(i for i, m in enumerate(msgs) if m.startswith("engine ready"))
+        assert kv < ready
+    finally:
+        uv.removeHandler(caplog.handler)
+        gate.set()
+        srv.server.should_exit = True
+        thread.join(30)
+        srv.engine_loop.shutdown()

@@ -19,16 +19,57 @@ _BENCHES = {
     "serve": ("kvfit.bench.serve", "load generator for kvfit serve (a running one, or its own)"),
     "throughput": ("kvfit.bench.throughput", "offline throughput and its roofline fraction"),
 }
+DEFAULT_MAX_TOKENS = 128
+
+
+def _fail(message: str) -> int:
+    """One ``kvfit: error:`` line on stderr; exit status 1 (argparse's own usage errors are 2)."""
+    print(f"kvfit: error: {message}", file=sys.stderr)
+    return 1
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to the current ``sys.stderr`` (looked up per record, so redirection applies).
+    Warnings and errors of kvfit's loggers print as ``kvfit: warning: ...`` lines."""
+
+    def __init__(self):
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.levelno >= logging.WARNING and record.name.split(".")[0] == "kvfit":
+            return f"kvfit: {record.levelname.lower()}: {record.getMessage()}"
+        return super().format(record)
+
+
+def _setup_logging() -> None:
+    root = logging.getLogger()
+    if not any(isinstance(h, _StderrHandler) for h in root.handlers):
+        root.addHandler(_StderrHandler())
+    if root.level > logging.INFO or root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
 
 
 def _generate(argv: list[str]) -> int:
     from kvfit.config import add_engine_args, config_from_args
 
     p = argparse.ArgumentParser(prog="kvfit generate", description="generate text offline")
-    p.add_argument("prompt_pos", nargs="?", metavar="PROMPT", help="the prompt")
-    p.add_argument("--prompt", "-p", help="the prompt (same as the positional)")
+    p.add_argument("prompt_pos", nargs="*", metavar="PROMPT",
+                   help="the prompt (several: one generation each, with a progress bar)")
+    p.add_argument("--prompt", "-p", action="append", default=[],
+                   help="a prompt (same as the positional; may repeat)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"tokens to generate (default: {DEFAULT_MAX_TOKENS}, capped to what "
+                        f"--max-model-len leaves after the prompt)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
@@ -37,25 +78,33 @@ def _generate(argv: list[str]) -> int:
     p.add_argument("--ignore-eos", action="store_true")
     add_engine_args(p)
     args = p.parse_args(argv)
-    prompt = args.prompt if args.prompt is not None else args.prompt_pos
-    if prompt is None:
-        p.error("give a prompt: kvfit generate \"...\" (or --prompt)")
+    prompts = list(args.prompt_pos) + list(args.prompt)
+    if not prompts:
+        return _fail("give a prompt: kvfit generate \"...\" (or --prompt \"...\")")
+    for i, text in enumerate(prompts):
+        if not text.strip():
+            which = f"prompt {i + 1}" if len(prompts) > 1 else "the prompt"
+            return _fail(f"{which} is empty; give the text to continue, e.g. "
+                         f"kvfit generate \"Why is the sky blue?\"")
     from kvfit.errors import RequestRejected
-    from kvfit.llm import LLM
     from kvfit.sampling_params import SamplingParams
 
-    try:
-        sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+    try:  # parameters first: cheap, and nothing is loaded yet
+        sp = SamplingParams(max_tokens=(DEFAULT_MAX_TOKENS if args.max_tokens is None
+                                        else args.max_tokens),
+                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            min_p=args.min_p, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+        sp.validate()
     except RequestRejected as e:
-        p.error(str(e))
-    cfg = config_from_args(args)
-    llm = LLM(**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__})
-    outs = (llm.chat([{"role": "user", "content": prompt}], sp, use_tqdm=False) if args.chat
-            else llm.generate(prompt, sp, use_tqdm=False))
-    print(outs[0].outputs[0].text)
-    return 0
+        return _fail(str(e))
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        return _fail(str(e))
+    from kvfit.cli_generate import run_generate
+
+    return run_generate(cfg, prompts, sp, chat=args.chat, max_tokens_given=args.max_tokens
+                        is not None)
 
 
 # EngineConfig fields that do not change what ``kvfit plan`` prices
@@ -100,24 +149,35 @@ def _bench(argv: list[str]) -> int:
 COMMANDS = {"generate": _generate, "plan": _plan, "serve": _serve, "bench": _bench}
 
 
+def _version() -> str:
+    from kvfit import __version__
+
+    return f"kvfit {__version__}"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-V", "--version"):
+        print(_version())
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: kvfit {generate,plan,serve,bench} [options]\n"
+        print("usage: kvfit {generate,plan,serve,bench} [options]   (kvfit --version)\n"
               "  generate  generate text offline (default model: smollm2-135m)\n"
               "  plan      KV capacity per KV dtype for a model and memory size\n"
               "  serve     OpenAI-compatible HTTP server\n"
               "  bench     benchmarks: quality, seed, kernels, serve, throughput", file=sys.stderr)
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"kvfit: error: unknown command {argv[0]!r}", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from kvfit.errors import (KVBudgetError, ModelNotFoundError, RequestRejected,
-                              UnsupportedCombinationError)
+    _setup_logging()
+    from kvfit.errors import (KVBudgetError, ModelInputError, ModelNotFoundError,
+                              RequestRejected, UnsupportedCombinationError)
 
     try:
         return COMMANDS[argv[0]](argv[1:])
-    except (ModelNotFoundError, UnsupportedCombinationError, KVBudgetError, RequestRejected) as e:
-        print(f"kvfit: error: {e}", file=sys.stderr)
-        return 1
+    except (ModelNotFoundError, ModelInputError, UnsupportedCombinationError, KVBudgetError,
+            RequestRejected) as e:
+        return _fail(str(e))
 
 
 if __name__ == "__main__":

@@ -23,3 +23,8 @@ class RequestRejected(ValueError):
 
 class KVBudgetError(RuntimeError):
     """The KV cache cannot be sized as asked (not enough memory, context too long)."""
+
+
+class ModelInputError(ValueError):
+    """A model file or config that cannot be loaded as it is (truncated GGUF, missing or
+    inconsistent config field). The message names the file, the field and the fix."""

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from kvfit.errors import RequestRejected
+from kvfit.structured_params import StructuredOutputsParams
+
+_INT64 = (-(2**63), 2**63 - 1)
 
 
 @dataclass
@@ -18,6 +21,7 @@ class SamplingParams:
     logit_bias: None, or {token id: bias in [-100, 100]} added to the logits before sampling and
     before the greedy argmax (OpenAI's meaning: +100 forces a token, -100 bans it). The engine
     checks the ids against the vocabulary at ``add_request``.
+    structured_outputs: None, or the grammar the output must follow (JSON schema, regex, ...).
     """
 
     n: int = 1
@@ -34,6 +38,7 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     logit_bias: Optional[dict[int, float]] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -64,6 +69,11 @@ class SamplingParams:
                 bad(name, f"must be in [0, 20], got {v}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
+        if self.seed is not None and not _INT64[0] <= self.seed <= _INT64[1]:
+            bad("seed", f"must be in [{_INT64[0]}, {_INT64[1]}] (a 64-bit integer), got "
+                        f"{self.seed}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", f"must be token ids >= 0, got {self.stop_token_ids}")
         if self.logit_bias is not None:
             self.logit_bias = _checked_logit_bias(self.logit_bias)
 

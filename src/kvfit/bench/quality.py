@@ -6,6 +6,9 @@ For each KV dtype (and optionally fp8 with calibrated scales):
       divergence position),
   (c) mean and max next-token KL divergence vs bf16 KV over a shipped text, and perplexity.
 The compute dtype is the engine's (float32 on CPU): only the KV storage changes between rows.
+A progress line follows each stage (format, depth, elapsed, estimated time left). Quick on a CPU
+(a few minutes): --context 1024 --keys 1 --agree-tokens 16 --kl-tokens 512. Long: Qwen2.5-Coder
+at --context 7500 takes hours on a CPU.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from importlib import resources
 from typing import Optional
 
 import torch
+
+from kvfit.bench.progress import Stage, StageClock
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")
@@ -108,6 +113,24 @@ class Row:
     seconds: float = 0.0
 
 
+# first guesses (seconds per unit on a 2-core CPU, SmolLM2) until a stage of the kind has run
+_PRIOR = {"load": 20.0, "prefill": 1 / 300, "decode": 1 / 60}
+
+
+def plan_stages(args, labels: list[str]) -> list[Stage]:
+    """Every stage of the run in order, sized in tokens (a load is one unit)."""
+    stages = []
+    for label in labels:
+        stages.append(Stage(f"{label}: load", "load", 1))
+        for d in args.depths:
+            stages.append(Stage(f"{label}: passkey @{int(d * 100)}%", "prefill",
+                                args.keys * args.context))
+        if not args.needle_only:
+            stages.append(Stage(f"{label}: agreement", "decode", len(PROMPTS) * args.agree_tokens))
+            stages.append(Stage(f"{label}: KL + perplexity", "prefill", args.kl_tokens))
+    return stages
+
+
 def run(args) -> tuple[list[Row], dict]:
     from kvfit import LLM, SamplingParams
 
@@ -117,6 +140,12 @@ def run(args) -> tuple[list[Row], dict]:
         if args.auto_scales is not None and name.startswith("fp8") and (
                 not args.auto_scales or name in args.auto_scales):
             variants.append((f"{name} + auto scales", name, "auto"))
+    clock = StageClock(plan_stages(args, [v[0] for v in variants]), _PRIOR)
+    print(f"kvfit bench quality: {len(variants)} KV formats x ({len(args.depths)} depths x "
+          f"{args.keys} passkeys of ~{args.context:,} tokens"
+          + ("" if args.needle_only else f", {len(PROMPTS)} prompts x {args.agree_tokens} greedy "
+             f"tokens, KL over {args.kl_tokens:,} tokens") + f"); first guess: "
+          f"{clock.estimate_line()} (refined after each stage)", flush=True)
     rng = random.Random(args.seed)
     keys = {d: [rng.randint(10000, 99999) for _ in range(args.keys)] for d in args.depths}
     base_tokens: Optional[list[list[int]]] = None
@@ -131,20 +160,18 @@ def run(args) -> tuple[list[Row], dict]:
                   max_num_batched_tokens=args.chunk,
                   max_num_seqs=64)
         tok = llm.get_tokenizer()
+        clock.done(f"{label}: load")
         row = Row(label)
-        # (a) passkey
-        prompts, expect = [], []
+        # (a) passkey, one depth at a time (a progress line each)
         for d in args.depths:
-            for k in keys[d]:
-                prompts.append({"prompt_token_ids": passkey_prompt(tok, args.context, d, k)})
-                expect.append((d, k))
-        meta["context_tokens"] = len(prompts[0]["prompt_token_ids"])
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-        for (d, k), o in zip(expect, outs):
-            hit = str(k) in o.outputs[0].text
-            row.needle.setdefault(str(d), [0, 0])
-            row.needle[str(d)][0] += int(hit)
-            row.needle[str(d)][1] += 1
+            prompts = [{"prompt_token_ids": passkey_prompt(tok, args.context, d, k)}
+                       for k in keys[d]]
+            meta["context_tokens"] = len(prompts[0]["prompt_token_ids"])
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8),
+                                use_tqdm=False)
+            hits = sum(str(k) in o.outputs[0].text for k, o in zip(keys[d], outs))
+            row.needle[str(d)] = [hits, len(keys[d])]
+            clock.done(f"{label}: passkey @{int(d * 100)}%", f"{hits}/{len(keys[d])} found")
         if args.needle_only:
             row.identical = -1  # not measured
             rows.append(row)
@@ -158,6 +185,7 @@ def run(args) -> tuple[list[Row], dict]:
                             SamplingParams(temperature=0, max_tokens=args.agree_tokens),
                             use_tqdm=False)
         toks = [o.outputs[0].token_ids for o in outs]
+        clock.done(f"{label}: agreement")
         if base_tokens is None:
             base_tokens = toks
         for a, b in zip(toks, base_tokens):
@@ -188,6 +216,7 @@ def run(args) -> tuple[list[Row], dict]:
         kl = torch.cat(kls)
         row.kl_mean, row.kl_max = float(kl.mean()), float(kl.max())
         row.ppl = float(torch.cat(nll).mean().exp())
+        clock.done(f"{label}: KL + perplexity")
         row.seconds = time.time() - t0
         rows.append(row)
         print(f"[{label}] done in {row.seconds:.0f} s: {format_row(row, args.depths)}", flush=True)

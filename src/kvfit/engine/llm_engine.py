@@ -12,6 +12,7 @@ import torch
 
 from kvfit.config import EngineConfig
 from kvfit.engine.detokenizer import IncrementalDetokenizer
+from kvfit.engine.preflight import check_memory, check_runs_here
 from kvfit.engine.request_check import check_request
 from kvfit.engine.runner import ModelRunner
 from kvfit.engine.sampling import SamplingBatch, sample, top_logprobs
@@ -31,7 +32,9 @@ class LLMEngine:
     """Owns the runner, the scheduler and every live request (mutated by ``step``/``abort``)."""
 
     def __init__(self, config: EngineConfig):
+        check_runs_here(config)  # device and named backend: no model read yet
         self.settings = resolve_settings(config)  # checked before anything is loaded
+        check_memory(self.settings)  # weights vs memory, before the tokenizer and the weights
         src = self.settings.source
         try:
             self.tokenizer = load_tokenizer(src, config.tokenizer)
@@ -53,6 +56,7 @@ class LLMEngine:
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self._structured = None  # StructuredOutputs, built on the first structured request
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -79,17 +83,32 @@ class LLMEngine:
             text, ids = None, [int(t) for t in prompt]
         params.max_tokens = check_request(ids, params.max_tokens, self.max_model_len,
                                           self.vocab_size)
-        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
-            raise RequestRejected(f"logit_bias token ids must be in [0, {self.vocab_size}), got "
-                                  f"{max(params.logit_bias)}", "logit_bias")
+        self._check_vocab(params)
         seed = params.seed
         if seed is None:  # drawn from the engine's RNG (EngineConfig.seed): runs repeat
             seed = 0 if params.greedy else int(
                 torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         req = Request(request_id, text, ids, params, seed, next(self._arrival))
         req.detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        if params.structured_outputs is not None:
+            req.grammar = self._structured_outputs().new_matcher(params.structured_outputs)
         self.requests[request_id] = req
         self.scheduler.add(req)
+
+    def _check_vocab(self, params: SamplingParams) -> None:
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", params.logit_bias or ())):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise RequestRejected(f"{name}: token id {bad[0]} is out of the vocabulary "
+                                      f"(ids are in [0, {self.vocab_size}))", name)
+
+    def _structured_outputs(self):
+        if self._structured is None:
+            from kvfit.engine.structured import StructuredOutputs
+
+            self._structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_ids)
+        return self._structured
 
     def abort_request(self, request_id: str) -> bool:
         """Finish a request as 'abort' and free its pages now. False if unknown/finished."""
@@ -141,18 +160,23 @@ class LLMEngine:
                                         [r.sampling_seed for r in samplers],
                                         [r.num_tokens for r in samplers],
                                         result.sample_logits.shape[-1], result.sample_logits.device)
-            sampled = sample(result.sample_logits, batch)
+            # host work while the forward runs: the structured-output masks of this step
+            bitmask = self._structured.fill_bitmask([r.grammar for r in samplers]) \
+                if self._structured is not None else None
+            sampled = sample(result.sample_logits, batch, token_bitmask=bitmask)
             tokens = sampled.token_ids.tolist()  # the step's one device-to-host copy of ids
             logprobs = sampled.logprob_dicts(tokens)
             now = time.monotonic()
             for row, (req, tok) in enumerate(zip(samplers, tokens)):
-                self._append(req, tok, logprobs.get(row), now)
+                done = req.grammar is not None and self._structured.accept(req.grammar, tok)
+                self._append(req, tok, logprobs.get(row), now, grammar_done=done)
                 outputs.append(self._output(req))
         return outputs
 
-    def _append(self, req: Request, tok: int, lp: Optional[dict[int, float]], now: float) -> None:
+    def _append(self, req: Request, tok: int, lp: Optional[dict[int, float]], now: float,
+                grammar_done: bool = False) -> None:
         """Append a sampled token (``lp``: its logprob dict when the request asked for logprobs),
-        then decide whether the request finishes."""
+        then decide whether the request finishes (``grammar_done``: its grammar completed)."""
         p = req.params
         req.output_token_ids.append(tok)
         self.generation_tokens_total += 1
@@ -164,7 +188,7 @@ class LLMEngine:
         reason, stop_reason = None, None
         if tok in p.stop_token_ids:
             reason, stop_reason = "stop", tok
-        elif not p.ignore_eos and tok in self.eos_ids:
+        elif not p.ignore_eos and tok in self.eos_ids or grammar_done:
             reason = "stop"
         full = req.detok.update(req.output_token_ids, final=reason is not None)
         if reason is None and p.stop:

@@ -76,7 +76,7 @@ class ModelRunner:
                                                                  config.max_num_seqs),
                                        -(-self.max_model_len // config.page_size), self.device)
             log.info("captured decode CUDA graphs in %.1f s", time.monotonic() - t)
-        log.info("engine ready in %.1f s", time.monotonic() - t0)
+        log.info("model runner built in %.1f s", time.monotonic() - t0)
 
     # -- start-up -------------------------------------------------------------------------
     def _load_model(self):

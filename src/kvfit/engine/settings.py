@@ -26,6 +26,7 @@ import torch
 from kvfit.attention.registry import backend_class, select_backend
 from kvfit.config import EngineConfig
 from kvfit.engine.guard import check_combination
+from kvfit.errors import ModelInputError
 from kvfit.kvcache.dtypes import KVFormat
 from kvfit.kvcache.pool import KVPool
 from kvfit.kvcache.registry import resolve_pool_class
@@ -101,8 +102,8 @@ def resolve_settings(config: EngineConfig, plan_for: Optional[str] = None) -> En
     assume_installed = plan_for == "cuda" and not torch.cuda.is_available()
     source = models.resolve_model(config.model)
     if source.kind == "config" and config.load_format != "dummy" and plan_for is None:
-        raise ValueError(f"{config.model} is a config.json without weights; add "
-                         f"--load-format dummy for random weights")
+        raise ModelInputError(f"{config.model} is a config.json without weights; add "
+                              f"--load-format dummy for random weights")
     hf_config = models.load_hf_config(source)
     model_cls = models.model_class_for(hf_config)
     dtype = config.resolved_dtype(_config_dtype(hf_config), device.type)

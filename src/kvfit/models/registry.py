@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from kvfit.errors import ModelNotFoundError
+from kvfit.errors import ModelInputError, ModelNotFoundError, UnsupportedCombinationError
+
+log = logging.getLogger("kvfit")
 
 
 @dataclass(frozen=True)
@@ -117,22 +120,58 @@ def resolve_model(model: str) -> ModelSource:
         f"({', '.join(KNOWN_MODELS)})")
 
 
+_WARNED: set[str] = set()  # config warnings already logged (the config is read more than once)
+
+
+def _read_raw_config(path: str) -> dict:
+    import json
+
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ModelInputError(f"{path} is not valid JSON ({e}); fix or replace the file") from None
+    if not isinstance(raw, dict):
+        raise ModelInputError(f"{path} holds a JSON {type(raw).__name__}, not an object of "
+                              f"config fields")
+    return raw
+
+
 def load_hf_config(src: ModelSource):
+    """The HF config of ``src``, checked before anything heavy (models/validate.py): a GGUF file's
+    header and tensor sizes, a config.json's model_type and the fields the model class reads.
+    Fields filled with library defaults are logged as warnings; bad inputs raise ModelInputError."""
     from transformers import AutoConfig
 
+    from kvfit.models import validate
+
+    raw, where = None, src.path
     if src.kind == "gguf":
-        return AutoConfig.from_pretrained(src.directory, gguf_file=os.path.basename(src.path))
-    if src.kind == "config":
-        import json
+        validate.check_gguf_file(src.path)
+    else:
+        where = src.path if src.kind == "config" else os.path.join(src.path, "config.json")
+        raw = _read_raw_config(where)
+        validate.check_raw_config(raw, where, sorted(MODEL_CLASSES))
+    try:
+        if src.kind == "gguf":
+            cfg = AutoConfig.from_pretrained(src.directory, gguf_file=os.path.basename(src.path))
+        elif src.kind == "config":
+            from transformers import CONFIG_MAPPING
 
-        from transformers import CONFIG_MAPPING
-
-        with open(src.path) as f:
-            d = json.load(f)
-        if "model_type" not in d:
-            raise ValueError(f"{src.path} has no model_type")
-        return CONFIG_MAPPING[d["model_type"]](**{k: v for k, v in d.items() if k != "model_type"})
-    return AutoConfig.from_pretrained(src.path)
+            cfg = CONFIG_MAPPING[raw["model_type"]](
+                **{k: v for k, v in raw.items() if k != "model_type"})
+        else:
+            cfg = AutoConfig.from_pretrained(src.path)
+    except Exception as e:  # noqa: BLE001 - transformers rejected the file: its message says why
+        raise ModelInputError(f"{where}: transformers cannot build a config from it "
+                              f"({type(e).__name__}: {' '.join(str(e).split())}); fix the field it "
+                              f"names") from None
+    for msg in validate.defaulted_fields(cfg, where, raw) if raw is not None else ():
+        if msg not in _WARNED:
+            _WARNED.add(msg)
+            log.warning(msg)
+    validate.check_config(cfg, where, raw)
+    return cfg
 
 
 def load_tokenizer(src: ModelSource, tokenizer: Optional[str] = None):
@@ -160,7 +199,7 @@ MODEL_CLASSES = {
 def model_class_for(hf_config):
     mt = getattr(hf_config, "model_type", None)
     if mt not in MODEL_CLASSES:
-        raise NotImplementedError(f"model_type {mt!r} is not supported; supported: "
+        raise UnsupportedCombinationError(f"model_type {mt!r} is not supported; supported: "
                                   f"{', '.join(sorted(MODEL_CLASSES))}")
     mod, cls = MODEL_CLASSES[mt].split(":")
     return getattr(importlib.import_module(mod), cls)

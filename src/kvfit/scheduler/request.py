@@ -45,6 +45,7 @@ class Request:
             [None] if params.prompt_logprobs is not None else None)
         self.text = ""
         self.detok = None  # IncrementalDetokenizer, set by the engine
+        self.grammar = None  # xgrammar GrammarMatcher of a structured request, set by the engine
         self.num_preemptions = 0
         self.t_arrival = time.monotonic()
         self.t_first_token: Optional[float] = None

@@ -42,7 +42,8 @@ def build_app(loop: EngineLoop, served_model_name: str,
               aliases: Sequence[str] = ()) -> FastAPI:
     """Routes over ``loop``. ``served_model_name`` is what /v1/models lists and responses carry;
     requests may name it or any alias (or omit ``model``)."""
-    app = FastAPI(title="kvfit", docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json describes the API (schemathesis fuzzes the server from it, tests/)
+    app = FastAPI(title="kvfit", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     install_error_handlers(app)
     app.add_middleware(_StatusCounter, metrics=loop.metrics)
     app.state.engine_loop = loop
@@ -58,10 +59,18 @@ def build_app(loop: EngineLoop, served_model_name: str,
             return error_response(loop.unavailable_error())
         return JSONResponse({"status": "ok"})
 
+    def card() -> ModelCard:
+        return ModelCard(id=served_model_name, max_model_len=loop.max_model_len)
+
     @app.get("/v1/models")
     async def models():
-        return JSONResponse(ModelList(data=[ModelCard(
-            id=served_model_name, max_model_len=loop.max_model_len)]).model_dump())
+        return JSONResponse(ModelList(data=[card()]).model_dump())
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        """One model by its id (the served name or an alias); 404 in OpenAI's shape else."""
+        check_model(model)
+        return JSONResponse(card().model_dump())
 
     @app.get("/metrics")
     async def metrics():

@@ -6,7 +6,8 @@ its messages into per-request events on the HTTP side.
 Messages out (``emit(events, stats)``, once per loop iteration, never per token): ``events`` is a
 list of tuples
 - ``("accepted", rid)``, ``("rejected", rid, status, message, param)``,
-- ``("out", rid, new_ids, text_offset, text_piece, new_logprobs, prompt_logprobs, finish)``:
+- ``("out", rid, new_ids, text_offset, text_piece, new_logprobs, prompt_logprobs, finish,
+  num_cached_tokens)``:
   what one step added to one request. Text travels as a piece appended at ``text_offset`` of the
   text already sent (the engine's text only grows, except when a stop string cuts its tail: then
   the offset is smaller), so no cumulative copies cross per step; logprob dicts only for
@@ -122,4 +123,5 @@ class CoreLoop:
             if out.finished or finish is not None:
                 finish = finish or "stop"
                 del self._sent[out.request_id]
-            events.append(("out", out.request_id, new_ids, offset, piece, lps, plp, finish))
+            events.append(("out", out.request_id, new_ids, offset, piece, lps, plp, finish,
+                           getattr(out, "num_cached_tokens", 0)))

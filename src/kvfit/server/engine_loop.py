@@ -67,6 +67,7 @@ class Delta:
     num_tokens: int
     finish_reason: Optional[str]
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass
@@ -252,7 +253,8 @@ class EngineLoop:
             if self.state == "starting":
                 self.state = "ready"
         self._ready.set()
-        logger.info("engine ready (max_model_len=%s)", self.max_model_len)
+        logger.info("engine ready: serving requests (max_model_len=%s); /health answers 200",
+                    self.max_model_len)
 
     def _start_failed(self, msg: str, user_error: bool, exc: Optional[BaseException]) -> None:
         if user_error or exc is None:  # a message naming the fix; no traceback needed
@@ -282,7 +284,7 @@ class EngineLoop:
                 self._streams.pop(rid, None)
                 item = (stream.index, "error", APIError(ev[2], ev[3], param=ev[4]))
             else:
-                _, _, new_ids, offset, piece, lps, plp, finish = ev
+                _, _, new_ids, offset, piece, lps, plp, finish, cached = ev
                 n_new = len(new_ids)
                 if n_new:
                     if stream.last_token_time is None:
@@ -298,7 +300,7 @@ class EngineLoop:
                     stream.text = stream.text[:offset] + piece
                 stream.num_tokens += n_new
                 item = (stream.index, "output", Delta(stream.text, new_ids, lps,
-                                                      stream.num_tokens, finish, plp))
+                                                      stream.num_tokens, finish, plp, cached))
                 if finish is not None:
                     self._streams.pop(rid, None)
                     m.finished.labels(finish).inc()

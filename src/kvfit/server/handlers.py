@@ -18,8 +18,10 @@ from kvfit.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionCh
                                    ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                                    ChatLogprobs, ChatMessageOut, ChatTokenLogprob, ChatTopLogprob,
                                    CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                   CompletionResponse, UsageInfo, random_id)
+                                   CompletionResponse, PromptTokensDetails, UsageInfo,
+                                   random_id)
 from kvfit.server.serving import Submission, ensure_serving, gather
+from kvfit.server.structured_request import structured_outputs_of
 
 logger = logging.getLogger("kvfit.server")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -87,15 +89,26 @@ def _check_context(loop: EngineLoop, ids: list[int], max_tokens: Optional[int], 
 
 
 def _expand(req, ids: list[int], max_tokens: int, logprobs, prompt_logprobs=None) -> list:
-    """n jobs for one prompt; a seeded request gets seeds seed, seed+1, ... (n distinct samples)."""
-    req.check_unsupported()
+    """n jobs for one prompt; a seeded request gets seeds seed, seed+1, ... (n distinct samples,
+    wrapped around within int64)."""
     jobs = []
     for i in range(req.n):
         sp = req.sampling_params(max_tokens, logprobs, prompt_logprobs)
         if req.seed is not None:
-            sp.seed = req.seed + i
+            sp.seed = (req.seed + i + 2**63) % 2**64 - 2**63
         jobs.append((ids, sp))
     return jobs
+
+
+async def _start(sub: Submission, req) -> None:
+    """Submit; an engine rejection of the grammar names the field the client used."""
+    try:
+        await sub.start()
+    except APIError as e:
+        if e.param == "structured_outputs":
+            used = structured_outputs_of(req)[0] or "structured_outputs"
+            e.param, e.message = used, e.message.replace("structured_outputs", used)
+        raise
 
 
 def _text_delta(prev: str, text: str) -> tuple[str, str]:
@@ -146,6 +159,7 @@ def _completion_logprobs(ids: list[int], lps: list[Optional[dict]], tokstr: Toke
 async def create_completion(req: CompletionRequest, raw: Request, loop: EngineLoop,
                             model_name: str):
     ensure_serving(loop)
+    req.check_unsupported("/v1/completions")
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -164,7 +178,7 @@ async def create_completion(req: CompletionRequest, raw: Request, loop: EngineLo
                  if req.echo else "" for t, ids in prompts for _ in range(req.n)]
     n_prompt = sum(len(ids) for _, ids in prompts)
     sub = Submission(loop, jobs, raw)
-    await sub.start()
+    await _start(sub, req)
     rid, created, tokstr = random_id("cmpl"), int(time.time()), TokenStrings(tok)
     want_lp = req.logprobs is not None
 
@@ -185,25 +199,27 @@ async def create_completion(req: CompletionRequest, raw: Request, loop: EngineLo
 
         async def stream():
             prev, offsets, ntok = [""] * len(jobs), [0] * len(jobs), [0] * len(jobs)
-            first = [True] * len(jobs)
+            first, cached = [True] * len(jobs), [0] * len(jobs)
             async for index, d in sub.events(poll_client=False):
                 text, prev[index] = _text_delta(prev[index], d.text)
                 lp, offsets[index] = logprobs_of(index, d, first[index], offsets[index])
                 if first[index]:
                     text, first[index] = echo_text[index] + text, False
-                ntok[index] = d.num_tokens
+                ntok[index], cached[index] = d.num_tokens, d.num_cached_tokens
                 yield _sse(CompletionResponse(id=rid, created=created, model=model_name,
                                               choices=[CompletionChoice(
                                                   index=index, text=text, logprobs=lp,
                                                   finish_reason=d.finish_reason)]))
             if include_usage:
                 yield _sse(CompletionResponse(id=rid, created=created, model=model_name,
-                                              choices=[], usage=_usage(n_prompt, sum(ntok))))
+                                              choices=[], usage=_usage(
+                                                  n_prompt, sum(ntok), cached[::req.n])))
 
         return _SubmissionStream(_guarded(stream(), sub, rid), sub)
 
     per_choice = await gather(sub)
     choices, n_out = [], 0
+    cached = [deltas[-1].num_cached_tokens for deltas in per_choice][::req.n]
     for index, deltas in enumerate(per_choice):
         last = deltas[-1]
         n_out += last.num_tokens
@@ -218,12 +234,15 @@ async def create_completion(req: CompletionRequest, raw: Request, loop: EngineLo
                                         logprobs=lp, finish_reason=last.finish_reason))
     return JSONResponse(CompletionResponse(id=rid, created=created, model=model_name,
                                            choices=choices,
-                                           usage=_usage(n_prompt, n_out)).model_dump())
+                                           usage=_usage(n_prompt, n_out, cached)).model_dump())
 
 
-def _usage(n_prompt: int, n_out: int) -> UsageInfo:
+def _usage(n_prompt: int, n_out: int, cached: list[int]) -> UsageInfo:
+    """``cached``: prompt tokens served from the prefix cache, one entry per distinct prompt
+    (its first choice; the n - 1 others share that prompt and its count)."""
     return UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_out,
-                     total_tokens=n_prompt + n_out)
+                     total_tokens=n_prompt + n_out,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached)))
 
 
 # ---- /v1/chat/completions ------------------------------------------------------------------
@@ -261,6 +280,7 @@ def _chat_logprobs(d: Delta, tokstr: TokenStrings, n_top: int) -> Optional[ChatL
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request, loop: EngineLoop,
                                  model_name: str):
     ensure_serving(loop)
+    req.check_unsupported("/v1/chat/completions")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
@@ -273,7 +293,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, loop:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     jobs = _expand(req, ids, max_tokens, logprobs)
     sub = Submission(loop, jobs, raw)
-    await sub.start()
+    await _start(sub, req)
     rid, created, tokstr = random_id("chatcmpl"), int(time.time()), TokenStrings(tok)
 
     if req.stream:
@@ -284,20 +304,22 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, loop:
                                             choices=choices, usage=usage))
 
         async def stream():
-            prev, ntok = [""] * len(jobs), [0] * len(jobs)
+            prev, ntok, cached = [""] * len(jobs), [0] * len(jobs), [0]
             for i in range(len(jobs)):
                 yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant",
                                                                       content=""))])
             async for index, d in sub.events(poll_client=False):
                 text, prev[index] = _text_delta(prev[index], d.text)
                 ntok[index] = d.num_tokens
+                if index == 0:
+                    cached[0] = d.num_cached_tokens
                 delta = ChatDelta(content=text) if text or d.finish_reason is None \
                     else ChatDelta()
                 lp = _chat_logprobs(d, tokstr, logprobs or 0)
                 yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=lp,
                                              finish_reason=d.finish_reason)])
             if include_usage:
-                yield chunk([], _usage(len(ids), sum(ntok)))
+                yield chunk([], _usage(len(ids), sum(ntok), cached))
 
         return _SubmissionStream(_guarded(stream(), sub, rid), sub)
 
@@ -314,4 +336,6 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, loop:
                                   logprobs=lp, finish_reason=last.finish_reason))
     return JSONResponse(ChatCompletionResponse(id=rid, created=created, model=model_name,
                                                choices=choices,
-                                               usage=_usage(len(ids), n_out)).model_dump())
+                                               usage=_usage(len(ids), n_out, [
+                                                   per_choice[0][-1].num_cached_tokens])
+                                               ).model_dump())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import socket
 import threading
 import time
@@ -27,6 +28,23 @@ def free_port(host: str = "127.0.0.1") -> int:
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+class StartingNote(logging.Filter):
+    """Adds to uvicorn's "Uvicorn running on ..." line, printed when the socket is bound, that the
+    engine may still be loading (so the line is not read as "ready": /health is 503 until the
+    engine loop logs "engine ready")."""
+
+    def __init__(self, engine_loop: EngineLoop):
+        super().__init__()
+        self.engine_loop = engine_loop
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (isinstance(record.msg, str) and record.msg.startswith("Uvicorn running on")
+                and self.engine_loop.state == "starting"):
+            record.msg += (" - the engine is still loading: /health answers 503 until the "
+                           "'engine ready' line")
+        return True
 
 
 class KvfitUvicorn(uvicorn.Server):
@@ -75,6 +93,10 @@ def make_server(engine_factory: Callable[[], object], served_model_name: str, ho
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=10, lifespan="off")
     holder.append(KvfitUvicorn(config, loop))
+    uv_log = logging.getLogger("uvicorn.error")
+    for f in [f for f in uv_log.filters if isinstance(f, StartingNote)]:
+        uv_log.removeFilter(f)  # one note, for the newest server
+    uv_log.addFilter(StartingNote(loop))
     loop.start()
     return holder[0]
 

@@ -44,9 +44,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(str(e))
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(args.log_level.upper())  # also when `kvfit` set up logging
     from kvfit.server.launch import engine_launch_kwargs, make_server
 
     name = args.served_model_name or config.model
+    logging.getLogger("kvfit.server").info(
+        "starting: loading %s in the background (config, tokenizer, weights, KV cache); "
+        "http://%s:%d/health answers 503 until the 'engine ready' line", config.model,
+        args.host, args.port)
     server = make_server(served_model_name=name, host=args.host, port=args.port,
                          log_level=args.log_level, aliases=(config.model,),
                          **engine_launch_kwargs(config, args.engine_mode == "process"))

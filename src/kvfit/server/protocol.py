@@ -1,8 +1,9 @@
 """OpenAI request and response bodies (pydantic), and their translation into SamplingParams.
 
-Owns only data shapes: nothing here touches the engine. Unknown request fields are ignored (as
-OpenAI-compatible servers do, so newer clients keep working); known fields are type-checked by
-pydantic and range-checked by ``SamplingParams.validate`` (a ``RequestRejected`` naming the field).
+Owns only data shapes: nothing here touches the engine. Known fields are type-checked by
+pydantic and range-checked here or by ``SamplingParams.validate`` (a ``RequestRejected`` naming
+the field); fields the models do not declare are judged by ``params_policy`` (refused when they
+would change the output, else ignored with a warning).
 """
 
 from __future__ import annotations
@@ -15,10 +16,21 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from kvfit.errors import RequestRejected
 from kvfit.sampling_params import SamplingParams
+from kvfit.server.params_policy import check_extra_fields
+from kvfit.server.structured_request import (ResponseFormat, StructuredOutputsRequest,
+                                             structured_outputs_of)
+
+_INT64 = (-(2**63), 2**63 - 1)
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _documented(default, **bounds):
+    """A field whose allowed range is stated in the OpenAPI schema (clients and the fuzzer see
+    it) but checked by ``SamplingParams``/the handlers, whose 400s name the field and range."""
+    return Field(default, json_schema_extra=bounds)
 
 
 class StreamOptions(BaseModel):
@@ -28,18 +40,19 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names + vLLM extras)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: Optional[str] = None
-    max_tokens: Optional[int] = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    n: int = 1
-    seed: Optional[int] = None
+    max_tokens: Optional[int] = _documented(None, minimum=1)
+    temperature: float = _documented(1.0, minimum=0, maximum=100)
+    top_p: float = _documented(1.0, exclusiveMinimum=0, maximum=1)
+    top_k: int = _documented(-1, minimum=-1)
+    min_p: float = _documented(0.0, minimum=0, maximum=1)
+    n: int = _documented(1, minimum=1, maximum=64)
+    seed: Optional[int] = _documented(None, minimum=_INT64[0], maximum=_INT64[1])
     stop: Union[str, list[str], None] = None
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[int]] = _documented(None, items={"type": "integer",
+                                                                   "minimum": 0})
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
@@ -47,9 +60,28 @@ class _Sampling(BaseModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     user: Optional[str] = None
+    skip_special_tokens: bool = True
+    logit_bias: Optional[dict[str, float]] = _documented(
+        None, propertyNames={"pattern": "^[0-9]+$"},
+        additionalProperties={"type": "number", "minimum": -100, "maximum": 100})
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsRequest] = None
+    guided_json: Union[str, dict[str, Any], None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
-    def check_unsupported(self) -> None:
-        """Check n; penalties are not implemented: refuse a non-neutral value, never ignore it."""
+    def check_unsupported(self, endpoint: str = "") -> None:
+        """Once per HTTP request: the parameter policy (``params_policy``) on undeclared fields,
+        n, seed and stream_options; penalties are not implemented: refuse a non-neutral value,
+        never ignore it."""
+        check_extra_fields(self.model_extra or {}, endpoint)
+        if self.stream_options is not None and not self.stream:
+            raise RequestRejected("stream_options is only allowed when stream is true",
+                                  param="stream_options")
+        if self.seed is not None and not _INT64[0] <= self.seed <= _INT64[1]:
+            raise RequestRejected(f"seed must be a 64-bit integer (in [{_INT64[0]}, "
+                                  f"{_INT64[1]}]), got {self.seed}", param="seed")
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                               ("repetition_penalty", 1.0)):
             if getattr(self, name) != neutral:
@@ -63,12 +95,31 @@ class _Sampling(BaseModel):
     def sampling_params(self, max_tokens: int, logprobs: Optional[int],
                         prompt_logprobs: Optional[int] = None) -> SamplingParams:
         """One engine request's parameters (n is expanded by the caller into n requests)."""
-        self.check_unsupported()
         return SamplingParams(
             n=1, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=self.stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens, logit_bias=logit_bias_ids(
+                self.logit_bias), structured_outputs=structured_outputs_of(self)[1])
+
+
+def logit_bias_ids(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]]:
+    """OpenAI's ``logit_bias`` (token-id strings -> bias) as {int id: bias}, with OpenAI's
+    errors (the vocabulary bound is checked by the engine)."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        k = key.strip()
+        if not (k.isascii() and k.isdigit()):
+            raise RequestRejected(f"Invalid key in 'logit_bias': {key!r}. You should only be "
+                                  "submitting non-negative integers.", param="logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise RequestRejected(f"Invalid value in 'logit_bias' for token {k}: {value}. "
+                                  "Expected a value between -100 and 100.", param="logit_bias")
+        out[int(k)] = float(value)
+    return out
 
 
 class CompletionRequest(_Sampling):
@@ -76,8 +127,8 @@ class CompletionRequest(_Sampling):
     list of token-id lists (lm-eval's ``local-completions`` sends token ids)."""
 
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = 16
-    logprobs: Optional[int] = None
+    max_tokens: Optional[int] = _documented(16, minimum=1)
+    logprobs: Optional[int] = _documented(None, minimum=0, maximum=20)
     echo: bool = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
@@ -105,19 +156,24 @@ class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions. ``logprobs`` is a bool here and ``top_logprobs`` the count."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = _documented(None, minimum=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = _documented(None, minimum=0, maximum=20)
     add_generation_prompt: bool = True
 
 
 # ---- responses -----------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class CompletionLogprobs(BaseModel):

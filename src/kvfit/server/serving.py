@@ -133,7 +133,7 @@ def merge_deltas(first: Delta, then: Delta) -> Delta:
         lps = (first.new_logprobs or []) + (then.new_logprobs or [])
     plp = first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs
     return Delta(then.text, first.new_token_ids + then.new_token_ids, lps, then.num_tokens,
-                 then.finish_reason, plp)
+                 then.finish_reason, plp, then.num_cached_tokens)
 
 
 class ClientGone(APIError):
