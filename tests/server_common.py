@@ -20,11 +20,11 @@ MODEL = "smollm2-135m"
 @functools.lru_cache(maxsize=None)
 def bundled_server():
     from kvfit.config import make_config
-    from kvfit.engine.llm_engine import LLMEngine
-    from kvfit.server.launch import BackgroundServer
+    from kvfit.server.launch import BackgroundServer, engine_launch_kwargs
 
     cfg = make_config(**BUNDLED)
-    srv = BackgroundServer(lambda: LLMEngine(cfg), MODEL).start()
+    # the engine in its own process, as `kvfit serve` runs it (the fault tests use a thread)
+    srv = BackgroundServer(served_model_name=MODEL, **engine_launch_kwargs(cfg)).start()
     atexit.register(srv.stop)
     return srv
 

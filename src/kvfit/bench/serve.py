@@ -3,7 +3,11 @@
 A fixed number of requests (random token-id prompts of ``--input-len`` tokens, ``--output-len``
 tokens each with ``ignore_eos``, so lengths are fixed and runs comparable) is sent by at most
 ``--max-concurrency`` streaming clients over loopback; the run stops by itself. Without
-``--base-url`` it starts a server in-process on a free port with the engine flags given.
+``--base-url`` it starts a server (``kvfit serve``: uvicorn in a child process, the engine in a
+process of its own) on a free port with the engine flags given, so the load generator shares no
+GIL with the server. ``--offline`` then runs the same requests through the same engine config in
+this process (``max_num_seqs`` capped at ``--max-concurrency``, so both run the same batch sizes)
+and prints server / offline output throughput.
 
 Metrics follow vLLM's ``benchmark_serving`` definitions: TTFT = send → first streamed token;
 ITL = gap between consecutive streamed chunks; TPOT = (E2E − TTFT) / (output tokens − 1) per
@@ -49,8 +53,13 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="model name sent in requests (default: the server's first model)")
     parser.add_argument("--bench-seed", type=int, default=0, help="seed of the prompt sampler")
     parser.add_argument("--no-warmup", action="store_true",
-                        help="skip the one uncounted warm-up request")
+                        help="skip the one uncounted warm-up request (a whole prompt, <= 4 "
+                             "tokens out; the offline run makes the same one)")
     parser.add_argument("--result-json", default=None, help="also write the results here")
+    parser.add_argument("--offline", action="store_true",
+                        help="after the server run, run the same requests offline in this process "
+                             "(max_num_seqs = min(--max-num-seqs, --max-concurrency)) and print "
+                             "the server/offline output-throughput ratio (needs no --base-url)")
     from kvfit.config import add_engine_args
 
     add_engine_args(parser)
@@ -68,23 +77,27 @@ async def _one(http, model: str, prompt: list[int], output_len: int) -> RequestR
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ev = json.loads(line[6:])
-                if "error" in ev:
-                    res.error = ev["error"]["message"]
-                    return res
-                if ev.get("usage"):
-                    res.output_len = ev["usage"]["completion_tokens"]
-                if not ev.get("choices"):
-                    continue
+            buf = b""
+            async for data in r.aiter_raw():  # SSE events split here: aiter_lines costs more
+                buf += data
+                *events, buf = buf.split(b"\n\n")
                 now = time.perf_counter()
-                if last is None:
-                    res.ttft = now - t0
-                else:
-                    res.itl.append(now - last)
-                last = now
+                for raw in events:
+                    if not raw.startswith(b"data: ") or raw == b"data: [DONE]":
+                        continue
+                    ev = json.loads(raw[6:])
+                    if "error" in ev:
+                        res.error = ev["error"]["message"]
+                        return res
+                    if ev.get("usage"):
+                        res.output_len = ev["usage"]["completion_tokens"]
+                    if not ev.get("choices"):
+                        continue
+                    if last is None:
+                        res.ttft = now - t0
+                    else:
+                        res.itl.append(now - last)
+                    last = now
         res.e2e = (last or time.perf_counter()) - t0
         res.ok = last is not None
         if not res.ok:
@@ -100,14 +113,13 @@ async def run_benchmark(base_url: str, model: Optional[str], num_prompts: int,
     """Run the load and return the summary dict (what ``format_table`` prints)."""
     import httpx
 
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(*id_range) for _ in range(input_len)] for _ in range(num_prompts)]
+    prompts = make_prompts(num_prompts, input_len, id_range, seed)
     limits = httpx.Limits(max_connections=max_concurrency + 2)
     async with httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits) as http:
         if model is None:
             model = (await http.get("/v1/models")).json()["data"][0]["id"]
-        if warmup:
-            w = await _one(http, model, prompts[0][: max(1, min(input_len, 16))], 2)
+        if warmup:  # a whole prompt: compiles the prefill kernels' shapes before timing
+            w = await _one(http, model, prompts[0], min(output_len, 4))
             if not w.ok:
                 raise RuntimeError(f"warm-up request failed: {w.error}")
         sem = asyncio.Semaphore(max_concurrency)
@@ -120,6 +132,58 @@ async def run_benchmark(base_url: str, model: Optional[str], num_prompts: int,
         results = await asyncio.gather(*[limited(p) for p in prompts])
         duration = time.perf_counter() - t0
     return summarize(results, duration, model, max_concurrency)
+
+
+def make_prompts(num_prompts: int, input_len: int, id_range=(1000, 10000),
+                 seed: int = 0) -> list[list[int]]:
+    """The run's prompts (the same for the server and the offline run)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(*id_range) for _ in range(input_len)] for _ in range(num_prompts)]
+
+
+def run_offline(config, prompts: list[list[int]], output_len: int, max_concurrency: int) -> dict:
+    """The same requests through ``LLM`` in this process, ``max_num_seqs`` capped at the
+    concurrency; output/total token throughput over the wall time of ``generate``."""
+    import dataclasses
+
+    from kvfit.llm import LLM
+    from kvfit.sampling_params import SamplingParams
+
+    seqs = min(config.max_num_seqs, max_concurrency)
+    llm = LLM(**{**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
+                 "max_num_seqs": seqs})
+    try:
+        warm = SamplingParams(temperature=0.0, max_tokens=min(output_len, 4), ignore_eos=True)
+        llm.generate([prompts[0]], warm, use_tqdm=False)  # the server run's warm-up
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        duration = time.perf_counter() - t0
+    finally:
+        del llm
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    n_in = sum(len(p) for p in prompts)
+    return {"max_num_seqs": seqs, "duration_s": duration, "total_output_tokens": n_out,
+            "output_throughput": n_out / duration,
+            "total_token_throughput": (n_in + n_out) / duration}
+
+
+def server_info(base_url: str) -> dict:
+    """KV dtype, pages and preemptions from the server's /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    info: dict = {}
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if smp.name == "kvfit_kv_cache_info":
+                info["kv_dtype"] = smp.labels.get("kv_dtype")
+            elif smp.name == "kvfit_kv_pages_total":
+                info["pages_total"] = int(smp.value)
+            elif smp.name == "kvfit_num_preemptions_total":
+                info["num_preemptions"] = int(smp.value)
+    return info
 
 
 def _stats(xs: list[float]) -> dict:
@@ -189,26 +253,30 @@ def main(argv: Optional[list[str]] = None) -> int:
     import logging
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
+    if args.offline and args.base_url is not None:
+        parser.error("--offline runs the server's engine config in this process: leave out "
+                     "--base-url")
     server = None
     base_url = args.base_url
+    config = None
     if base_url is None:
         from kvfit.config import config_from_args
-        from kvfit.engine.llm_engine import LLMEngine
-        from kvfit.server.launch import BackgroundServer
+        from kvfit.server.launch import ServerProcess
 
-        config = config_from_args(args)
+        try:
+            config = config_from_args(args)
+        except (TypeError, ValueError) as e:
+            parser.error(str(e))
         name = args.served_model_name or config.model
-        print(f"starting an in-process server for {config.model} ...", flush=True)
-        server = BackgroundServer(lambda: LLMEngine(config), name).start()
+        print(f"starting a server for {config.model} ...", flush=True)
+        server = ServerProcess(config, name).start()
         base_url = server.base_url
     try:
         summary = asyncio.run(run_benchmark(
             base_url, args.served_model_name, args.num_prompts, args.max_concurrency,
             args.input_len, args.output_len, (lo, hi), args.bench_seed, not args.no_warmup))
         if server is not None:
-            stats = server.engine_loop.stats() or {}
-            summary["server"] = {k: stats.get(k) for k in ("kv_dtype", "pages_total",
-                                                             "page_size", "num_preemptions")}
+            summary["server"] = server_info(base_url)
     finally:
         if server is not None:
             server.stop()
@@ -217,6 +285,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(format_table(summary))
     if "server" in summary:
         print("server: " + ", ".join(f"{k}={v}" for k, v in summary["server"].items()))
+    if args.offline:
+        prompts = make_prompts(args.num_prompts, args.input_len, (lo, hi), args.bench_seed)
+        off = run_offline(config, prompts, args.output_len, args.max_concurrency)
+        off["server_over_offline"] = summary["output_throughput"] / off["output_throughput"]
+        summary["offline"] = off
+        print(f"offline (max_num_seqs={off['max_num_seqs']}): "
+              f"{off['output_throughput']:.2f} output tok/s, "
+              f"{off['total_token_throughput']:.2f} total tok/s; "
+              f"server/offline output throughput: {off['server_over_offline']:.1%}")
     if args.result_json:
         with open(args.result_json, "w") as f:
             json.dump(summary, f, indent=2)

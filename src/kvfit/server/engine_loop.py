@@ -1,19 +1,38 @@
-"""The engine thread: the one owner of an ``LLMEngine`` inside the server.
+"""The server's side of the engine: ``EngineLoop`` hands requests to the engine core
+(``engine_core.CoreLoop``) and turns its one-message-per-step output into per-request events on
+each request's asyncio queue.
 
-Why a thread (and not the event loop, nor a process):
-- ``LLMEngine`` is not thread-safe and ``step()`` blocks for a whole forward pass. Run on the
-  asyncio loop it would freeze every HTTP connection for that time; so it runs elsewhere, and
-  only one thread ever calls it.
-- A thread rather than a process (vLLM's engine-core process): torch releases the GIL inside its
-  kernels (CPU and CUDA launches), the HTTP side is light, and in-process we need no IPC, no
-  serialization of outputs and no second copy of the tokenizer or CUDA context. The price is some
-  GIL sharing between scheduling code and the event loop, small at this engine's scale.
+Where the engine runs (``process=True``, what ``kvfit serve`` and ``kvfit bench serve`` use):
+in its own process, as vLLM's and SGLang's engine cores do. Measured reasons, not taste:
+- The engine's step is host-bound Python (scheduling, metadata, kernel launches). In one process
+  it shares the GIL with uvicorn, JSON/SSE framing and (in ``bench serve``) the load generator:
+  every token costs the HTTP side tens of microseconds of GIL, and a thread that gave the GIL up
+  (a CUDA sync, a socket wait) waits up to ``sys.getswitchinterval()`` (5 ms) to get it back from
+  a busy event loop. On the H200 that kept 43% (fp8) / 36% (bf16) of the offline throughput at
+  concurrency 64 (with the load generator in the same process; docs/benchmarks.md).
+- In its own process the engine never waits for the GIL; what crosses the socket is one pickled
+  message per step (new token ids, a text piece, logprobs only when asked), a few KB, while the
+  Deltas, SSE framing and HTTP run on the server's side, all on uvicorn's event loop (no extra
+  thread in the server process: see ``engine_process``).
+- Costs: a second process start (imports, ~1-3 s), a tokenizer loaded on both sides, and the
+  engine object is not reachable from the server process (``engine`` is None).
+- Stop strings and detokenization stay in the engine (they decide when a request finishes);
+  the engine's step overlap (issue 13, deliverable 2) hides them behind the GPU.
+Measured on the H200 (Qwen3-1.7B shape, fp8 KV, 256 x 1,024 in / 256 out, concurrency 64):
+the thread kept 43% of the offline output throughput; the process with a receiver/sender
+thread pair in the server 74-76% (decode TPOT equal to offline's step time; the loss was time
+to first token, the server process at ~90% CPU). A CPU profile then showed those threads' GIL
+hand-offs stalling the event loop ~4 ms per request, hence no threads now; this version's GPU
+figure is still to be taken (docs/benchmarks.md).
+``process=False`` runs the same core in a daemon thread of this process (``factory`` may then be
+any callable, e.g. a closure: tests inject faults through ``engine``).
 
-Protocol: handlers call ``add`` / ``abort`` (thread-safe: commands go through a ``SimpleQueue``);
-the thread drains commands between steps, runs ``engine.step()`` while there is work, and pushes
-events to each request's asyncio queue with ``loop.call_soon_threadsafe``. Events are tuples
+Protocol: handlers call ``add`` / ``abort`` (thread-safe: commands go to the engine thread's
+``SimpleQueue``, or in process mode straight into the socket). Events reach a request's queue as
 ``(index, kind, payload)`` with kind ``accepted`` (payload None), ``output`` (a ``Delta``) or
-``error`` (an ``APIError``). If the loop dies, every in-flight request gets an ``error`` event,
+``error`` (an ``APIError``), one wake-up per event loop per step (``call_soon_threadsafe`` from
+the engine thread; in process mode the server's loop reads the step itself). If the engine
+dies (an exception, or its process exits), every in-flight request gets an ``error`` event,
 ``alive`` turns False (``/health`` says 503) and later ``add`` calls raise at once.
 """
 
@@ -27,21 +46,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from kvfit.errors import (KVBudgetError, ModelNotFoundError, RequestRejected,
-                          UnsupportedCombinationError)
+from kvfit.errors import KVBudgetError, ModelNotFoundError, UnsupportedCombinationError
 from kvfit.server.errors import APIError
 from kvfit.server.metrics import ServerMetrics
 
 logger = logging.getLogger("kvfit.server")
 
-_USER_ERRORS = (ModelNotFoundError, UnsupportedCombinationError, KVBudgetError, ValueError)
+USER_ERRORS = (ModelNotFoundError, UnsupportedCombinationError, KVBudgetError, ValueError)
 
 
 @dataclass
 class Delta:
-    """What one step changed for one engine request (built in the engine thread, so the HTTP
-    side never reads engine-owned lists while they grow). ``text`` is the cumulative text;
-    ``prompt_logprobs`` (echo) comes with the first delta of a request only."""
+    """What one step changed for one engine request (built on the server side from the core's
+    message). ``text`` is the cumulative text; ``prompt_logprobs`` (echo) comes with the first
+    delta of a request only."""
 
     text: str
     new_token_ids: list[int]
@@ -60,13 +78,7 @@ class _Stream:
     arrival: float = field(default_factory=time.monotonic)
     last_token_time: Optional[float] = None
     num_tokens: int = 0
-    sent_prompt_logprobs: bool = False
-
-    def push(self, kind: str, payload: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, kind, payload))
-        except RuntimeError:  # the event loop is closed (server shut down): nobody listens
-            pass
+    text: str = ""
 
 
 def _put_all(items: list) -> None:
@@ -75,26 +87,48 @@ def _put_all(items: list) -> None:
         q.put_nowait(item)
 
 
+def _post(batches: dict) -> None:
+    try:
+        here = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+    for loop, items in batches.items():
+        if loop is here:  # process mode: we are on the server's loop already
+            _put_all(items)
+            continue
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # that event loop is closed: nobody listens any more
+            pass
+
+
 def unavailable(msg: str) -> APIError:
     return APIError(503, msg, code="engine_unavailable")
 
 
 class EngineLoop:
-    """Runs ``factory()`` (building the engine, e.g. loading weights) and then the step loop in a
-    daemon thread. ``state`` is ``starting`` → ``ready`` → ``stopped`` | ``dead``."""
+    """Starts the engine core (``factory()`` builds the engine, e.g. loading weights) in a daemon
+    thread, or with ``process=True`` in a child process (``factory`` must then be picklable, e.g.
+    ``functools.partial(LLMEngine, config)``, ``tokenizer_factory`` gives this side its
+    tokenizer, and ``attach`` must be called from the server's event loop). ``state`` is
+    ``starting`` → ``ready`` → ``stopped`` | ``dead``."""
 
     def __init__(self, factory: Callable[[], Any],
-                 on_start_failure: Optional[Callable[[], None]] = None):
+                 on_start_failure: Optional[Callable[[], None]] = None, process: bool = False,
+                 tokenizer_factory: Optional[Callable[[], Any]] = None):
         self._factory, self._on_start_failure = factory, on_start_failure
+        self._process_mode, self._tokenizer_factory = process, tokenizer_factory
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()  # orders add() against death/stop: no command is stranded
-        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._lock = threading.Lock()  # orders add() against death/stop: no request is stranded
+        self._streams: dict[str, _Stream] = {}  # requests the HTTP side waits on
         self._ready = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: Optional[threading.Thread] = None  # thread mode
+        self._channel: Any = None  # process mode: engine_process.Channel
+        self._submit: Callable[[tuple], None] = self._cmds.put
         self._stats: Optional[dict] = None
         self.state = "starting"
         self.error: Optional[str] = None
-        self.engine: Any = None
+        self.engine: Any = None  # the engine object (thread mode only)
         self.tokenizer: Any = None
         self.max_model_len: Optional[int] = None
         self.vocab_size: Optional[int] = None
@@ -107,9 +141,22 @@ class EngineLoop:
         return self.state == "ready"
 
     def start(self) -> "EngineLoop":
-        self._thread = threading.Thread(target=self._run, name="kvfit-engine", daemon=True)
-        self._thread.start()
+        if self._process_mode:
+            from kvfit.server.engine_process import start_engine_process
+
+            self._channel = start_engine_process(self)
+            self._submit = self._channel.submit
+        else:
+            self._thread = threading.Thread(target=self._run_thread, name="kvfit-engine",
+                                            daemon=True)
+            self._thread.start()
         return self
+
+    def attach(self, aio: asyncio.AbstractEventLoop) -> None:
+        """Process mode: serve the engine's socket on ``aio`` (the server's loop, from its
+        thread; until then the engine's messages wait in the socket). No-op in thread mode."""
+        if self._channel is not None:
+            self._channel.attach(aio)
 
     def wait_ready(self, timeout: Optional[float] = None) -> bool:
         """True once the engine is up; False on timeout or if it failed to start."""
@@ -133,184 +180,166 @@ class EngineLoop:
         with self._lock:
             if self.state != "ready":
                 raise self.unavailable_error()
-            self._cmds.put(("add", request_id, prompt, params, stream))
+            if request_id in self._streams:
+                _post({stream.loop: [(q, (index, "error", APIError(
+                    400, f"duplicate request id {request_id}")))]})
+                return
+            self._streams[request_id] = stream
+            self._submit(("add", request_id, prompt, params))
 
     def abort(self, request_id: str, disconnected: bool = True) -> None:
-        """Abort a request (its pages are freed by the engine thread at its next command drain)."""
-        self._cmds.put(("abort", request_id, disconnected))
+        """Abort a request (the engine frees its pages before its next step)."""
+        if self._streams.pop(request_id, None) is not None:
+            if disconnected:
+                self.metrics.disconnects.inc()
+            self.metrics.finished.labels("abort").inc()
+        self._submit(("abort", request_id))
 
     def abort_all(self, reason: str) -> None:
         """Abort every in-flight request; each gets a 503 error event saying ``reason``."""
-        self._cmds.put(("abort_all", reason))
+        with self._lock:
+            self._fail_all(unavailable(reason), count_abort=True)
+            self._submit(("abort_all",))
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the loop: in-flight requests are aborted (503 events), the thread exits."""
+        """Stop the engine: in-flight requests are aborted (503 events), the core exits."""
         with self._lock:
             if self.state in ("starting", "ready"):
                 self.state = "stopping"
-        self._cmds.put(("stop",))
+        if self._channel is not None:
+            self._channel.stop(timeout)
+        else:
+            self._cmds.put(("stop",))
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        self._finish_stopped()
 
-    # ---- engine thread ----------------------------------------------------------------------
+    # ---- the core's side (the engine thread, or in process mode the server's event loop) ----
 
-    def _run(self) -> None:
+    def _get_commands(self, block: bool) -> list:
+        try:
+            cmds = [self._cmds.get(timeout=0.5) if block else self._cmds.get_nowait()]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                cmds.append(self._cmds.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _run_thread(self) -> None:
+        from kvfit.server.engine_core import CoreLoop
+
         try:
             eng = self._factory()
-            self.engine, self.tokenizer = eng, eng.tokenizer
-            self.max_model_len = eng.max_model_len
-            self.vocab_size = eng.vocab_size
-            self._stats = dict(eng.stats())
         except BaseException as e:  # noqa: BLE001 - reported through /health and the log
-            if isinstance(e, _USER_ERRORS):  # a message naming the fix; no traceback needed
-                logger.error("engine failed to start: %s", e)
-            else:
-                logger.exception("engine failed to start")
-            self._die(f"engine failed to start: {type(e).__name__}: {e}")
-            self._ready.set()
-            if self._on_start_failure is not None:
-                self._on_start_failure()
+            self._start_failed(f"{type(e).__name__}: {e}", isinstance(e, USER_ERRORS), e)
             return
+        self.engine = eng
+        self._mark_ready(eng.tokenizer, eng.max_model_len, eng.vocab_size, dict(eng.stats()))
+        try:
+            CoreLoop(eng, self._get_commands, self._deliver).run()
+        except BaseException as e:  # noqa: BLE001
+            logger.exception("engine loop died")
+            self._die(f"{type(e).__name__}: {e}")
+            return
+        self._stats = dict(eng.stats())
+        self._finish_stopped()
+
+    def _mark_ready(self, tokenizer, max_model_len: int, vocab_size: int, stats: dict) -> None:
+        self.tokenizer, self.max_model_len, self._stats = tokenizer, max_model_len, stats
+        self.vocab_size = vocab_size
         with self._lock:
             if self.state == "starting":
                 self.state = "ready"
         self._ready.set()
         logger.info("engine ready: serving requests (max_model_len=%s); /health answers 200",
                     self.max_model_len)
-        try:
-            while True:
-                busy = eng.has_unfinished_requests()
-                if not self._drain(eng, block=not busy):
-                    break
-                outputs = eng.step() if eng.has_unfinished_requests() else []
-                # NOTE: stats before events: a client that saw its request finish then reads
-                # /metrics with that request's pages already counted free.
-                self._stats = dict(eng.stats())
-                if outputs:
-                    self._dispatch(outputs)
-        except BaseException as e:  # noqa: BLE001
-            logger.exception("engine loop died")
-            self._die(f"{type(e).__name__}: {e}")
-            return
-        self._abort_everything(eng, "the server is shutting down")
-        self._stats = dict(eng.stats())
-        with self._lock:
-            self.state = "stopped"
-            self._fail_pending(unavailable("the server is shutting down"))
 
-    def _drain(self, eng, block: bool) -> bool:
-        """Apply queued commands; False once a stop command arrives."""
-        try:
-            cmd = self._cmds.get(timeout=0.5) if block else self._cmds.get_nowait()
-        except queue.Empty:
-            return self.state in ("ready", "starting")
-        while True:
-            op = cmd[0]
-            if op == "stop":
-                return False
-            if op == "add":
-                self._add(eng, *cmd[1:])
-            elif op == "abort":
-                self._abort(eng, cmd[1], cmd[2])
-            elif op == "abort_all":
-                self._abort_everything(eng, cmd[1])
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                return True
+    def _start_failed(self, msg: str, user_error: bool, exc: Optional[BaseException]) -> None:
+        if user_error or exc is None:  # a message naming the fix; no traceback needed
+            logger.error("engine failed to start: %s", msg)
+        else:
+            logger.error("engine failed to start", exc_info=exc)
+        self._die(f"engine failed to start: {msg}")
+        self._ready.set()
+        if self._on_start_failure is not None:
+            self._on_start_failure()
 
-    def _add(self, eng, rid: str, prompt, params, stream: _Stream) -> None:
-        if rid in self._streams:
-            stream.push("error", APIError(400, f"duplicate request id {rid}"))
-            return
-        try:
-            eng.add_request(rid, prompt, params)
-        except RequestRejected as e:
-            stream.push("error", APIError(400, str(e), param=e.param))
-            return
-        except (ValueError, TypeError) as e:
-            stream.push("error", APIError(400, str(e)))
-            return
-        except Exception as e:  # noqa: BLE001 - an engine bug hit by one request: answer it,
-            # keep serving the others (add_request validates before it mutates anything)
-            logger.exception("add_request failed for %s", rid)
-            stream.push("error", APIError(500, f"internal error ({type(e).__name__})"))
-            return
-        self._streams[rid] = stream
-        stream.push("accepted", None)
-
-    def _abort(self, eng, rid: str, disconnected: bool) -> None:
-        if self._streams.pop(rid, None) is None:
-            return  # already finished
-        eng.abort_request(rid)
-        if disconnected:
-            self.metrics.disconnects.inc()
-        self.metrics.finished.labels("abort").inc()
-
-    def _abort_everything(self, eng, reason: str) -> None:
-        for rid, stream in list(self._streams.items()):
-            eng.abort_request(rid)
-            self.metrics.finished.labels("abort").inc()
-            stream.push("error", unavailable(reason))
-        self._streams.clear()
-
-    def _dispatch(self, outputs) -> None:
-        """Turn a step's outputs into Deltas; one wake-up per event loop per step (not one per
-        request: at large batch sizes per-request wake-ups would cost more than the step)."""
+    def _deliver(self, events: list, stats: dict) -> None:
+        """One core message → Deltas and metrics; one wake-up per event loop."""
+        self._stats = stats
         now = time.monotonic()
         m = self.metrics
         batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
+        for ev in events:
+            rid = ev[1]
+            stream = self._streams.get(rid)
             if stream is None:
-                continue
-            comp = out.outputs[0]
-            n_new = len(comp.token_ids) - stream.num_tokens
-            if n_new > 0:
-                if stream.last_token_time is None:
-                    m.ttft.observe(now - stream.arrival)
-                    for _ in range(n_new - 1):
-                        m.itl.observe(0.0)
-                else:
-                    gap = (now - stream.last_token_time) / n_new
-                    for _ in range(n_new):
-                        m.itl.observe(gap)
-                stream.last_token_time = now
-            new_ids = list(comp.token_ids[stream.num_tokens:])
-            new_lps = list(comp.logprobs[stream.num_tokens:]) if comp.logprobs else None
-            plp = None
-            if out.prompt_logprobs is not None and not stream.sent_prompt_logprobs:
-                plp, stream.sent_prompt_logprobs = list(out.prompt_logprobs), True
-            stream.num_tokens = len(comp.token_ids)
-            batches.setdefault(stream.loop, []).append((stream.queue, (
-                stream.index, "output", Delta(comp.text, new_ids, new_lps, stream.num_tokens,
-                                              comp.finish_reason, plp,
-                                              getattr(out, "num_cached_tokens", 0)))))
-            if out.finished or comp.finish_reason is not None:
-                self._streams.pop(out.request_id, None)
-                m.finished.labels(comp.finish_reason or "stop").inc()
-                m.e2e.observe(now - stream.arrival)
-        for loop, items in batches.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that event loop is closed: nobody listens any more
-                pass
+                continue  # aborted or failed meanwhile
+            kind = ev[0]
+            if kind == "accepted":
+                item = (stream.index, "accepted", None)
+            elif kind == "rejected":
+                self._streams.pop(rid, None)
+                item = (stream.index, "error", APIError(ev[2], ev[3], param=ev[4]))
+            else:
+                _, _, new_ids, offset, piece, lps, plp, finish, cached = ev
+                n_new = len(new_ids)
+                if n_new:
+                    if stream.last_token_time is None:
+                        m.ttft.observe(now - stream.arrival)
+                        for _ in range(n_new - 1):
+                            m.itl.observe(0.0)
+                    else:
+                        gap = (now - stream.last_token_time) / n_new
+                        for _ in range(n_new):
+                            m.itl.observe(gap)
+                    stream.last_token_time = now
+                if piece or offset != len(stream.text):
+                    stream.text = stream.text[:offset] + piece
+                stream.num_tokens += n_new
+                item = (stream.index, "output", Delta(stream.text, new_ids, lps,
+                                                      stream.num_tokens, finish, plp, cached))
+                if finish is not None:
+                    self._streams.pop(rid, None)
+                    m.finished.labels(finish).inc()
+                    m.e2e.observe(now - stream.arrival)
+            batches.setdefault(stream.loop, []).append((stream.queue, item))
+        _post(batches)
 
-    def _fail_pending(self, err: APIError) -> None:
-        """Answer commands nobody will execute (call with ``_lock`` held)."""
-        while True:
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                return
-            if cmd[0] == "add":
-                cmd[4].push("error", err)
+    def _fail_all(self, err: APIError, count_abort: bool = False) -> None:
+        """Answer every waiting request with ``err`` (call with ``_lock`` held)."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream in self._streams.values():
+            if count_abort:
+                self.metrics.finished.labels("abort").inc()
+            batches.setdefault(stream.loop, []).append((stream.queue,
+                                                        (stream.index, "error", err)))
+        self._streams.clear()
+        _post(batches)
+
+    def _finish_stopped(self) -> None:
+        with self._lock:
+            if self.state != "dead":
+                self.state = "stopped"
+            self._fail_all(unavailable("the server is shutting down"))
+        self._ready.set()
+
+    def _engine_gone(self, proc) -> None:
+        """Process mode: the engine's socket closed."""
+        proc.join(1.0)
+        if self.state in ("starting", "ready"):
+            msg = f"the engine process exited unexpectedly (exit code {proc.exitcode})"
+            if self.state == "starting":
+                self._start_failed(msg, False, None)
+            else:
+                logger.error(msg)
+                self._die(msg)
+        else:
+            self._finish_stopped()
 
     def _die(self, msg: str) -> None:
-        err = unavailable(f"the engine loop died: {msg}")
         with self._lock:
             self.state, self.error = "dead", msg
-            for stream in self._streams.values():
-                stream.push("error", err)
-            self._streams.clear()
-            self._fail_pending(err)
+            self._fail_all(unavailable(f"the engine loop died: {msg}"))

@@ -9,7 +9,9 @@ ends and the engine thread stops (pages freed, thread joined).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import threading
@@ -46,11 +48,16 @@ class StartingNote(logging.Filter):
 
 
 class KvfitUvicorn(uvicorn.Server):
-    """uvicorn.Server that aborts the engine's in-flight requests when shutdown begins."""
+    """uvicorn.Server that serves the engine's socket on its loop (process mode) and aborts the
+    engine's in-flight requests when shutdown begins."""
 
     def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop):
         super().__init__(config)
         self.engine_loop = engine_loop
+
+    async def startup(self, sockets=None) -> None:
+        self.engine_loop.attach(asyncio.get_running_loop())  # process mode: the engine's socket
+        await super().startup(sockets)
 
     async def shutdown(self, sockets=None) -> None:
         self.engine_loop.abort_all("the server is shutting down")
@@ -58,17 +65,30 @@ class KvfitUvicorn(uvicorn.Server):
         self.engine_loop.shutdown()
 
 
+def engine_launch_kwargs(config, process: bool = True) -> dict:
+    """``engine_factory``/``process``/``tokenizer_factory`` keywords of ``make_server`` and
+    ``BackgroundServer`` for an ``EngineConfig`` (picklable factories, so either mode works)."""
+    from kvfit.engine.llm_engine import LLMEngine
+    from kvfit.server.engine_process import tokenizer_for
+
+    return {"engine_factory": functools.partial(LLMEngine, config), "process": process,
+            "tokenizer_factory": functools.partial(tokenizer_for, config) if process else None}
+
+
 def make_server(engine_factory: Callable[[], object], served_model_name: str, host: str,
-                port: int, log_level: str = "info", aliases=()) -> KvfitUvicorn:
-    """Start the engine thread (the model loads while uvicorn binds; /health is 503 until it is
-    ready) and return the uvicorn server, not yet running."""
+                port: int, log_level: str = "info", aliases=(), process: bool = False,
+                tokenizer_factory: Optional[Callable[[], object]] = None) -> KvfitUvicorn:
+    """Start the engine (the model loads while uvicorn binds; /health is 503 until it is
+    ready) and return the uvicorn server, not yet running. ``process``: the engine runs in its
+    own process (``engine_factory`` picklable; see ``engine_loop``), else in a thread."""
     holder: list[KvfitUvicorn] = []
 
     def stop_server() -> None:  # an engine that cannot start ends the server (exit code 1)
         if holder:
             holder[0].should_exit = True
 
-    loop = EngineLoop(engine_factory, on_start_failure=stop_server)
+    loop = EngineLoop(engine_factory, on_start_failure=stop_server, process=process,
+                      tokenizer_factory=tokenizer_factory)
     app = build_app(loop, served_model_name, aliases)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=10, lifespan="off")
@@ -82,14 +102,16 @@ def make_server(engine_factory: Callable[[], object], served_model_name: str, ho
 
 
 class BackgroundServer:
-    """A server in a daemon thread on a free loopback port; ``with`` starts and stops it."""
+    """A server in a daemon thread on a free loopback port; ``with`` starts and stops it.
+    ``process``/``tokenizer_factory``: as in ``make_server``."""
 
     def __init__(self, engine_factory: Callable[[], object], served_model_name: str,
                  host: str = "127.0.0.1", port: Optional[int] = None, log_level: str = "warning",
-                 aliases=()):
+                 aliases=(), process: bool = False,
+                 tokenizer_factory: Optional[Callable[[], object]] = None):
         self.host, self.port = host, port or free_port(host)
         self.server = make_server(engine_factory, served_model_name, self.host, self.port,
-                                  log_level, aliases)
+                                  log_level, aliases, process, tokenizer_factory)
         self.engine_loop = self.server.engine_loop
         self._thread: Optional[threading.Thread] = None
 
@@ -125,6 +147,73 @@ class BackgroundServer:
         self.engine_loop.shutdown()
 
     def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _serve_child(config, served_model_name: str, port: int, log_level: str) -> None:
+    """A server process's main: uvicorn here, the engine in a process of its own."""
+    import logging
+
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = make_server(served_model_name=served_model_name, host="127.0.0.1", port=port,
+                         log_level=log_level, aliases=(config.model,),
+                         **engine_launch_kwargs(config, True))
+    try:
+        server.run()
+    finally:
+        server.engine_loop.shutdown()
+
+
+class ServerProcess:
+    """``kvfit serve`` for an ``EngineConfig`` in a child process on a free loopback port (so a
+    load generator in this process shares no GIL with it); ``with`` starts and stops it."""
+
+    def __init__(self, config, served_model_name: str, log_level: str = "warning"):
+        import multiprocessing as mp
+
+        self.host, self.port = "127.0.0.1", free_port()
+        # NOTE: not a daemon: a daemonic process may not start the engine process it needs
+        self._proc = mp.get_context("spawn").Process(
+            target=_serve_child, name="kvfit-server",
+            args=(config, served_model_name, self.port, log_level))
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 600.0) -> "ServerProcess":
+        """Start it; return once /health answers 200 (the engine is up)."""
+        import httpx
+
+        self._proc.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self._proc.is_alive():
+                raise RuntimeError(f"the server process exited (code {self._proc.exitcode}); "
+                                   "its log is above")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"server did not become healthy within {timeout:.0f} s")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM (graceful: in-flight requests aborted, the engine process stopped)."""
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(timeout)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5)
+
+    def __enter__(self) -> "ServerProcess":
         return self.start()
 
     def __exit__(self, *exc) -> None:

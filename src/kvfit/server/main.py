@@ -25,6 +25,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="server log level (default: info)")
+    parser.add_argument("--engine-mode", default="process", choices=["process", "thread"],
+                        help="run the engine in its own process (default; keeps HTTP work off "
+                             "the engine's critical path) or in a thread of the server process")
     add_engine_args(parser)
     return parser
 
@@ -42,16 +45,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(args.log_level.upper())  # also when `kvfit` set up logging
-    from kvfit.engine.llm_engine import LLMEngine
-    from kvfit.server.launch import make_server
+    from kvfit.server.launch import engine_launch_kwargs, make_server
 
     name = args.served_model_name or config.model
     logging.getLogger("kvfit.server").info(
         "starting: loading %s in the background (config, tokenizer, weights, KV cache); "
         "http://%s:%d/health answers 503 until the 'engine ready' line", config.model,
         args.host, args.port)
-    server = make_server(lambda: LLMEngine(config), name, args.host, args.port, args.log_level,
-                         aliases=(config.model,))
+    server = make_server(served_model_name=name, host=args.host, port=args.port,
+                         log_level=args.log_level, aliases=(config.model,),
+                         **engine_launch_kwargs(config, args.engine_mode == "process"))
     # uvicorn re-raises the signal it caught once it has shut down; a SIGTERM handler of ours
     # turns that into a normal return, so a graceful stop exits 0.
     terminated = []

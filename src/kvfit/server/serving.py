@@ -2,9 +2,15 @@
 their events gathered from one asyncio queue, aborts when the client leaves.
 
 ``Submission`` owns the engine request ids of one HTTP request: ``start`` waits until the engine
-thread accepted every one (so a rejected request is a 400 before any stream starts), ``events``
-yields ``(index, Delta)`` until every choice finished, and ``close`` aborts what is unfinished
+accepted every one (so a rejected request is a 400 before any stream starts), ``events`` yields
+``(index, Delta)`` until every choice finished, and ``close`` aborts what is unfinished
 (``disconnected=True`` counts a client disconnect in /metrics).
+
+NOTE: a handler that fell ``MERGE_BACKLOG`` or more steps behind the engine (the event loop
+overloaded by other streams) finds that many Deltas waiting; ``events`` merges them into one
+(vLLM's output collector does the same), so one SSE chunk and one socket write carry them all
+and an overloaded server catches up instead of falling further behind. Below that backlog (the
+jitter of a busy loop) every step's tokens stay a chunk of their own.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from kvfit.server.errors import APIError
 from kvfit.server.protocol import random_id
 
 _POLL_S = 0.5  # how often a waiting non-streaming handler checks the client and the engine
+# Waiting events from which a lagging stream's Deltas merge into one chunk: 32 steps is ~0.2 s
+# behind on the H200, an overload valve only (below it one chunk per step, always).
+MERGE_BACKLOG = 32
 
 
 class Submission:
@@ -68,6 +77,8 @@ class Submission:
                 index, kind, payload = self._buffer.pop(0)
             else:
                 index, kind, payload = await self._get(poll_client)
+                if kind == "output" and self.queue.qsize() >= MERGE_BACKLOG:
+                    payload = self._merge_waiting(index, payload)
             if kind == "error":
                 self.unfinished.discard(index)
                 raise payload
@@ -76,6 +87,16 @@ class Submission:
             if payload.finish_reason is not None:
                 self.unfinished.discard(index)
             yield index, payload
+
+    def _merge_waiting(self, index: int, delta: Delta) -> Delta:
+        """Fold the Deltas of choice ``index`` already waiting right behind ``delta`` into it."""
+        while delta.finish_reason is None and not self.queue.empty():
+            item = self.queue.get_nowait()
+            if item[0] != index or item[1] != "output":
+                self._buffer.append(item)
+                break
+            delta = merge_deltas(delta, item[2])
+        return delta
 
     async def _get(self, poll_client: bool):
         # NOTE: the client is checked every _POLL_S whether or not events keep arriving (a busy
@@ -92,10 +113,10 @@ class Submission:
                     raise ClientGone()
             if not self.queue.empty():  # fast path: no timer task when an event is waiting
                 return self.queue.get_nowait()
-            try:
-                return await asyncio.wait_for(self.queue.get(),
-                                              timeout=max(self._next_check - now, 0.01))
-            except asyncio.TimeoutError:
+            try:  # NOTE: asyncio.timeout, not wait_for: no extra Task per wait (per step)
+                async with asyncio.timeout(max(self._next_check - now, 0.01)):
+                    return await self.queue.get()
+            except TimeoutError:
                 pass
 
     def close(self, disconnected: bool) -> None:
@@ -103,6 +124,16 @@ class Submission:
         for i in sorted(self.unfinished):
             self.loop.abort(self.ids[i], disconnected=disconnected)
         self.unfinished.clear()
+
+
+def merge_deltas(first: Delta, then: Delta) -> Delta:
+    """One Delta saying what ``first`` and then ``then`` (of the same request) said."""
+    lps = None
+    if first.new_logprobs is not None or then.new_logprobs is not None:
+        lps = (first.new_logprobs or []) + (then.new_logprobs or [])
+    plp = first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs
+    return Delta(then.text, first.new_token_ids + then.new_token_ids, lps, then.num_tokens,
+                 then.finish_reason, plp, then.num_cached_tokens)
 
 
 class ClientGone(APIError):
