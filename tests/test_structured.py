@@ -1,7 +1,7 @@
-"""Structured output and logit_bias below the server: the packed token bitmask against
-xgrammar's own kernel and a bool reference, logit_bias against a float64 argmax, and grammar-
-constrained generation on the bundled model (outputs validate, unconstrained neighbours in the
-batch are unchanged, preemption keeps the grammar state, bad specs are refused)."""
+"""Structured output below the server: the sampler's packed token bitmask against xgrammar's
+own kernel and a bool reference (the sampler's own tests cover bias and mask in sampling), and
+grammar-constrained generation on the bundled model (outputs validate, unconstrained neighbours
+in the batch are unchanged, preemption keeps the grammar state, bad specs are refused)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvfit import SamplingParams
-from kvfit.engine.sampler import apply_token_bitmask, sample
+from kvfit.engine.sampling import apply_token_bitmask
 from kvfit.errors import RequestRejected
 from kvfit.structured_params import StructuredOutputsParams as SO
 
@@ -62,44 +62,6 @@ def test_bitmask_matches_reference_and_xgrammar(vocab):
     # 0 came back with it masked); its torch backend agrees with the bool reference.
     xgr.apply_token_bitmask_inplace(theirs, mask, backend="torch_native")
     assert torch.equal(got, theirs)
-
-
-def test_sample_respects_bitmask_greedy_and_random():
-    g = torch.Generator().manual_seed(1)
-    v = 200
-    logits = torch.randn(4, v, generator=g)
-    allowed = torch.zeros(4, v, dtype=torch.bool)
-    for i in range(4):
-        allowed[i, torch.randperm(v, generator=g)[:5]] = True
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3),
-              SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=1.5, top_p=0.9)]
-    gens = [None] + [torch.Generator().manual_seed(i) for i in range(3)]
-    for _ in range(20):
-        toks, lps = sample(logits, params, gens, _pack(allowed))
-        assert all(allowed[i, t] for i, t in enumerate(toks))
-    masked = logits.double().masked_fill(~allowed, float("-inf"))
-    assert toks[0] == int(masked[0].argmax())
-    # logprobs stay those of the raw distribution
-    assert torch.allclose(lps, torch.log_softmax(logits, -1))
-
-
-def test_logit_bias_forces_and_bans():
-    g = torch.Generator().manual_seed(7)
-    v = 300
-    logits = torch.randn(3, v, generator=g) * 3
-    top = logits.argmax(-1).tolist()
-    forced = [(t + 17) % v for t in top]
-    params = [SamplingParams(temperature=0, logit_bias={forced[0]: 100.0}),
-              SamplingParams(temperature=1.0, logit_bias={forced[1]: 100.0}),
-              SamplingParams(temperature=0, logit_bias={top[2]: -100.0, 5: 0.5})]
-    gens = [None, torch.Generator().manual_seed(0), None]
-    toks, lps = sample(logits, params, gens)
-    assert toks[0] == forced[0] and toks[1] == forced[1]
-    ref = logits[2].double().clone()
-    ref[top[2]] -= 100.0
-    ref[5] += 0.5
-    assert toks[2] == int(ref.argmax()) and toks[2] != top[2]
-    assert torch.allclose(lps, torch.log_softmax(logits, -1))
 
 
 @pytest.mark.parametrize("bad", [dict(logit_bias={-1: 1.0}), dict(logit_bias={3: 100.5}),

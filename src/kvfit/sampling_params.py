@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -17,8 +18,9 @@ class SamplingParams:
 
     logprobs: None, or N >= 0: return the chosen token's logprob plus the top-N per step.
     prompt_logprobs: None, or N >= 0: logprobs of every prompt token (for echo/lm-eval).
-    logit_bias: None, or {token id: bias in [-100, 100]} added to the logits before sampling
-    (the engine checks the ids against the vocabulary).
+    logit_bias: None, or {token id: bias in [-100, 100]} added to the logits before sampling and
+    before the greedy argmax (OpenAI's meaning: +100 forces a token, -100 bans it). The engine
+    checks the ids against the vocabulary at ``add_request``.
     structured_outputs: None, or the grammar the output must follow (JSON schema, regex, ...).
     """
 
@@ -72,12 +74,27 @@ class SamplingParams:
                         f"{self.seed}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be token ids >= 0, got {self.stop_token_ids}")
-        for tok, bias in (self.logit_bias or {}).items():
-            if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
-                bad("logit_bias", f"keys must be token ids >= 0, got {tok!r}")
-            if not -100.0 <= bias <= 100.0:
-                bad("logit_bias", f"values must be in [-100, 100], got {bias} for token {tok}")
+        if self.logit_bias is not None:
+            self.logit_bias = _checked_logit_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _checked_logit_bias(bias) -> dict[int, float]:
+    """{token id: bias} with int ids >= 0 and finite biases in [-100, 100], else RequestRejected."""
+    if not isinstance(bias, dict):
+        raise RequestRejected(f"logit_bias must be a map from token id to bias, got "
+                              f"{type(bias).__name__}", param="logit_bias")
+    out = {}
+    for tok, val in bias.items():
+        if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+            raise RequestRejected(f"logit_bias keys must be non-negative integer token ids, got "
+                                  f"{tok!r}", param="logit_bias")
+        if (isinstance(val, bool) or not isinstance(val, (int, float))
+                or not math.isfinite(val) or not -100.0 <= val <= 100.0):
+            raise RequestRejected(f"logit_bias values must be numbers in [-100, 100], got {val!r} "
+                                  f"for token {tok}", param="logit_bias")
+        out[tok] = float(val)
+    return out

@@ -14,8 +14,8 @@ from kvfit.config import EngineConfig
 from kvfit.engine.detokenizer import IncrementalDetokenizer
 from kvfit.engine.request_check import check_request
 from kvfit.engine.runner import ModelRunner
+from kvfit.engine.sampling import SamplingBatch, sample, top_logprobs
 from kvfit.engine.settings import resolve_settings
-from kvfit.engine.sampler import sample, top_logprobs
 from kvfit.errors import RequestRejected
 from kvfit.kvcache.allocator import PageAllocator
 from kvfit.models.registry import load_tokenizer
@@ -80,13 +80,12 @@ class LLMEngine:
             text, ids = None, [int(t) for t in prompt]
         params.max_tokens = check_request(ids, params.max_tokens, self.max_model_len,
                                           self.vocab_size)
-        self._check_vocab(params)
-        gen = None
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else int(
+        self._check_vocab(params)  # stop_token_ids and logit_bias ids
+        seed = params.seed
+        if seed is None:  # drawn from the engine's RNG (EngineConfig.seed): runs repeat
+            seed = 0 if params.greedy else int(
                 torch.randint(0, 2**62, (1,), generator=self._seed_rng))
-            gen = torch.Generator(device=self.runner.device).manual_seed(seed)
-        req = Request(request_id, text, ids, params, gen, next(self._arrival))
+        req = Request(request_id, text, ids, params, seed, next(self._arrival))
         req.detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         if params.structured_outputs is not None:
             req.grammar = self._structured_outputs().new_matcher(params.structured_outputs)
@@ -154,29 +153,36 @@ class LLMEngine:
         samplers = [req for (req, _), s in zip(items, sample_mask) if s]
         outputs = []
         if samplers:
+            batch = SamplingBatch.build([r.params for r in samplers],
+                                        [r.sampling_seed for r in samplers],
+                                        [r.num_tokens for r in samplers],
+                                        result.sample_logits.shape[-1], result.sample_logits.device)
             # host work while the forward runs: the structured-output masks of this step
             bitmask = self._structured.fill_bitmask([r.grammar for r in samplers]) \
                 if self._structured is not None else None
-            tokens, logprobs = sample(result.sample_logits, [r.params for r in samplers],
-                                      [r.generator for r in samplers], bitmask)
+            sampled = sample(result.sample_logits, batch, bitmask)
+            tokens = sampled.token_ids.tolist()  # the step's one device-to-host copy of ids
+            logprobs = sampled.logprob_dicts(tokens)
             now = time.monotonic()
             for row, (req, tok) in enumerate(zip(samplers, tokens)):
                 done = req.grammar is not None and self._structured.accept(req.grammar, tok)
-                self._append(req, tok, logprobs[row], now, grammar_done=done)
+                self._append(req, tok, logprobs.get(row), now, grammar_done=done)
                 outputs.append(self._output(req))
         return outputs
 
-    def _append(self, req: Request, tok: int, lp_row: torch.Tensor, now: float,
+    def _append(self, req: Request, tok: int, lp: Optional[dict[int, float]], now: float,
                 grammar_done: bool = False) -> None:
+        """Append a sampled token (``lp``: its logprob dict when the request asked for logprobs),
+        then decide whether the request finishes (``grammar_done``: its structured-output grammar
+        is complete)."""
         p = req.params
         req.output_token_ids.append(tok)
         self.generation_tokens_total += 1
         if req.t_first_token is None:
             req.t_first_token = now
-        lp = float(lp_row[tok])
-        req.cumulative_logprob += lp
         if req.logprobs is not None:
-            req.logprobs.append(top_logprobs(lp_row, tok, p.logprobs))
+            req.cumulative_logprob += lp[tok]
+            req.logprobs.append(lp)
         reason, stop_reason = None, None
         if tok in p.stop_token_ids:
             reason, stop_reason = "stop", tok
