@@ -1,7 +1,7 @@
-"""Structured output and logit_bias below the server: the packed token bitmask against
-xgrammar's own kernel and a bool reference, logit_bias against a float64 argmax, and grammar-
-constrained generation on the bundled model (outputs validate, unconstrained neighbours in the
-batch are unchanged, preemption keeps the grammar state, bad specs are refused)."""
+"""Structured output below the server: the sampler's packed token bitmask against xgrammar's
+own kernel and a bool reference (the sampler's own tests cover bias and mask in sampling), and
+grammar-constrained generation on the bundled model (outputs validate, unconstrained neighbours
+in the batch are unchanged, preemption keeps the grammar state, bad specs are refused)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvfit import SamplingParams
-from kvfit.engine.sampling import SamplingBatch, apply_token_bitmask, sample
+from kvfit.engine.sampling import apply_token_bitmask
 from kvfit.errors import RequestRejected
 from kvfit.structured_params import StructuredOutputsParams as SO
 
@@ -44,14 +44,6 @@ def _pack(allowed: torch.Tensor) -> torch.Tensor:
     return words.to(torch.int32)
 
 
-def _sample(logits, params, seeds, bitmask=None):
-    """The batched sampler over ``params`` (one row each): (token ids, {row: logprob dict})."""
-    batch = SamplingBatch.build(params, seeds, [10] * len(params), logits.shape[-1], logits.device)
-    out = sample(logits, batch, token_bitmask=bitmask)
-    toks = out.token_ids.tolist()
-    return toks, out.logprob_dicts(toks)
-
-
 @pytest.mark.parametrize("vocab", [37, 64, 1000])
 def test_bitmask_matches_reference_and_xgrammar(vocab):
     import xgrammar as xgr
@@ -70,44 +62,6 @@ def test_bitmask_matches_reference_and_xgrammar(vocab):
     # 0 came back with it masked); its torch backend agrees with the bool reference.
     xgr.apply_token_bitmask_inplace(theirs, mask, backend="torch_native")
     assert torch.equal(got, theirs)
-
-
-def test_sample_respects_bitmask_greedy_and_random():
-    g = torch.Generator().manual_seed(1)
-    v = 200
-    logits = torch.randn(4, v, generator=g)
-    allowed = torch.zeros(4, v, dtype=torch.bool)
-    for i in range(4):
-        allowed[i, torch.randperm(v, generator=g)[:5]] = True
-    params = [SamplingParams(temperature=0, logprobs=0), SamplingParams(temperature=1.0, seed=3),
-              SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=1.5, top_p=0.9)]
-    for step in range(20):
-        toks, lps = _sample(logits, params, [0, 3 + step, 5 + step, 7 + step], _pack(allowed))
-        assert all(allowed[i, t] for i, t in enumerate(toks))
-    masked = logits.double().masked_fill(~allowed, float("-inf"))
-    assert toks[0] == int(masked[0].argmax())
-    # logprobs stay those of the raw distribution
-    raw = torch.log_softmax(logits.double(), -1)
-    assert abs(lps[0][toks[0]] - float(raw[0, toks[0]])) < 1e-5
-
-
-def test_logit_bias_forces_and_bans():
-    g = torch.Generator().manual_seed(7)
-    v = 300
-    logits = torch.randn(3, v, generator=g) * 3
-    top = logits.argmax(-1).tolist()
-    forced = [(t + 17) % v for t in top]
-    params = [SamplingParams(temperature=0, logit_bias={forced[0]: 100.0}, logprobs=0),
-              SamplingParams(temperature=1.0, logit_bias={forced[1]: 100.0}),
-              SamplingParams(temperature=0, logit_bias={top[2]: -100.0, 5: 0.5})]
-    toks, lps = _sample(logits, params, [0, 11, 0])
-    assert toks[0] == forced[0] and toks[1] == forced[1]
-    ref = logits[2].double().clone()
-    ref[top[2]] -= 100.0
-    ref[5] += 0.5
-    assert toks[2] == int(ref.argmax()) and toks[2] != top[2]
-    raw = torch.log_softmax(logits.double(), -1)  # logprobs of the raw distribution, unbiased
-    assert abs(lps[0][toks[0]] - float(raw[0, toks[0]])) < 1e-5
 
 
 @pytest.mark.parametrize("bad", [dict(logit_bias={-1: 1.0}), dict(logit_bias={3: 100.5}),
