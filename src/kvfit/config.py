@@ -63,6 +63,8 @@ class EngineConfig:
     max_num_batched_tokens: int = _f(2048, "token budget of one step (chunked prefill size)")
     enforce_eager: bool = _f(False, "disable CUDA graphs", aliases=("--no-cuda-graph",))
     cuda_graph_max_bs: int = _f(128, "largest decode batch captured in a CUDA graph")
+    enable_prefix_caching: bool = _f(True, "reuse the KV pages of prompt prefixes that earlier "
+                                     "requests computed (off: --no-enable-prefix-caching)")
     load_format: LoadFormat = _f("auto", "dummy = random weights from config.json alone")
     seed: int = _f(0, "seed for dummy weights and unseeded sampling")
 
@@ -138,7 +140,9 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
         flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         kw: dict = {"dest": f.name, "default": f.default, "help": f"{f.metadata['help']} "
                     f"(default: {f.default})"}
-        if tp is bool:
+        if tp is bool and f.default is True:  # --x / --no-x (vLLM's --no-enable-prefix-caching)
+            kw["action"] = argparse.BooleanOptionalAction
+        elif tp is bool:
             kw["action"] = "store_true"
         elif typing.get_origin(tp) is Literal:
             kw["choices"] = list(typing.get_args(tp))

@@ -33,3 +33,4 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
     metrics: dict = field(default_factory=dict)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

@@ -162,6 +162,8 @@ class HybridSWAKVCache(KVPool):
 
     name = "HybridSWAKVCache"
     layer_kinds = frozenset({"full", "sliding"})
+    prefix_caching_refusal = ("its sliding-window layers give pages back as the window slides, "
+                              "so a finished prompt's early window pages are gone")
 
     def __init__(self, layers: Sequence[KVLayerSpec], num_pages: int, page_size: int,
                  fmt: KVFormat, device: torch.device, k_scales=None, v_scales=None,

@@ -30,6 +30,8 @@ class KVPool:
     supported_kv_dtypes: ClassVar[frozenset[str]] = frozenset(KV_FORMATS)
     v_layouts: ClassVar[frozenset[str]] = frozenset({"HND"})  # how V pages can be ordered
     v_layout: str = "HND"  # how this pool's V pages are ordered
+    # why full pages of this pool cannot be shared by prefix caching (None: they can)
+    prefix_caching_refusal: ClassVar[Optional[str]] = None
 
     def __init__(self, layers: Sequence[KVLayerSpec], num_pages: int, page_size: int,
                  fmt: KVFormat, device: torch.device,
