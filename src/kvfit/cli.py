@@ -1,4 +1,4 @@
-"""The ``kvfit`` command: generate, plan, serve, bench {quality, seed, kernels, serve}.
+"""The ``kvfit`` command: generate, plan, serve, bench {quality, seed, kernels, serve, prefix}.
 
 Engine flags are generated from EngineConfig (kvfit.config.add_engine_args): one source.
 """
@@ -17,6 +17,8 @@ _BENCHES = {
     "seed": ("kvfit.bench.seed", "the seed's table on a GPU: capacity, decode, prefill"),
     "kernels": ("kvfit.bench.kernels", "attention kernels vs FlashInfer on the GPU"),
     "serve": ("kvfit.bench.serve", "load generator for kvfit serve (a running one, or in-process)"),
+    "prefix": ("kvfit.bench.prefix", "prefix caching on vs off per KV dtype: TTFT, throughput, "
+                                     "hit rate, prefixes cached"),
 }
 
 
@@ -101,7 +103,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               "  generate  generate text offline (default model: smollm2-135m)\n"
               "  plan      KV capacity per KV dtype for a model and memory size\n"
               "  serve     OpenAI-compatible HTTP server\n"
-              "  bench     benchmarks: quality, seed, kernels, serve", file=sys.stderr)
+              "  bench     benchmarks: quality, seed, kernels, serve, prefix", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from kvfit.errors import (KVBudgetError, ModelNotFoundError, RequestRejected,
