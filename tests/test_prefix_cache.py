@@ -196,8 +196,9 @@ def test_abort_mid_prefill_then_reuse(on, off, prompts):
 
 
 def test_preemption_and_chunks_equal_caching_off(off, prompts):
-    """A tiny pool: 6 requests of ~40 tokens + 8 out (8 shared pages + ~4 each) do not fit in 20 pages of 4, so requests are
-    preempted (their cached pages stay cached) and cached prefixes are evicted and recomputed."""
+    """A tiny pool: 6 requests of ~40 tokens + 8 out (8 shared pages + ~4 each) do not fit in
+    20 pages of 4, so requests are preempted (their cached pages stay cached) and cached
+    prefixes are evicted and recomputed."""
     want = _tokens(off.generate(prompts, GREEDY, use_tqdm=False))
     llm = _llm(True, num_tokens=None, num_pages=20, max_model_len=64, max_num_batched_tokens=7)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)

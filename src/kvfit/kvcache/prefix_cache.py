@@ -108,7 +108,8 @@ class PrefixCachingAllocator(PageAllocator):
         return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` pages, evicting least-recently-freed cached pages if the free list is short."""
+        """Take ``n`` pages, evicting least-recently-freed cached pages when the free list is
+        short."""
         short = n - super().num_free
         if short > 0 and short <= len(self._evictable):
             for _ in range(short):
