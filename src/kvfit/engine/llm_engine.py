@@ -70,7 +70,8 @@ class LLMEngine:
             return PageAllocator(pool.num_pages)
         model_id = (c.model, c.load_format, c.seed if c.load_format == "dummy" else None,
                     str(self.runner.dtype))
-        log.info("prefix caching: on (full pages of %d tokens, %s)", c.page_size, pool.fmt.name)
+        log.info("prefix caching: on (full pages of %d tokens of %s are shared; "
+                 "--no-enable-prefix-caching turns it off)", c.page_size, pool.fmt.name)
         return PrefixCachingAllocator(pool.num_pages, lambda: kv_identity(model_id, pool))
 
     def _eos_ids(self) -> set[int]:
