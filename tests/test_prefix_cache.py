@@ -76,7 +76,10 @@ def test_keys_chain_over_the_whole_prefix_and_the_kv_identity():
     extend_page_keys(k2, root, lambda s, e: other[s:e], 16, PAGE)
     assert all(x != y for x, y in zip(k1, k2))  # every later page's key differs too
     extend_page_keys(k3, root_key(("m", "fp8_e4m3", PAGE)), lambda s, e: toks[s:e], 16, PAGE)
-    assert not set(k1) & set(k3)
+    assert not set(k1) & set(k3)  # another KV format
+    k4: list[bytes] = []
+    extend_page_keys(k4, root_key(("m2", "float32", PAGE)), lambda s, e: toks[s:e], 16, PAGE)
+    assert not set(k1) & set(k4)  # another model
 
 
 def test_identity_change_drops_cached_pages():
