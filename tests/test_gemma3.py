@@ -13,7 +13,8 @@ from kvfit.attention.torch_ref import TorchRefBackend
 from kvfit.engine.context import Context
 from kvfit.kvcache.allocator import PageAllocator
 from kvfit.kvcache.dtypes import kv_format
-from kvfit.kvcache.hybrid_swa import HybridSWAKVCache, build_hybrid_metadata
+from kvfit.attention.meta_builder import build_hybrid_metadata, build_step_metadata
+from kvfit.kvcache.hybrid_swa import HybridSWAKVCache
 from kvfit.models.gemma3 import Gemma3ForCausalLM
 from kvfit.models.weights import WeightSink
 
@@ -90,10 +91,9 @@ def drive_hybrid(model, cfg, seqs, schedule, kv_dtype="float32", num_pages=64, n
             pos += list(range(s, e))
             q_lens.append(n)
             kv_lens.append(e)
-        meta = build_hybrid_metadata(q_lens, kv_lens, [pages[r] for r, _ in step],
-                                     [pool.sliding_pages.table(str(r)) for r, _ in step], ps,
-                                     pool.window, pool.null_page, dev)
-        backend.plan(meta)
+        meta = build_step_metadata(pool, q_lens, kv_lens, [pages[r] for r, _ in step],
+                                   [str(r) for r, _ in step], dev)
+        backend.prepare(meta)
         keep = torch.tensor(pos, device=dev) >= logits_from
         with torch.no_grad():
             h = model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), ctx)
@@ -271,5 +271,5 @@ def test_engine_tiny_gemma3_matches_hf(tmp_path):
     llm = engine_matches_hf(tmp_path, hf, cfg.vocab_size)
     pool = llm.engine.runner.pool
     assert pool.name == "HybridSWAKVCache"
-    if pool.windowed:  # the engine drives the sliding pages: all back after the requests
-        assert pool.sliding_pages.num_used == 0
+    assert pool.sliding_pages is not None  # the engine drives the sliding pages ...
+    assert pool.sliding_pages.num_used == 0  # ... all back after the requests

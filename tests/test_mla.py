@@ -99,7 +99,7 @@ def drive_mla(model, cfg, seqs, schedule, kv_dtype="float32", num_pages=64,
             q_lens.append(n)
             kv_lens.append(e)
         meta = build_metadata(q_lens, kv_lens, [pages[r] for r, _ in step], PAGE, dev)
-        backend.plan(meta)
+        backend.prepare(meta)
         with torch.no_grad():
             logits = model.compute_logits(model(torch.tensor(ids, device=dev),
                                                 torch.tensor(pos, device=dev), ctx))

@@ -14,9 +14,10 @@ from kvfit.attention.meta_builder import build_metadata
 from kvfit.attention.torch_ref import TorchRefBackend
 from kvfit.kvcache.allocator import OutOfPages
 from kvfit.kvcache.dtypes import KV_FORMATS, kv_format
-from kvfit.kvcache.hybrid_swa import (HybridSWAKVCache, SlidingWindowPages, hybrid_capacity_line,
-                                      hybrid_pool_bytes, sliding_pages_worst_case,
-                                      solve_hybrid_pages)
+from kvfit.kvcache.hybrid_swa import HybridSWAKVCache
+from kvfit.kvcache.sizing import (SizingLimits, hybrid_pool_bytes, sliding_pages_worst_case,
+                                  solve_hybrid_pages)
+from kvfit.kvcache.sliding_pages import SlidingWindowPages
 from kvfit.kvcache.registry import resolve_pool_class
 from kvfit.kvcache.spec import KVLayerSpec, spec_kv_bytes_per_token
 
@@ -94,7 +95,7 @@ def test_capped_reservation_and_can_reserve_admission():
     budget = 40 * 4 * swa_bpt
     plan = solve_hybrid_pages(budget, layers, fmt, 4, max_num_seqs=64, max_num_batched_tokens=8)
     assert plan.num_swa_pages < sliding_pages_worst_case(8, 4, 64, 8)
-    assert plan.total_bytes <= budget and plan.num_pages > 0
+    assert plan.pool_bytes <= budget and plan.num_pages > 0
     sw = SlidingWindowPages(plan.num_swa_pages, 4, 8)
     admitted = []
     for i in range(64):  # admit while the first chunk fits, then decode all past the window
@@ -132,7 +133,7 @@ def test_pool_layout_price_and_selection():
             layers, fmt, 4, 10, 7)
         assert (pool.k_caches[0][pool.null_page].float() == 0).all()
     shared = HybridSWAKVCache(layers, 10, 4, kv_format("bfloat16"), CPU)  # no own page space
-    assert not shared.windowed and shared.sliding_pages is None
+    assert shared.sliding_pages is None
     assert shared.k_caches[0].shape == (10, 2, 4, 16)
     assert shared.allocated_bytes() == shared.priced_bytes() == 40 * spec_kv_bytes_per_token(
         layers, kv_format("bfloat16"))
@@ -162,17 +163,20 @@ def test_solve_hybrid_pages_splits_budget():
         plan = solve_hybrid_pages(budget, layers, fmt, 16, max_num_seqs=64,
                                   max_num_batched_tokens=2048)
         plans[name] = plan
-        assert plan.full_bytes_per_token == 3 * 2 * 256 * fmt.itemsize
+        assert plan.bytes_per_token == 3 * 2 * 256 * fmt.itemsize
         assert plan.swa_bytes_per_token == 15 * 2 * 256 * fmt.itemsize
         assert plan.num_swa_pages == 64 * (32 + 2) + 128  # 2 GiB: the worst case fits
-        assert plan.total_bytes <= budget < plan.total_bytes + 16 * plan.full_bytes_per_token
-        assert plan.total_bytes == hybrid_pool_bytes(layers, fmt, 16, plan.num_pages,
-                                                     plan.num_swa_pages)
-        line = hybrid_capacity_line(plan, fmt, 32768)
-        assert f"{plan.full_tokens:,} tokens" in line and "3 full layers" in line
+        assert plan.pool_bytes <= budget < plan.pool_bytes + 16 * plan.bytes_per_token
+        assert plan.pool_bytes == hybrid_pool_bytes(layers, fmt, 16, plan.num_pages,
+                                                    plan.num_swa_pages)
+        line = plan.capacity_line(fmt, 32768)
+        assert f"{plan.tokens:,} tokens" in line and "3 full layers" in line
+        # the pool class sizes itself the same way, and builds what it priced
+        limits = SizingLimits(budget, max_num_seqs=64, max_num_batched_tokens=2048)
+        assert HybridSWAKVCache.solve_pages(layers, fmt, 16, limits) == plan
     # fp8 halves both costs: the full layers hold (a little more than, the reservation halves
     # too) twice the tokens for the same bytes
-    assert plans["fp8_e4m3"].full_tokens >= 2 * plans["bfloat16"].full_tokens
+    assert plans["fp8_e4m3"].tokens >= 2 * plans["bfloat16"].tokens
     with pytest.raises(KVBudgetError, match="max-num-batched-tokens"):
         solve_hybrid_pages(1 << 20, layers, kv_format("bfloat16"), 16, 64, 2048)
     fixed = solve_hybrid_pages(0, layers, kv_format("bfloat16"), 16, 4, 64, num_pages=123)
@@ -232,10 +236,10 @@ def test_backend_needs_hybrid_metadata():
     layers = _gemma_layers()
     pool = HybridSWAKVCache(layers, 4, 4, kv_format("bfloat16"), CPU, num_swa_pages=4)
     be = TorchRefBackend(pool, torch.float32, 0.25)
-    be.plan(build_metadata([3], [3], [[0]], 4, CPU))
+    be.prepare(build_metadata([3], [3], [[0]], 4, CPU))
     q = torch.randn(3, 4, 16)
     k = torch.randn(3, 2, 16)
-    with pytest.raises(RuntimeError, match="build_hybrid_metadata"):
+    with pytest.raises(RuntimeError, match="build_step_metadata"):
         be.forward(q, k, k, 0)
 
 

@@ -7,10 +7,11 @@ import sys
 import torch
 
 from kvfit.attention.meta_builder import build_metadata
+from kvfit.bench.configs import config_path
 from kvfit.config import make_config
 from kvfit.engine.runner import ModelRunner
 
-cfg = make_config(model="benchmarks/configs/qwen3-1.7b.json", load_format="dummy",
+cfg = make_config(model=config_path("qwen3-1.7b"), load_format="dummy",
                   kv_dtype=sys.argv[1] if len(sys.argv) > 1 else "bfloat16", device="cuda",
                   attention_backend="triton", num_tokens=4096, max_model_len=2048,
                   enforce_eager=True)
@@ -20,11 +21,11 @@ ids = torch.tensor([5], device="cuda")
 pos = torch.tensor([1023], device="cuda")
 with torch.inference_mode():
     for _ in range(3):
-        r.backend.plan(meta)
+        r.backend.prepare(meta)
         r.model.compute_logits(r.model(ids, pos, r.ctx)).argmax(-1)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        r.backend.plan(meta)
+        r.backend.prepare(meta)
         r.model.compute_logits(r.model(ids, pos, r.ctx)).argmax(-1)
         torch.cuda.synchronize()
 kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]

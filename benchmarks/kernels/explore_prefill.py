@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "../../src"))
 from kvfit.bench.kernels import (LAYOUTS, KVSet, ours_v_caches, ours_v_layout,  # noqa: E402
                                  time_fi_prefill)
 from kvfit.attention.triton_backend import TritonBackend  # noqa: E402
-from kvfit.kernels.prefill import PrefillConfig, paged_prefill, plan_blocks  # noqa: E402
+from kvfit.kernels.prefill import PrefillConfig, order_prefill_blocks, paged_prefill  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, V layout: None = the backend's, "HND" = forced)
 # Triton overlaps the indirect (block-table) tile loads with compute only from 5 stages up:
@@ -53,14 +53,14 @@ def main():
                 q = torch.randn(b * ctx, hq, d, device="cuda", dtype=torch.bfloat16)
                 ref = torch.empty_like(q)
                 paged_prefill(q, kv.caches[0][0], vcs[0], kv.block_table, cu, kv.kv_lens,
-                              plan_blocks([ctx] * b, hq // hkv, REF.block_m, "cuda"), REF, ref,
-                              d ** -0.5, v_t=v_t)
+                              order_prefill_blocks([ctx] * b, hq // hkv, REF.block_m, "cuda"),
+                              REF, ref, d ** -0.5, v_t=v_t)
                 for bm, bn, nw, ns, lay in (VARIANTS_256 if d > 128 else VARIANTS):
                     if lay == "HND" and not v_t:
                         continue
                     vt = v_t and lay != "HND"
                     vc_i = vcs if vt else [c[1] for c in kv.caches]
-                    blocks = plan_blocks([ctx] * b, hq // hkv, bm, "cuda")
+                    blocks = order_prefill_blocks([ctx] * b, hq // hkv, bm, "cuda")
                     out = torch.full_like(q, float("nan"))
 
                     def run(i, out=out, blocks=blocks, bm=bm, bn=bn, nw=nw, ns=ns, vt=vt,

@@ -17,7 +17,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "../../src"))
-from kvfit.bench.kernels import LAYOUTS, KVSet, _rotating, copy_bandwidth  # noqa: E402
+from kvfit.bench.kernels import LAYOUTS, KVSet, rotating, copy_bandwidth  # noqa: E402
 from kvfit.kernels import decode  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -41,14 +41,15 @@ def to_vt(c):
 PAGE = int(os.environ.get("PAGE", 16))
 
 
-def check(cfg, hq, hkv, d, kv_dtype, page=PAGE):
+def check(cfg, hq, hkv, d, cache_dtype, page=PAGE):
+    """(max relative error against float32, the compiled split kernel on CUDA else None)."""
     torch.manual_seed(1)
     lens = [1, 77, 300, 1000 + 5]
     g = hq // hkv
     pages = [-(-n // page) for n in lens]
     num_pages = sum(pages) + 3
     kvf = torch.randn(2, num_pages, hkv, page, d, device=DEV)
-    kc, vc = kvf[0].to(kv_dtype), kvf[1].to(kv_dtype)
+    kc, vc = kvf[0].to(cache_dtype), kvf[1].to(cache_dtype)
     perm = torch.randperm(num_pages, device=DEV).to(torch.int32)
     bt = torch.zeros(len(lens), max(pages), dtype=torch.int32, device=DEV)
     i = 0
@@ -60,6 +61,8 @@ def check(cfg, hq, hkv, d, kv_dtype, page=PAGE):
     kl = torch.tensor(lens, dtype=torch.int32, device=DEV)
     vcache = to_vt(vc) if cfg.v_t else vc
     decode.paged_decode(q, kc, vcache, bt, kl, out, d ** -0.5, cfg, 0.7, 1.3)
+    kern = (decode.compiled_split_kernel(q, kc, vcache, bt, kl, out, d ** -0.5, cfg)
+            if DEV == "cuda" else None)
     errs = []
     for r, n in enumerate(lens):
         pg = bt[r, :pages[r]].long()
@@ -69,7 +72,7 @@ def check(cfg, hq, hkv, d, kv_dtype, page=PAGE):
         s = torch.einsum("hgd,nhd->hgn", qq, k) * d ** -0.5
         o = torch.einsum("hgn,nhd->hgd", s.softmax(-1), v).reshape(hq, d)
         errs.append(((out[r].float() - o).norm() / o.norm()).item())
-    return max(errs)
+    return max(errs), kern
 
 
 def main():
@@ -112,11 +115,11 @@ def main():
                                             block_n=bn, num_warps=nw, num_stages=ns,
                                             maxnreg=mr, v_t=vt)
                 try:
-                    err = check(base, hq, hkv, d, dt)
+                    err, kern = check(base, hq, hkv, d, dt)
                 except Exception as e:
                     print(f"{layout} {name} {(bn, nw, ns, vt, mr)} failed: {e}"[:300], flush=True)
                     continue
-                occ = occupancy(decode._LAST[0], nw) if DEV == "cuda" else 2
+                occ = occupancy(kern, nw) if DEV == "cuda" else 2
                 for b, ctx in pts:
                     if DEV != "cuda":
                         continue
@@ -137,12 +140,15 @@ def main():
                         kv.block_table, kv.kv_lens, outs[i], d ** -0.5, cfg)
                         for i in range(kv.reps)]
                     import triton
-                    us = triton.testing.do_bench(_rotating(fns), warmup=20, rep=100,
+                    us = triton.testing.do_bench(rotating(fns), warmup=20, rep=100,
                                                  return_mode="median") * 1e3
+                    timed = decode.compiled_split_kernel(
+                        qs[0], kv.caches[0][0], kv.vt[0] if vt else kv.caches[0][1],
+                        kv.block_table, kv.kv_lens, outs[0], d ** -0.5, cfg)
                     rec = dict(layout=layout, kv=name, page=PAGE, b=b, ctx=ctx, bn=bn, nw=nw,
                                ns=ns, vt=vt,
-                               maxnreg=mr, regs=decode._LAST[0].n_regs,
-                               smem=decode._LAST[0].metadata.shared, occ=occ,
+                               maxnreg=mr, regs=timed.n_regs,
+                               smem=timed.metadata.shared, occ=occ,
                                splits=cfg.num_splits, err=err, us=us,
                                tbps=kv.bytes / us / 1e6)
                     res["variants"].append(rec)

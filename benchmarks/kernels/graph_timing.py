@@ -14,7 +14,7 @@ import torch
 import triton
 
 from kvfit.attention.triton_backend import TritonBackend
-from kvfit.bench.kernels import LAYOUTS, KVSet, _rotating, ours_v_caches, ours_v_layout
+from kvfit.bench.kernels import LAYOUTS, KVSet, rotating, ours_v_caches, ours_v_layout
 from kvfit.kernels.decode import choose_config, paged_decode
 
 POINTS = [("smollm2", 8, 16384), ("smollm2", 32, 16384), ("smollm2", 128, 4096),
@@ -61,7 +61,7 @@ def main():
             fns = [lambda i=i: paged_decode(qs[i], kv.caches[i][0], vcs[i], kv.block_table,
                                             kv.kv_lens, outs[i], d ** -0.5, cfg)
                    for i in range(kv.reps)]
-            eager = triton.testing.do_bench(_rotating(fns), warmup=25, rep=150,
+            eager = triton.testing.do_bench(rotating(fns), warmup=25, rep=150,
                                             return_mode="median") * 1e3
             graph = graph_us(fns)
             rec = dict(layout=layout, kv=kvd, batch=b, ctx=ctx, page=kv.page_size,

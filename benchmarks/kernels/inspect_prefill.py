@@ -30,7 +30,7 @@ def compile_one(kv, consts, num_warps, num_stages):
              "softcap": "fp32", "window": "i32", "v_scale": "fp32"}
     sig = {a: types.get(a, "i32") for a in ARGS}
     attrs = {(i,): [["tt.divisibility", 16]] for i in list(range(8)) + list(range(12, 19))}
-    src = ASTSource(prefill._kernel(), sig, constexprs=consts, attrs=attrs)
+    src = ASTSource(prefill.build(), sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": num_warps,
                                                         "num_stages": num_stages})
 

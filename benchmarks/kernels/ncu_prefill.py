@@ -7,7 +7,8 @@ import sys
 import torch
 
 from kvfit.bench.kernels import KVSet, ours_v_caches, ours_v_layout
-from kvfit.kernels.prefill import PrefillConfig, paged_prefill, plan_blocks, prefill_config
+from kvfit.kernels.prefill import (PrefillConfig, order_prefill_blocks, paged_prefill,
+                                   prefill_config)
 
 which = sys.argv[1]
 kvd = "bfloat16" if which.startswith("bf16") else "fp8_e4m3"
@@ -19,7 +20,7 @@ if which.endswith("_s2"):
     cfg = PrefillConfig(cfg.block_m, cfg.block_n, cfg.num_warps, 2)
 vt = ours_v_layout(kv) == "HDN"
 vcs = ours_v_caches(kv)
-blocks = plan_blocks([n] * b, hq // hkv, cfg.block_m, "cuda")
+blocks = order_prefill_blocks([n] * b, hq // hkv, cfg.block_m, "cuda")
 cu = torch.arange(0, b + 1, dtype=torch.int32, device="cuda") * n
 q = torch.randn(b * n, hq, d, device="cuda", dtype=torch.bfloat16)
 out = torch.empty_like(q)

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from kvfit.bench.seed import DEFAULT_CONFIG, _fill_pool, prefill_point
+from kvfit.bench.seed import DEFAULT_CONFIG, fill_pool, prefill_point
 from kvfit.config import make_config
 from kvfit.engine.runner import ModelRunner
 
@@ -19,7 +19,7 @@ for spec in sys.argv[1:] or ["bfloat16:fi", "bfloat16:triton", "fp8_e4m3:triton"
                       attention_backend=backend, num_tokens=4 * N, max_model_len=2 * N,
                       max_num_seqs=4, max_num_batched_tokens=N, enforce_eager=True)
     runner = ModelRunner(cfg)
-    _fill_pool(runner.pool)
+    fill_pool(runner.pool)
     tok_s = prefill_point(runner, N)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -32,9 +32,11 @@ if kind == "decode":
         print(f"| {lay} | {b} | {c} | {cell(o, 'ours')} | {cell(o, 'fi')} | {cell(r, 'ours')} | "
               f"{cell(r, 'fi')} | {r['ours_elem_per_s']:.2e} | {sp('ours')} | {sp('fi')} |")
 else:
-    print("| heads | KV | batch x len | ours µs | ours TFLOP/s | FI fa2 µs | FI TFLOP/s | ours/FI time |")
-    print("|---|---|---|---|---|---|---|---|")
-    for (lay, b, c, kvd), r in sorted(rows.items()):
-        print(f"| {lay} | {kvd} | {b} x {c} | {r['ours_us']:.0f} | {r['ours_tflops']:.0f} | "
-              f"{f(r.get('fi_us'), '{:.0f}')} | {f(r.get('fi_tflops'), '{:.0f}')} | "
-              f"{r['ours_us'] / r['fi_us']:.2f} |")
+    print("| heads | KV | batch x len | page | ours µs | ours TFLOP/s | FI fa2 µs | FI TFLOP/s |"
+          " ours/FI time |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (lay, b, c, kvd), r in sorted(rows.items(), key=lambda kv: (kv[0][0], -kv[0][1], kv[0][3])):
+        ratio = r["ours_us"] / r["fi_us"] if "fi_us" in r else None
+        print(f"| {lay} | {kvd} | {b} x {c} | {r.get('page_size', '-')} | {r['ours_us']:.0f} | "
+              f"{r['ours_tflops']:.0f} | {f(r.get('fi_us'), '{:.0f}')} | "
+              f"{f(r.get('fi_tflops'), '{:.0f}')} | {f(ratio, '{:.2f}')} |")

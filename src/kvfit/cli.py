@@ -59,25 +59,30 @@ def _generate(argv: list[str]) -> int:
     return 0
 
 
+# EngineConfig fields that do not change what ``kvfit plan`` prices
+_NOT_PLANNED = ("tokenizer", "kv_scales", "memory_ratio", "cpu_kv_space_gib", "num_pages",
+                "num_tokens", "enforce_eager", "cuda_graph_max_bs", "load_format", "seed")
+
+
 def _plan(argv: list[str]) -> int:
-    from kvfit.plan import PLAN_DTYPES, format_plan, parse_memory, plan_capacity
+    from kvfit.config import add_engine_args, config_from_args
+    from kvfit.plan import PLAN_DTYPES, format_plan, parse_memory, plan_capacity, plan_device
 
     p = argparse.ArgumentParser(prog="kvfit plan",
-                                description="KV capacity per KV dtype for a model and a memory "
-                                            "size, from the config alone")
-    p.add_argument("--model", default="smollm2-135m")
+                                description="KV capacity per KV dtype for a model and a KV memory "
+                                            "size, from the config alone, with the backend and "
+                                            "page size the engine would choose on --device")
     p.add_argument("--memory", required=True, help="KV memory, e.g. 2.9GiB")
-    p.add_argument("--page-size", "--block-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-dtype", "--kv-cache-dtype", nargs="+", default=list(PLAN_DTYPES),
-                   choices=["bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"])
+    add_engine_args(p, skip=_NOT_PLANNED, many=("kv_dtype",),
+                    defaults={"device": "cuda", "kv_dtype": list(PLAN_DTYPES)})
     args = p.parse_args(argv)
     try:
         mem = parse_memory(args.memory)
+        cfg = config_from_args(args, kv_dtype="auto")
     except ValueError as e:
         p.error(str(e))
-    cfg, rows = plan_capacity(args.model, mem, args.page_size, args.kv_dtype, args.max_model_len)
-    print(format_plan(args.model, mem, args.page_size, cfg, rows, args.max_model_len))
+    rows = plan_capacity(cfg, mem, args.kv_dtype, plan_device(args.device))
+    print(format_plan(mem, rows))
     return 0
 
 

@@ -92,11 +92,13 @@ class EngineConfig:
             raise ValueError("device='cuda' but no CUDA device is available; use --device cpu")
         return torch.device(self.device)
 
-    def resolved_dtype(self, config_dtype: Optional[torch.dtype]) -> torch.dtype:
-        """The compute dtype: explicit, else the config's on CUDA (bf16 if none), float32 on CPU."""
+    def resolved_dtype(self, config_dtype: Optional[torch.dtype],
+                       device_type: Optional[str] = None) -> torch.dtype:
+        """The compute dtype: explicit, else the config's on CUDA (bf16 if none), float32 on CPU.
+        ``device_type`` defaults to the resolved device's (given when planning for another)."""
         if self.dtype != "auto":
             return _TORCH_DTYPES[self.dtype]
-        if self.resolved_device.type == "cuda":
+        if (device_type or self.resolved_device.type) == "cuda":
             return config_dtype if config_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
         return torch.float32
 
@@ -129,8 +131,12 @@ def _unwrap_optional(tp):
     return tp
 
 
-def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """Add one flag per EngineConfig field (``--kv-dtype`` for ``kv_dtype``, plus aliases)."""
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),
+                    many: tuple[str, ...] = (), defaults: Optional[dict] = None) -> None:
+    """Add one flag per EngineConfig field (``--kv-dtype`` for ``kv_dtype``, plus aliases),
+    except those in ``skip``; fields in ``many`` take one or more values (a list); ``defaults``
+    replaces a field's default for this command (``kvfit plan`` plans for cuda)."""
+    defaults = defaults or {}
     hints = typing.get_type_hints(EngineConfig)
     group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):
@@ -138,8 +144,10 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
             continue
         tp = _unwrap_optional(hints[f.name])
         flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
-        kw: dict = {"dest": f.name, "default": f.default, "help": f"{f.metadata['help']} "
-                    f"(default: {f.default})"}
+        default = defaults.get(f.name, f.default)
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+        kw: dict = {"dest": f.name, "default": default, "help": f"{f.metadata['help']} "
+                    f"(default: {shown})"}
         if tp is bool and f.default is True:  # --x / --no-x (vLLM's --no-enable-prefix-caching)
             kw["action"] = argparse.BooleanOptionalAction
         elif tp is bool:
@@ -148,6 +156,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
             kw["choices"] = list(typing.get_args(tp))
         else:
             kw["type"] = tp
+        if f.name in many:
+            kw["nargs"] = "+"
         group.add_argument(*flags, **kw)
 
 

@@ -12,11 +12,13 @@ class UnsupportedCombinationError(NotImplementedError):
 
 
 class RequestRejected(ValueError):
-    """A request that can never be served (too long, bad parameter). ``param`` names the field."""
+    """A request that can never be served (too long, bad parameter). ``param`` names the field,
+    ``code`` is OpenAI's error code when it has one (``context_length_exceeded``)."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 class KVBudgetError(RuntimeError):

@@ -1,16 +1,22 @@
-"""``kvfit plan``: KV capacity for a model and a memory size, every KV dtype side by side,
-from the config alone (no weights loaded). Uses the same price list as the engine."""
+"""``kvfit plan``: KV capacity for a model and a memory size, every KV dtype side by side, from the
+config alone (no weights loaded).
+
+Each row resolves the engine's own settings (engine/settings.py: backend, page size, pool) for
+the target device, ``cuda`` unless told otherwise, without needing that device here, and sizes
+the pool with the pool's own ``solve_pages``: the tokens printed are the tokens the engine's
+start-up line reports for the same KV budget.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvfit.kvcache.dtypes import kv_format
-from kvfit.kvcache.hybrid_swa import solve_hybrid_pages
-from kvfit.kvcache.spec import solve_num_pages, spec_kv_bytes_per_token
-from kvfit.models import registry as models
+from kvfit.config import EngineConfig
+from kvfit.engine.settings import EngineSettings, resolve_settings
+from kvfit.kvcache.sizing import PoolSizing
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "t": 1e12, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -28,68 +34,94 @@ def parse_memory(text: str) -> int:
 
 @dataclass(frozen=True)
 class PlanRow:
-    kv_dtype: str
-    bytes_per_token: int
-    pages: int
-    tokens: int
-    pool_bytes: int
+    """One KV dtype: the settings the engine would resolve and the pool size they give."""
+
+    settings: EngineSettings
+    sizing: PoolSizing
     ratio_vs_first: float
-    max_concurrency: float
-    swa_pages: int = 0  # hybrid sliding-window models: pages reserved for the windowed layers
-    swa_bytes: int = 0
-    window_requests: int = 0
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.settings.kv_format.name
+
+    @property
+    def max_concurrency(self) -> float:
+        return self.sizing.tokens / self.settings.max_model_len
+
+    def capacity_line(self) -> str:
+        """The engine's start-up line for this row (same words, same numbers)."""
+        return self.sizing.capacity_line(self.settings.kv_format,
+                                         min(self.settings.max_model_len, self.sizing.tokens))
 
 
-def plan_capacity(model: str, memory_bytes: int, page_size: int = 16,
-                  kv_dtypes: Sequence[str] = PLAN_DTYPES,
-                  max_model_len: int | None = None, max_num_seqs: int = 256,
-                  max_num_batched_tokens: int = 2048) -> tuple[object, list[PlanRow]]:
-    """(hf_config, one row per KV dtype) for a KV budget of ``memory_bytes``."""
-    src = models.resolve_model(model)
-    cfg = models.load_hf_config(src)
-    layers = models.model_class_for(cfg).kv_layer_specs(cfg)
-    ctx = max_model_len or int(getattr(cfg, "max_position_embeddings", 0) or 2048)
+def plan_device(device: str) -> str:
+    """The device type a plan is for: ``auto`` is what the engine would pick here."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def plan_capacity(config: EngineConfig, memory_bytes: int,
+                  kv_dtypes: Sequence[str] = PLAN_DTYPES, device: str = "cuda") -> list[PlanRow]:
+    """One row per KV dtype for a KV budget of ``memory_bytes`` on ``device`` ("cuda" or "cpu").
+
+    ``config`` supplies the model and the other settings (backend, page size, model length,
+    scheduler limits); its ``kv_dtype`` is replaced by each of ``kv_dtypes`` in turn.
+    """
     rows: list[PlanRow] = []
-    hybrid = any(l.kind == "sliding" for l in layers)
     for name in kv_dtypes:
-        fmt = kv_format(name)
-        if hybrid:  # full layers priced per token, windowed layers per running request
-            hp = solve_hybrid_pages(memory_bytes, layers, fmt, page_size, max_num_seqs,
-                                    max_num_batched_tokens)
-            pages, bpt, tokens = hp.num_pages, hp.full_bytes_per_token, hp.full_tokens
-            extra = (hp.num_swa_pages, hp.swa_bytes, hp.window_requests)
-        else:
-            pages = solve_num_pages(memory_bytes, layers, fmt, page_size)
-            bpt = spec_kv_bytes_per_token(layers, fmt)
-            tokens = pages * page_size
-            extra = ()
-        first = rows[0].tokens if rows else tokens
-        rows.append(PlanRow(fmt.name, bpt, pages, tokens, tokens * bpt,
-                            tokens / first if first else 0.0, tokens / ctx, *extra))
-    return cfg, rows
+        s = resolve_settings(dataclasses.replace(config, kv_dtype=name), plan_for=device)
+        sizing = s.pool_cls.solve_pages(s.layers, s.kv_format, s.page_size,
+                                        s.sizing_limits(memory_bytes))
+        first = rows[0].sizing.tokens if rows else sizing.tokens
+        rows.append(PlanRow(s, sizing, sizing.tokens / first if first else 0.0))
+    return rows
 
 
-def format_plan(model: str, memory_bytes: int, page_size: int, cfg, rows: list[PlanRow],
-                max_model_len: int | None = None) -> str:
-    ctx = max_model_len or int(getattr(cfg, "max_position_embeddings", 0) or 2048)
-    lines = [f"KV plan for {model} ({cfg.model_type}, {cfg.num_hidden_layers} layers) in "
-             f"{memory_bytes / 2**30:.2f} GiB, pages of {page_size} tokens, context {ctx:,}",
+def format_plan(memory_bytes: int, rows: list[PlanRow]) -> str:
+    """The markdown table ``kvfit plan`` prints, saying which backend and page size each row
+    assumed and how they were chosen."""
+    s0 = rows[0].settings
+    cfg = s0.hf_config
+    lines = [f"KV plan for {s0.config.model} ({cfg.model_type}, {cfg.num_hidden_layers} layers) "
+             f"in {memory_bytes / 2**30:.2f} GiB on {s0.device.type}, context "
+             f"{s0.max_model_len:,}",
              "",
-             "| kv dtype | bytes/token | pages | tokens | pool GiB | vs first | max concurrency |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| kv dtype | backend | page size | bytes/token | pages | tokens | pool GiB "
+             "| vs first | max concurrency |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r.kv_dtype} | {r.bytes_per_token:,} | {r.pages:,} | {r.tokens:,} | "
-                     f"{r.pool_bytes / 2**30:.3f} | {r.ratio_vs_first:.2f}x | "
+        z = r.sizing
+        lines.append(f"| {r.kv_dtype} | {r.settings.backend_name} | {z.page_size} | "
+                     f"{z.bytes_per_token:,} | {z.num_pages:,} | {z.tokens:,} | "
+                     f"{z.pool_bytes / 2**30:.3f} | {r.ratio_vs_first:.2f}x | "
                      f"{r.max_concurrency:.2f} |")
-    if any(r.swa_pages for r in rows):
-        kinds = [l.kind for l in models.model_class_for(cfg).kv_layer_specs(cfg)]
-        lines += ["", f"Sliding-window model: {kinds.count('full')} full layers hold the tokens "
-                  f"above (bytes/token and pool GiB are theirs); {kinds.count('sliding')} "
-                  f"windowed layers (window {cfg.sliding_window}) cost a reservation per running "
-                  f"request, taken from the same memory:", "",
+    explicit = s0.config.max_model_len
+    short = [r.kv_dtype for r in rows if explicit and r.sizing.tokens < explicit]
+    if short:
+        lines += ["", f"--max-model-len {explicit:,} does not fit the {', '.join(short)} KV "
+                  f"cache: the engine refuses to start with it (lower it or raise --memory)."]
+    if s0.backend_chosen == "auto":
+        where = (" with FlashInfer and Triton installed (no CUDA device here)"
+                 if s0.assumed_installed else " here")
+        lines += ["", f"Backend and page size: the engine's auto choice on {s0.device.type}"
+                  f"{where}; --attention-backend and --page-size plan another."]
+    else:
+        lines += ["", f"Backend {s0.backend_name} as requested; page size "
+                  + ("as requested." if s0.config.page_size else "its default.")]
+    hybrid = [(r, r.sizing.sliding_reservation) for r in rows
+              if r.sizing.sliding_reservation is not None]
+    if hybrid:
+        h = hybrid[0][1]
+        lines += ["", f"Sliding-window model: {h.num_full_layers} full layers hold the tokens "
+                  f"above (bytes/token are theirs; pool GiB includes the reservation); "
+                  f"{h.num_sliding_layers} windowed layers (window {h.window}) cost a "
+                  f"reservation per running request, taken from the same memory:", "",
                   "| kv dtype | sliding pages | sliding GiB | requests at the window |",
                   "|---|---:|---:|---:|"]
-        for r in rows:
-            lines.append(f"| {r.kv_dtype} | {r.swa_pages:,} | {r.swa_bytes / 2**30:.3f} | "
-                         f"{r.window_requests:,} |")
+        for r, z in hybrid:
+            lines.append(f"| {r.kv_dtype} | {z.num_swa_pages:,} | {z.swa_bytes / 2**30:.3f} | "
+                         f"{z.window_requests:,} |")
     return "\n".join(lines)

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from kvfit.attention.torch_ref import attend
+from kvfit.attention.torch_attend import attend
 from kvfit.kvcache.dtypes import kv_format
 from kvfit.kvcache.pool import MHAKVCache
 from kvfit.kvcache.spec import KVLayerSpec
@@ -107,7 +107,7 @@ def backend_step(backend_cls, pool, q_lens, kv_lens, tables, hq: int, cdt: torch
     outs = []
     for cls, p in ((backend_cls, pool), (TorchRefBackend, ref_pool)):
         be = cls(p, cdt, sm_scale)
-        be.plan(meta)
+        be.prepare(meta)
         outs.append(be.forward(q, k, v, 0))
     assert torch.equal(pool.k_caches[0].view(torch.uint8), ref_pool.k_caches[0].view(torch.uint8))
     assert torch.equal(pool.v_caches[0].view(torch.uint8), ref_pool.v_caches[0].view(torch.uint8))

@@ -57,7 +57,7 @@ def generate(model, ctx, prompts, tables, steps, graphs=None):
     meta = build_metadata(q_lens, q_lens, tables, ps, DEV)
     ids = torch.tensor(sum(prompts, []), device=DEV)
     pos = torch.tensor([i for p in prompts for i in range(len(p))], device=DEV)
-    ctx.backend.plan(meta)
+    ctx.backend.prepare(meta)
     hidden = model(ids, pos, ctx)
     last = torch.tensor(q_lens).cumsum(0) - 1
     toks = model.compute_logits(hidden[last.to(DEV)]).argmax(-1)
@@ -68,7 +68,7 @@ def generate(model, ctx, prompts, tables, steps, graphs=None):
         pos = torch.tensor([n - 1 for n in lens], device=DEV)
         if graphs is None:
             meta = build_metadata([1] * len(lens), lens, tables, ps, DEV)
-            ctx.backend.plan(meta)
+            ctx.backend.prepare(meta)
             hidden = model(toks, pos, ctx)
         else:
             hidden = graphs.run(toks, pos, lens, tables)

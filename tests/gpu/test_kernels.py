@@ -58,7 +58,7 @@ def test_store_chunks_matches_slot_store(kv_dtype, page_size, scales):
     """Prefill-step store into token-minor V pages by page-row chunks writes exactly the bytes
     of the slot-mapped store (mixed batch: prefix + chunk, decode rows, chunks off page edges),
     and nothing else (random pages elsewhere stay as they were)."""
-    from kvfit.kernels.store import plan_store_chunks, store_kv, store_kv_chunks
+    from kvfit.kernels.store import split_store_chunks, store_kv, store_kv_chunks
 
     torch.manual_seed(2)
     q_lens, kv_lens = [37, 1, 70, 5, 64], [37, 50, 153, 1029, 64]
@@ -75,7 +75,7 @@ def test_store_chunks_matches_slot_store(kv_dtype, page_size, scales):
         u.copy_(torch.randint(0, 120, u.shape, device=DEV, dtype=torch.uint8))
     kc, vc = pool.k_caches[0].clone(), pool.v_caches[0].clone()
     store_kv(k, v, kc, vc, meta.slot_mapping, pool.fmt, *scales, "HDN")
-    chunks = plan_store_chunks(q_lens, kv_lens, page_size, DEV)
+    chunks = split_store_chunks(q_lens, kv_lens, page_size, DEV)
     kc2, vc2 = pool.k_caches[0].clone(), pool.v_caches[0].clone()
     store_kv_chunks(k, v, kc2, vc2, chunks, meta.cu_seqlens_q, meta.kv_lens, meta.block_table,
                     pool.fmt, *scales)
@@ -160,7 +160,8 @@ def test_prefill_poisoned_output_and_window_softcap(launch):
     under the default launch and others (row blocks and tiles that cut the causal diagonal and
     the window edge at different places)."""
     from kvfit.kernels.decode import choose_config, paged_decode
-    from kvfit.kernels.prefill import PrefillConfig, paged_prefill, plan_blocks, prefill_config
+    from kvfit.kernels.prefill import (PrefillConfig, order_prefill_blocks, paged_prefill,
+                                       prefill_config)
 
     torch.manual_seed(5)
     hq, hkv, d, ps = 16, 8, 128, 16
@@ -178,7 +179,7 @@ def test_prefill_poisoned_output_and_window_softcap(launch):
         q = torch.randn(sum(q_lens), hq, d, device=DEV, dtype=torch.bfloat16) * 3
         cfg = PrefillConfig(*launch) if launch else prefill_config(d, q.dtype, pool.dtype)
         out = poison_(torch.empty_like(q))
-        blocks = plan_blocks(q_lens, hq // hkv, cfg.block_m, DEV, kv_lens)
+        blocks = order_prefill_blocks(q_lens, hq // hkv, cfg.block_m, DEV, kv_lens)
         paged_prefill(q, pool.k_caches[0], pool.v_caches[0], meta.block_table, meta.cu_seqlens_q,
                       meta.kv_lens, blocks, cfg, out, d ** -0.5, 0.9, 1.1, softcap, window,
                       v_t=v_t)
@@ -217,8 +218,8 @@ def test_backend_decode_steps_match_reference():
             meta = build_metadata(q_lens, kv_lens, tables, ps, DEV)
             t = sum(q_lens)
             q, k, v = (torch.randn(t, h, d, device=DEV, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
-            be.plan(meta)
-            rb.plan(meta)
+            be.prepare(meta)
+            rb.prepare(meta)
             out = be.forward(q, k, v, 0)
             ro = rb.forward(q, k, v, 0)
             assert rel_err(out, ro.float()) < 1e-2

@@ -1,8 +1,9 @@
 """The attention backend interface and the per-step metadata every backend translates.
 
 A step's batch is a flat list of tokens from B requests (prefill chunks and decode tokens mixed).
-``AttentionMetadata`` describes it once; each backend's ``plan(meta)`` turns it into whatever its
-kernels need (once per step) and ``forward(q, k, v, layer_id)`` is called per layer.
+``AttentionMetadata`` describes it once (``meta_builder.build_step_metadata``); each backend's
+``prepare(meta)`` turns it into whatever its kernels need (once per step) and
+``forward(q, k, v, layer_id)`` is called per layer.
 """
 
 from __future__ import annotations
@@ -14,14 +15,32 @@ import torch
 
 
 @dataclass
+class SlidingTables:
+    """The sliding layers' view of a step in a pool whose sliding layers have their own page
+    space (``pool.sliding_pages``): same shapes as the plain fields of AttentionMetadata.
+
+    block_table [B, max_pages] int32 (logical pages; freed ones = the null page),
+    slot_mapping [T] int64 (slots in the sliding page space), num_pages_cpu (logical pages),
+    first_live_cpu (first logical page each request's queries can see).
+    """
+
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_pages_cpu: list[int]
+    first_live_cpu: list[int]
+
+
+@dataclass
 class AttentionMetadata:
     """One step's batch layout. Device tensors live on the model's device; ``*_cpu`` lists are
-    host copies for backends that plan on the host (no device->host syncs needed).
+    host copies for backends that prepare on the host (no device->host syncs needed).
 
     cu_seqlens_q: [B+1] int32, query token offsets of each request in the flat batch.
     kv_lens:      [B] int32, tokens in the cache for each request *after* this step's store.
     block_table:  [B, max_pages] int32, the request's page ids (padded with 0).
     slot_mapping: [T] int64, flat slot (page * page_size + offset) for each new token, -1 = pad.
+    swa:          the sliding layers' tables when the pool keeps them in a page space of their
+                  own (``pool.sliding_pages`` set), else None.
     """
 
     cu_seqlens_q: torch.Tensor
@@ -34,6 +53,7 @@ class AttentionMetadata:
     is_decode: bool  # every request has exactly one query token
     # CUDA-graph padding: B may exceed the number of real requests; padded rows have kv_len 0.
     num_real_reqs: Optional[int] = None
+    swa: Optional[SlidingTables] = None
 
     @property
     def batch_size(self) -> int:
@@ -68,6 +88,9 @@ class AttentionBackend:
         self.sm_scale = sm_scale
         self.logit_softcap = logit_softcap
         self.meta: Optional[AttentionMetadata] = None
+        # query heads per token: set by CUDA graphs before capture (FlashInfer prepares with it),
+        # else learnt at the first forward by the backends that need it
+        self.num_q_heads: Optional[int] = None
 
     @classmethod
     def v_layout(cls, kv_dtype: str, page_size: int, head_dim: int) -> str:
@@ -85,7 +108,7 @@ class AttentionBackend:
         """None when usable here, else the reason (e.g. 'FlashInfer is not installed')."""
         return None
 
-    def plan(self, meta: AttentionMetadata) -> None:
+    def prepare(self, meta: AttentionMetadata) -> None:
         """Prepare for one step (called once per step, outside CUDA graphs). Mutates self."""
         self.meta = meta
 
@@ -101,5 +124,5 @@ class AttentionBackend:
     def init_cuda_graph(self, max_bs: int, max_pages_per_req: int) -> None:
         raise NotImplementedError(f"{self.name} does not support CUDA graphs")
 
-    def plan_cuda_graph(self, meta: AttentionMetadata) -> None:
+    def prepare_cuda_graph(self, meta: AttentionMetadata) -> None:
         raise NotImplementedError(f"{self.name} does not support CUDA graphs")

@@ -1,21 +1,21 @@
 """The ``fi`` attention backend: FlashInfer's paged kernels over the MHAKVCache pool (HND pages).
 
-Per step ``plan`` translates ``AttentionMetadata`` into FlashInfer's page lists (indptr, indices,
+Per step ``prepare`` translates ``AttentionMetadata`` into FlashInfer's page lists (indptr, indices,
 last page lengths, built from the host lists plus one device gather of the block table: no host
-sync) and plans one wrapper:
+sync) and plans one FlashInfer wrapper (FlashInfer's own ``wrapper.plan``):
 - decode steps (every request has one new token): ``BatchDecodeWithPagedKVCacheWrapper``, with
   tensor cores when a KV head serves >= 4 query heads (where the padded MMA pays);
 - any other step, mixed ones included: ``BatchPrefillWithPagedKVCacheWrapper`` (fa2; FlashInfer
   0.7.2's fa3 prefill does not build with fp8 KV) for the whole flat batch, decode tokens being
-  requests of q_len 1. One wrapper per step keeps one plan per step.
+  requests of q_len 1. One wrapper per step keeps one FlashInfer plan per step.
 ``q_data_type`` is the compute dtype, ``kv_data_type`` the pool dtype; per-layer K/V scales go to
 ``run(k_scale=, v_scale=)``, which folds k_scale into sm_scale and multiplies the output by v_scale.
 New K/V are stored first by our fused Triton store kernel (quantize with saturation and scale).
 
 CUDA graphs: one decode wrapper per captured batch size with static index buffers
-(``use_cuda_graph=True``); ``plan_cuda_graph`` plans it outside the graph before each replay.
+(``use_cuda_graph=True``); ``prepare_cuda_graph`` plans it outside the graph before each replay.
 FlashInfer needs the number of query heads at plan time: the model runner's graphs set
-``num_q_heads``; otherwise an eager step plans at its first ``forward`` (still once per step).
+``num_q_heads``; otherwise an eager step prepares at its first ``forward`` (still once per step).
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ class FlashInferBackend(AttentionBackend):
         import flashinfer
 
         self._fi = flashinfer
-        self.num_q_heads: Optional[int] = None
         self._ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)
         self._decode = {}  # use_tensor_cores -> eager decode wrapper
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._ws, "HND",
@@ -67,7 +66,7 @@ class FlashInferBackend(AttentionBackend):
             return "no CUDA device"
         return None
 
-    # -- planning -----------------------------------------------------------------------------
+    # -- preparing ----------------------------------------------------------------------------
     def _use_tc(self) -> bool:
         return self.num_q_heads // self.pool.layers[0].num_kv_heads >= 4
 
@@ -86,7 +85,7 @@ class FlashInferBackend(AttentionBackend):
                             dtype=torch.int32)
         return indptr, indices, last
 
-    def _plan_now(self, meta: AttentionMetadata, wrapper=None) -> None:
+    def _prepare_now(self, meta: AttentionMetadata, wrapper=None) -> None:
         spec = self.pool.layers[0]
         hkv, d, ps = spec.num_kv_heads, spec.head_dim, self.pool.page_size
         indptr, indices, last = self._page_lists(meta)
@@ -107,16 +106,16 @@ class FlashInferBackend(AttentionBackend):
                          causal=True, **common)
         self._active = wrapper
 
-    def plan(self, meta: AttentionMetadata) -> None:
-        """Mutates self: plans the step's wrapper (deferred to the first forward until the query
-        head count is known)."""
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Mutates self: plans the step's FlashInfer wrapper (deferred to the first forward
+        until the query head count is known)."""
         self.meta = meta
         self._in_graph = False
         if self.num_q_heads is None:
             self._pending = meta
             return
         self._pending = None
-        self._plan_now(meta)
+        self._prepare_now(meta)
 
     # -- per layer ----------------------------------------------------------------------------
     def forward(self, q, k, v, layer_id):
@@ -128,7 +127,7 @@ class FlashInferBackend(AttentionBackend):
         store_kv(k, v, kc, vc, self.meta.slot_mapping, pool.fmt, ks, vs)
         if self._pending is not None:
             self.num_q_heads = q.shape[1]
-            self._plan_now(self._pending)
+            self._prepare_now(self._pending)
             self._pending = None
         scales = {}
         if ks != 1.0:
@@ -158,10 +157,10 @@ class FlashInferBackend(AttentionBackend):
             self._graph_wrappers[bs] = w
         return w
 
-    def plan_cuda_graph(self, meta: AttentionMetadata) -> None:
+    def prepare_cuda_graph(self, meta: AttentionMetadata) -> None:
         """Plan the batch size's graph wrapper (outside the graph, before capture or replay)."""
         if not meta.is_decode:
             raise ValueError("CUDA graphs are captured for decode steps only")
         self.meta = meta
         self._pending = None
-        self._plan_now(meta, self._graph_wrapper(meta.batch_size))
+        self._prepare_now(meta, self._graph_wrapper(meta.batch_size))

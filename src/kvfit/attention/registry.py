@@ -22,28 +22,31 @@ def backend_class(name: str):
         raise NotImplementedError(f"attention backend {name!r} is not available ({e})") from e
 
 
-def unavailable_reason(name: str, device_type: str) -> str | None:
-    """None when backend ``name`` can run on this device here, else why not."""
+def unavailable_reason(name: str, device_type: str, assume_installed: bool = False) -> str | None:
+    """None when backend ``name`` can run on this device here, else why not.
+    ``assume_installed``: judge only what the backend declares (its devices), as on a machine of
+    that device type with its packages installed (``kvfit plan`` for a GPU from a CPU host)."""
     try:
         cls = backend_class(name)
     except NotImplementedError as e:
         return str(e)
     if device_type not in cls.devices:
         return f"{name} runs on {', '.join(sorted(cls.devices))}, not {device_type}"
-    return cls.is_available()
+    return None if assume_installed else cls.is_available()
 
 
 def select_backend(requested: str, device_type: str, pool_name: str | None = None,
-                   kv_dtype: str | None = None, head_dim: int | None = None) -> str:
+                   kv_dtype: str | None = None, head_dim: int | None = None,
+                   assume_installed: bool = False) -> str:
     """``auto`` on CUDA: triton for fp8 KV with heads of >= 128 (its fp8 decode measured 1.2-2.2x
     FlashInfer's, docs/benchmarks.md), else fi when FlashInfer imports, else triton; each only
     if it holds ``pool_name``'s pool. torch otherwise. Explicit names are kept (the guard then
-    checks them)."""
+    checks them). ``assume_installed``: as on a machine where FlashInfer and Triton import."""
     if requested != "auto":
         return requested
 
     def usable(name: str) -> bool:
-        return unavailable_reason(name, device_type) is None and (
+        return unavailable_reason(name, device_type, assume_installed) is None and (
             pool_name is None or pool_name in backend_class(name).pools)
 
     if device_type == "cuda":

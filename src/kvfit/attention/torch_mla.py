@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from kvfit.attention.torch_attend import attend
+
 
 class TorchMLAMixin:
     """Adds ``forward_mla`` to a torch backend (uses ``self.meta``, ``self.pool``, ``sm_scale``)."""
@@ -27,11 +29,10 @@ class TorchMLAMixin:
     def forward_mla(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int,
                     v_dim: int) -> torch.Tensor:
         """Store ``kv`` into the MLAKVCache and attend; mutates the pool. See module docstring."""
-        from kvfit.attention.torch_ref import attend
-
         meta = self.meta
-        if self.pool.name != "MLAKVCache":
-            raise RuntimeError(f"forward_mla needs an MLAKVCache, got {self.pool.name}")
+        if "mla" not in self.pool.layer_kinds:
+            raise RuntimeError(f"forward_mla needs a pool of MLA layers (MLAKVCache), got the "
+                               f"{self.pool.name} pool")
         self.pool.store_latent(layer_id, kv, meta.slot_mapping)
         out = q.new_empty(q.shape[0], q.shape[1], v_dim)
         start = 0

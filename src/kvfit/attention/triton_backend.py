@@ -1,12 +1,12 @@
 """The ``triton`` attention backend: our own kernels (kvfit.kernels) over the MHAKVCache pool.
 
-Per step ``plan`` picks the decode launch configuration (split count from batch size and the
+Per step ``prepare`` picks the decode launch configuration (split count from batch size and the
 longest context) or, for steps with prefill chunks, the list of prefill programs. Per layer
 ``forward`` stores k/v with the fused quantizing store kernel (prefill steps into token-minor V
 pages: by page-row chunks, ``store_kv_chunks``), then runs paged decode (every
 request has one new token) or paged prefill/extend (anything else, decode tokens of a mixed
 batch included as q_len 1 requests). CUDA graphs: ``init_cuda_graph`` allocates the split-K
-scratch once for the largest batch, ``plan_cuda_graph`` fixes the split count per batch size
+scratch once for the largest batch, ``prepare_cuda_graph`` fixes the split count per batch size
 from the largest context a request can have, so a captured grid never changes.
 
 fp8 pools are asked for token-minor V pages (``v_layout`` "HDN", docs/kernels.md): the kernels
@@ -21,8 +21,8 @@ import torch
 
 from kvfit.attention.base import AttentionBackend, AttentionMetadata
 from kvfit.kernels.decode import choose_config, paged_decode
-from kvfit.kernels.prefill import paged_prefill, plan_blocks, prefill_config
-from kvfit.kernels.store import plan_store_chunks, store_kv, store_kv_chunks
+from kvfit.kernels.prefill import order_prefill_blocks, paged_prefill, prefill_config
+from kvfit.kernels.store import split_store_chunks, store_kv, store_kv_chunks
 
 
 class TritonBackend(AttentionBackend):
@@ -69,22 +69,22 @@ class TritonBackend(AttentionBackend):
             return "no CUDA device"
         return None
 
-    # -- planning (host side, once per step) --------------------------------------------
+    # -- preparing (host side, once per step) -------------------------------------------
     def _layer_shape(self) -> tuple[int, int]:
         spec = self.pool.layers[0]
         return spec.num_kv_heads, spec.head_dim
 
-    def _plan_decode(self, meta: AttentionMetadata, max_len: int) -> None:
+    def _prepare_decode(self, meta: AttentionMetadata, max_len: int) -> None:
         hkv, d = self._layer_shape()
-        # the group is fixed by the model; q heads are only known at forward, so plan on Hkv
+        # the group is fixed by the model; q heads are only known at forward, so prepare on Hkv
         self._decode_cfg = choose_config(meta.batch_size, hkv, 1, d, max_len, self.pool.dtype,
                                          self.compute_dtype, v_t=self._v_t)
 
-    def plan(self, meta: AttentionMetadata) -> None:
+    def prepare(self, meta: AttentionMetadata) -> None:
         """Mutates self: the step's metadata and launch plan. Host work only (no syncs)."""
         self.meta = meta
         if meta.is_decode:
-            self._plan_decode(meta, max(meta.kv_lens_cpu, default=1))
+            self._prepare_decode(meta, max(meta.kv_lens_cpu, default=1))
             self._blocks = None
         else:
             _, d = self._layer_shape()
@@ -94,14 +94,15 @@ class TritonBackend(AttentionBackend):
             self._blocks = {}
             if self._v_t:  # token-minor V: store a page row's new tokens together
                 real = len(self._q_lens) if meta.num_real_reqs is None else meta.num_real_reqs
-                self._store_chunks = plan_store_chunks(
+                self._store_chunks = split_store_chunks(
                     self._q_lens[:real], self._kv_lens[:real], self.pool.page_size,
                     meta.cu_seqlens_q.device)
 
     def _prefill_blocks(self, group: int) -> torch.Tensor:
         if group not in self._blocks:
-            self._blocks[group] = plan_blocks(self._q_lens, group, self._prefill_cfg.block_m,
-                                              self.meta.cu_seqlens_q.device, self._kv_lens)
+            self._blocks[group] = order_prefill_blocks(
+                self._q_lens, group, self._prefill_cfg.block_m, self.meta.cu_seqlens_q.device,
+                self._kv_lens)
         return self._blocks[group]
 
     # -- per layer ------------------------------------------------------------------------
@@ -151,10 +152,10 @@ class TritonBackend(AttentionBackend):
         self._scratch = (torch.empty((most * hq_max, d), dtype=torch.float32, device=dev),
                          torch.empty((most * hq_max,), dtype=torch.float32, device=dev))
 
-    def plan_cuda_graph(self, meta: AttentionMetadata) -> None:
-        """Same as ``plan`` for a decode batch, but with the split count fixed by batch size."""
+    def prepare_cuda_graph(self, meta: AttentionMetadata) -> None:
+        """Same as ``prepare`` for a decode batch, but with the split count fixed by batch size."""
         if self._graph_max_len is None:
-            raise RuntimeError("init_cuda_graph must be called before plan_cuda_graph")
+            raise RuntimeError("init_cuda_graph must be called before prepare_cuda_graph")
         self.meta = meta
         self._blocks = None
-        self._plan_decode(meta, self._graph_max_len)
+        self._prepare_decode(meta, self._graph_max_len)

@@ -29,31 +29,29 @@ class Case:
     context: int
 
 
-def add_parser(subparsers):
-    p = subparsers.add_parser("kernels", help="time our attention kernels against FlashInfer's")
-    _args(p)
-    return p
+def parser() -> argparse.ArgumentParser:
+    """The ``kvfit bench kernels`` flags; ``--page-size`` is EngineConfig's."""
+    import dataclasses
 
+    from kvfit.config import EngineConfig, add_engine_args
 
-def _args(p):
+    p = argparse.ArgumentParser(prog="kvfit bench kernels", description=__doc__)
     p.add_argument("--out", default="bench-out/kernels")
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3")
     p.add_argument("--batches", default="1,8,32,128")
     p.add_argument("--contexts", default="1024,4096,16384,65536")
-    p.add_argument("--page-size", type=int, default=None,
-                   help="tokens per page (default: the triton backend's default for the KV dtype "
-                        "and head size, as the engine picks it: 32 for fp8 with heads >= 128)")
     p.add_argument("--max-gib", type=float, default=40.0, help="skip points whose KV is larger")
     p.add_argument("--prefill-contexts", default="1024,4096,16384",
                    help="prompt lengths for prefill points (batch = 16k tokens / length)")
     p.add_argument("--no-fi", action="store_true", help="skip FlashInfer")
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--no-decode", action="store_true")
-    p.add_argument("--fp8-cfg", default="",
-                   help='JSON overrides of choose_config for fp8 points, e.g. {"block_n": 64}')
-    p.add_argument("--explore", action="store_true",
-                   help="sweep our decode launch variants at each point instead of the default")
+    # the one engine flag that shapes a kernel call: --page-size (default: the engine's choice
+    # per KV dtype and head size on the triton backend)
+    add_engine_args(p, skip=tuple(f.name for f in dataclasses.fields(EngineConfig)
+                                  if f.name != "page_size"))
+    return p
 
 
 def _torch_dtype(name):
@@ -110,7 +108,9 @@ class KVSet:
         self.pages_per_req = pages_per_req
 
 
-def _rotating(fns):
+def rotating(fns):
+    """One callable that runs ``fns`` in turn (each call the next copy of the inputs, so timed
+    inputs never sit in L2)."""
     state = [0]
 
     def call():
@@ -156,7 +156,7 @@ def time_ours_decode(kv: KVSet, hq, d, cfg) -> float:
     fns = [lambda i=i: paged_decode(qs[i], kv.caches[i][0], vcs[i], kv.block_table,
                                     kv.kv_lens, outs[i], d ** -0.5, cfg)
            for i in range(kv.reps)]
-    return triton.testing.do_bench(_rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3
+    return triton.testing.do_bench(rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3
 
 
 def fi_decode_wrappers(kv: KVSet, hq, hkv, d, use_tc, q_dtype):
@@ -181,19 +181,7 @@ def time_fi_decode(kv: KVSet, hq, hkv, d, use_tc) -> float:
     qs = [torch.randn(kv.batch, hq, d, device="cuda", dtype=torch.bfloat16) for _ in kv.caches]
     outs = [torch.empty_like(q) for q in qs]
     fns = [lambda i=i: w.run(qs[i], kv.caches[i], out=outs[i]) for i in range(kv.reps)]
-    return triton.testing.do_bench(_rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3
-
-
-def explore_variants(d, fp8):
-    """Decode launch variants swept by --explore, as choose_config overrides
-    (benchmarks/kernels/explore_vt.py sweeps layouts and occupancy too)."""
-    if fp8:
-        grid = [(64, 4, 5, 128, 4), (64, 4, 6, 128, 4), (64, 4, 5, 96, 5), (32, 4, 5, 128, 4),
-                (128, 4, 5, None, 2)]
-    else:
-        grid = [(64, 4, 3, None, 4), (64, 4, 3, 128, 4), (32, 4, 3, None, 4)]
-    keys = ("block_n", "num_warps", "num_stages", "maxnreg", "ctas_per_sm")
-    return [dict(zip(keys, g)) for g in grid]
+    return triton.testing.do_bench(rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3
 
 
 def run_decode(args, device, copy_bw, results):
@@ -218,30 +206,11 @@ def run_decode(args, device, copy_bw, results):
                     rec = {"kind": "decode", "layout": layout, "kv_dtype": kvd, "batch": b,
                            "context": ctx, "kv_bytes": kv.bytes, "elements": kv.bytes // isz,
                            "page_size": kv.page_size}
-                    over = json.loads(args.fp8_cfg) if (isz == 1 and args.fp8_cfg) else {}
                     v_t = ours_v_layout(kv) == "HDN"
                     rec["ours_v_layout"] = ours_v_layout(kv)
-                    cfg = choose_config(b, hkv, hq // hkv, d, ctx, dt, torch.bfloat16, v_t=v_t,
-                                        **over)
-                    if args.explore:
-                        best = None
-                        for over in explore_variants(d, isz == 1):
-                            c = choose_config(b, hkv, hq // hkv, d, ctx, dt, torch.bfloat16,
-                                              v_t=v_t, **over)
-                            try:
-                                us = time_ours_decode(kv, hq, d, c)
-                            except Exception as e:  # a variant that does not compile/fit
-                                print(f"  variant {c} failed: {type(e).__name__}: {e}"[:200])
-                                continue
-                            rec.setdefault("variants", []).append(
-                                {"cfg": str(c), "us": us, "tbps": kv.bytes / us / 1e6})
-                            print(f"  variant {c}: {us:.1f} us {kv.bytes / us / 1e6:.2f} TB/s")
-                            if best is None or us < best[0]:
-                                best = (us, c)
-                        rec["ours_us"], rec["ours_cfg"] = best[0], str(best[1])
-                    else:
-                        rec["ours_us"] = time_ours_decode(kv, hq, d, cfg)
-                        rec["ours_cfg"] = str(cfg)
+                    cfg = choose_config(b, hkv, hq // hkv, d, ctx, dt, torch.bfloat16, v_t=v_t)
+                    rec["ours_us"] = time_ours_decode(kv, hq, d, cfg)
+                    rec["ours_cfg"] = str(cfg)
                     if not args.no_fi:
                         use_tc = hq // hkv >= 4
                         try:
@@ -283,11 +252,11 @@ def time_ours_prefill(kv: KVSet, hq, d, q_len):
     import torch
     import triton
 
-    from kvfit.kernels.prefill import paged_prefill, plan_blocks, prefill_config
+    from kvfit.kernels.prefill import order_prefill_blocks, paged_prefill, prefill_config
 
     hkv = kv.caches[0][0].shape[1]
     cfg = prefill_config(d, torch.bfloat16, kv.dtype)
-    blocks = plan_blocks([q_len] * kv.batch, hq // hkv, cfg.block_m, "cuda")
+    blocks = order_prefill_blocks([q_len] * kv.batch, hq // hkv, cfg.block_m, "cuda")
     cu = torch.arange(0, kv.batch + 1, dtype=torch.int32, device="cuda") * q_len
     q = torch.randn(kv.batch * q_len, hq, d, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
@@ -296,7 +265,7 @@ def time_ours_prefill(kv: KVSet, hq, d, q_len):
     fns = [lambda i=i: paged_prefill(q, kv.caches[i][0], vcs[i], kv.block_table, cu,
                                      kv.kv_lens, blocks, cfg, out, d ** -0.5, v_t=v_t)
            for i in range(kv.reps)]
-    return triton.testing.do_bench(_rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3
+    return triton.testing.do_bench(rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3
 
 
 def time_fi_prefill(kv: KVSet, hq, d, q_len):
@@ -316,7 +285,7 @@ def time_fi_prefill(kv: KVSet, hq, d, q_len):
     q = torch.randn(kv.batch * q_len, hq, d, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     fns = [lambda i=i: w.run(q, kv.caches[i], out=out) for i in range(kv.reps)]
-    return triton.testing.do_bench(_rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3
+    return triton.testing.do_bench(rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3
 
 
 def run_prefill(args, device, results):
@@ -380,9 +349,7 @@ def plot(results, path):
 
 def main(argv: list[str]) -> int:
     """Entry point of ``kvfit bench kernels``; returns the exit status."""
-    p = argparse.ArgumentParser(prog="kvfit bench kernels", description=__doc__)
-    _args(p)
-    args = p.parse_args(argv)
+    args = parser().parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():

@@ -8,8 +8,10 @@ workload and nano-vllm's random-prompt workload (nothing shared); with caching o
 probe counts how many distinct prefixes stay cached in that pool. One table, the target ratios
 (cached/uncached TTFT, on/off throughput, random-prompt slowdown) and a JSON file.
 
-GPU target run: ``kvfit bench prefix --model <qwen3-1.7b config.json> --load-format dummy``.
-CPU smoke: add ``--device cpu`` and tiny sizes (see tests/test_bench_prefix.py).
+GPU target run: ``kvfit bench prefix`` (default model: the shipped Qwen3-1.7B config,
+kvfit/bench/configs/qwen3-1.7b.json, random weights). A config.json model gets
+``--load-format dummy`` by itself. CPU smoke: ``--device cpu`` and tiny sizes (see
+tests/test_bench_prefix.py).
 """
 
 from __future__ import annotations
@@ -28,7 +30,12 @@ log = logging.getLogger("kvfit")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvfit.bench.configs import config_path
+
     p = argparse.ArgumentParser(prog="kvfit bench prefix", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=config_path("qwen3-1.7b"),
+                   help="config.json (random weights) or model directory (default: the shipped "
+                        "Qwen3-1.7B config)")
     p.add_argument("--kv-dtypes", nargs="+", default=["bfloat16", "fp8_e4m3"],
                    help="KV formats to compare (one engine each, caching on and off)")
     p.add_argument("--caching", nargs="+", choices=["on", "off"], default=["on", "off"])
@@ -53,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--result-json", default="bench_prefix.json", help="where to write results")
     from kvfit.config import add_engine_args
 
-    add_engine_args(p, skip=("kv_dtype", "enable_prefix_caching"))
+    add_engine_args(p, skip=("model", "kv_dtype", "enable_prefix_caching"))
     return p
 
 
@@ -82,7 +89,10 @@ def run_one(args, kv_dtype: str, caching: bool) -> dict:
     from kvfit.config import config_from_args
     from kvfit.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(config_from_args(args, kv_dtype=kv_dtype, enable_prefix_caching=caching))
+    over = {"load_format": "dummy"} if (args.model.endswith(".json")
+                                        and args.load_format == "auto") else {}
+    engine = LLMEngine(config_from_args(args, kv_dtype=kv_dtype, enable_prefix_caching=caching,
+                                        **over))
     _check_lengths(args, engine.max_model_len)
     seed = args.bench_seed
     # warm-up (uncounted): a prefill, then an extend over a cached prefix, then decode

@@ -1,10 +1,11 @@
 """``kvfit bench seed``: the seed's table on a GPU, for any model or config shape, in one run.
 
 Per KV dtype (bfloat16, fp8_e4m3, fp8_e5m2 by default) it builds the engine's ModelRunner with
-``--load-format dummy`` and reports:
+``--load-format dummy`` and the engine flags given (``--attention-backend``, ``--page-size``,
+``--memory-ratio``, ``--enforce-eager``, ..., generated from ``EngineConfig``) and reports:
 - KV budget in tokens at a fixed byte budget (the seed's 2.90 GiB) and at the card's ratio
   (``memory_ratio`` x free memory - weights; activations not subtracted), through the engine's
-  own page solver (``engine.memory.decide_num_pages``);
+  own page solver (the pool's ``solve_pages``, kvcache/sizing.py);
 - decode throughput (tok/s) at batch 1 and 64 and ~1k and ~16k context: the pages of each request
   are filled with random KV (decode cost does not depend on the values), then timed decode steps
   run through the runner's CUDA graphs (or eager, with ``--enforce-eager``);
@@ -23,36 +24,46 @@ import json
 import os
 import time
 
-from kvfit.config import EngineConfig
+from kvfit.bench.configs import config_path
+from kvfit.config import add_engine_args, config_from_args
 
 GiB = 1 << 30
-DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks",
-                              "configs", "qwen3-1.7b.json")
+DEFAULT_CONFIG = config_path("qwen3-1.7b")
+# EngineConfig fields the bench sets itself per KV dtype and point, or (model) defaults
+# differently; every other engine flag comes from EngineConfig as in `kvfit generate`
+BENCH_SETS = ("model", "kv_dtype", "device", "load_format", "tokenizer", "num_pages", "num_tokens",
+              "max_model_len", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs",
+              "cpu_kv_space_gib")
 
 
-def _args(p):
-    p.add_argument("--model", default=os.path.normpath(DEFAULT_CONFIG),
-                   help="config.json (random weights) or model directory")
-    p.add_argument("--attention-backend", default=EngineConfig.attention_backend,
-                   help="as `kvfit generate` (default: the engine's, auto)")
-    p.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3,fp8_e5m2")
+def parser() -> argparse.ArgumentParser:
+    """The ``kvfit bench seed`` flags: the bench's own, then EngineConfig's engine flags."""
+    p = argparse.ArgumentParser(prog="kvfit bench seed", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_CONFIG,
+                   help="config.json (random weights) or model directory (default: the shipped "
+                        "Qwen3-1.7B config, kvfit/bench/configs/qwen3-1.7b.json)")
+    p.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3,fp8_e5m2",
+                   help="comma-separated KV dtypes, one engine (and one table column) each")
     p.add_argument("--contexts", default="1024,16384")
     p.add_argument("--batches", default="1,64")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per point")
     p.add_argument("--prefill-len", type=int, default=8192)
     p.add_argument("--budget-gib", type=float, default=2.90)
-    p.add_argument("--memory-ratio", type=float, default=0.9)
-    p.add_argument("--page-size", type=int, default=None,
-                   help="tokens per page (default: the engine's, 32 for fp8 on triton, else 16)")
-    p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--baseline", choices=["none", "hf"], default="none")
     p.add_argument("--out", default="bench-out/seed")
-
-
-def add_parser(subparsers):
-    p = subparsers.add_parser("seed", help="reproduce the seed's table on the GPU")
-    _args(p)
+    add_engine_args(p, skip=BENCH_SETS)
     return p
+
+
+def engine_config(args: argparse.Namespace, kv_dtype: str, num_tokens: int, max_model_len: int,
+                  max_batch: int):
+    """The EngineConfig of one KV dtype's runner: the engine flags given, random weights on
+    CUDA, a pool of ``num_tokens`` and graphs up to ``max_batch`` requests."""
+    return config_from_args(args, load_format="dummy", kv_dtype=kv_dtype, device="cuda",
+                            num_tokens=num_tokens, max_model_len=max_model_len,
+                            max_num_seqs=max_batch, cuda_graph_max_bs=max_batch,
+                            max_num_batched_tokens=args.prefill_len)
 
 
 def _sync():
@@ -61,7 +72,7 @@ def _sync():
     torch.cuda.synchronize()
 
 
-def _fill_pool(pool) -> None:
+def fill_pool(pool) -> None:
     """Random KV in every page (never time on uninitialised memory: NaN patterns, zeros)."""
     import torch
 
@@ -96,7 +107,7 @@ def decode_point(runner, batch: int, ctx: int, steps: int) -> float:
             hidden = runner.graphs.run(toks, pos, lens, tables)
         else:
             meta = build_metadata([1] * batch, lens, tables, ps, dev)
-            runner.backend.plan(meta)
+            runner.backend.prepare(meta)
             hidden = runner.model(toks, pos, runner.ctx)
         toks = runner.model.compute_logits(hidden).argmax(-1)
 
@@ -128,7 +139,7 @@ def prefill_point(runner, n: int) -> float:
         for _ in range(8):
             _sync()
             t0 = time.perf_counter()
-            runner.backend.plan(meta)
+            runner.backend.prepare(meta)
             hidden = runner.model(ids, pos, runner.ctx)
             runner.model.compute_logits(hidden[-1:])
             _sync()
@@ -180,10 +191,10 @@ def _estimate_weight_bytes(c) -> int:
 def run_dtype(args, kvd: str, contexts, batches, bw: float) -> dict:
     import torch
 
-    from kvfit.config import make_config
-    from kvfit.engine import memory
     from kvfit.engine.runner import ModelRunner
+    from kvfit.engine.settings import resolve_settings
     from kvfit.kvcache.dtypes import kv_format
+    from kvfit.kvcache.sizing import SizingLimits
     from kvfit.kvcache.spec import spec_kv_bytes_per_token
 
     torch.cuda.empty_cache()
@@ -203,23 +214,21 @@ def run_dtype(args, kvd: str, contexts, batches, bw: float) -> dict:
     card_budget = int(free * args.memory_ratio) - weight_bytes - 2 * GiB  # 2 GiB activations
     fit_tokens = card_budget // per_tok
     tokens = min(need, fit_tokens)
-    cfg = make_config(model=args.model, load_format="dummy", kv_dtype=kvd, device="cuda",
-                      attention_backend=args.attention_backend, page_size=args.page_size,
-                      num_tokens=tokens, max_model_len=max_ctx + args.steps + 8,
-                      max_num_seqs=max(batches), cuda_graph_max_bs=max(batches),
-                      max_num_batched_tokens=args.prefill_len,
-                      enforce_eager=args.enforce_eager)
-    runner = ModelRunner(cfg)
+    cfg = engine_config(args, kvd, tokens, max_ctx + args.steps + 8, max(batches))
+    settings = resolve_settings(cfg)
+    runner = ModelRunner(settings)
     ps = runner.pool.page_size
-    _fill_pool(runner.pool)
+
+    def budget_tokens(budget: int) -> int:
+        return settings.pool_cls.solve_pages(layers, fmt, ps, SizingLimits(budget)).tokens
+
+    fill_pool(runner.pool)
     rec = {"kv_dtype": kvd, "kv_bytes_per_token": per_tok, "weight_bytes": runner.weight_bytes,
            "backend": runner.backend_name, "page_size": ps,
            "startup_s": time.time() - t0,
-           "budget_tokens_fixed": memory.decide_num_pages(
-               layers, fmt, ps, int(args.budget_gib * GiB), None, None) * ps,
-           "budget_tokens_card": memory.decide_num_pages(
-               layers, fmt, ps, int(free * args.memory_ratio) - runner.weight_bytes, None,
-               None) * ps,
+           "budget_tokens_fixed": budget_tokens(int(args.budget_gib * GiB)),
+           "budget_tokens_card": budget_tokens(int(free * args.memory_ratio)
+                                               - runner.weight_bytes),
            "decode": [], "prefill_tok_s": None}
     cap = runner.pool.num_pages * ps
     for ctx in contexts:
@@ -310,10 +319,7 @@ def plot(res: dict, path: str) -> None:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``kvfit bench seed``; returns the exit status."""
-    p = argparse.ArgumentParser(prog="kvfit bench seed", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    _args(p)
-    args = p.parse_args(argv)
+    args = parser().parse_args(argv)
     import torch
 
     from kvfit.bench.kernels import copy_bandwidth

@@ -5,7 +5,7 @@ tensors: cu_seqlens_q, kv_lens, block_table, slot_mapping) and one graph per bat
 [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, ...] up to ``max_bs``. A step of bs requests runs the
 smallest captured size >= bs; padded rows get q_len 1, kv_len 1, a block-table row of page 0 and
 slot -1 (nothing stored), and their outputs are dropped. Before every replay the backend is
-planned outside the graph (``backend.plan_cuda_graph``), which FlashInfer's graph wrappers need
+prepared outside the graph (``backend.prepare_cuda_graph``), which FlashInfer's graph wrappers need
 and which fixes our Triton kernels' grid per batch size.
 """
 
@@ -52,9 +52,7 @@ class DecodeGraphs:
         self._host_table = torch.zeros((max_bs, self.max_pages), dtype=torch.int32)
         self._host_rows: list = [None] * max_bs
         self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
-        cfg = getattr(model, "config", None)
-        if cfg is not None and hasattr(self.backend, "num_q_heads"):
-            self.backend.num_q_heads = cfg.num_attention_heads
+        self.backend.num_q_heads = model.config.num_attention_heads  # known before any forward
         self.backend.init_cuda_graph(max_bs, self.max_pages)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -78,7 +76,7 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.device)
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
             meta = self._meta(bs, [1] * bs, [1] * bs, 0)
-            self.backend.plan_cuda_graph(meta)
+            self.backend.prepare_cuda_graph(meta)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):  # warm-up (compiles kernels, autotunes) off-graph
                 self.model.forward(self.input_ids[:bs], self.positions[:bs], self.ctx)
@@ -137,6 +135,6 @@ class DecodeGraphs:
         self.block_table[:gbs, :width].copy_(table[:gbs, :width], non_blocking=True)
         self.slot_mapping[:gbs].copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=True)
         meta = self._meta(gbs, kv_all, n_pages + [1] * (gbs - bs), bs)
-        self.backend.plan_cuda_graph(meta)
+        self.backend.prepare_cuda_graph(meta)
         self.graphs[gbs].replay()
         return self.outputs[gbs][:bs]

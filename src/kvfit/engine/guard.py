@@ -17,8 +17,8 @@ from kvfit.kvcache.spec import KVLayerSpec
 
 
 def _reasons(backend_name: str, pool_cls, fmt: KVFormat, page_size: int, device_type: str,
-             head_dims: set[int]) -> list[str]:
-    why = unavailable_reason(backend_name, device_type)
+             head_dims: set[int], assume_installed: bool) -> list[str]:
+    why = unavailable_reason(backend_name, device_type, assume_installed)
     if why:
         return [why]
     cls = backend_class(backend_name)
@@ -43,19 +43,24 @@ def _reasons(backend_name: str, pool_cls, fmt: KVFormat, page_size: int, device_
 
 
 def check_combination(backend_name: str, pool_cls, fmt: KVFormat, page_size: int,
-                      device_type: str, layers: Sequence[KVLayerSpec]) -> None:
-    """Raise UnsupportedCombinationError unless the combination is implemented."""
+                      device_type: str, layers: Sequence[KVLayerSpec],
+                      assume_installed: bool = False) -> None:
+    """Raise UnsupportedCombinationError unless the combination is implemented.
+    ``assume_installed``: as on a machine of ``device_type`` with every backend's packages
+    installed (``kvfit plan`` for a GPU, from any host)."""
     reasons = []
     if fmt.name not in pool_cls.supported_kv_dtypes:
         reasons.append(f"the {pool_cls.name} pool does not store {fmt.name} "
                        f"(stores {', '.join(sorted(pool_cls.supported_kv_dtypes))})")
     head_dims = {l.head_dim for l in layers}
-    reasons += _reasons(backend_name, pool_cls, fmt, page_size, device_type, head_dims)
+    reasons += _reasons(backend_name, pool_cls, fmt, page_size, device_type, head_dims,
+                        assume_installed)
     if not reasons:
         return
     working = [b for b in BACKENDS if b != backend_name
                and fmt.name in pool_cls.supported_kv_dtypes
-               and not _reasons(b, pool_cls, fmt, page_size, device_type, head_dims)]
+               and not _reasons(b, pool_cls, fmt, page_size, device_type, head_dims,
+                               assume_installed)]
     combo = (f"backend={backend_name}, pool={pool_cls.name}, kv_dtype={fmt.name}, "
              f"page_size={page_size}, device={device_type}")
     hint = (f"; these backends support it: {', '.join(working)} (--attention-backend)"

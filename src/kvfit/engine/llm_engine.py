@@ -12,7 +12,9 @@ import torch
 
 from kvfit.config import EngineConfig
 from kvfit.engine.detokenizer import IncrementalDetokenizer
+from kvfit.engine.request_check import check_request
 from kvfit.engine.runner import ModelRunner
+from kvfit.engine.settings import resolve_settings
 from kvfit.engine.sampler import sample, top_logprobs
 from kvfit.errors import RequestRejected
 from kvfit.kvcache.allocator import PageAllocator
@@ -30,10 +32,8 @@ class LLMEngine:
     """Owns the runner, the scheduler and every live request (mutated by ``step``/``abort``)."""
 
     def __init__(self, config: EngineConfig):
-        self.config = config
-        from kvfit.models.registry import resolve_model
-
-        src = resolve_model(config.model)
+        self.settings = resolve_settings(config)  # checked before anything is loaded
+        src = self.settings.source
         try:
             self.tokenizer = load_tokenizer(src, config.tokenizer)
         except Exception as e:  # a bare config.json (dummy weights) may come without one
@@ -41,14 +41,13 @@ class LLMEngine:
                 raise
             log.info("no tokenizer for %s (%s): token-id prompts only", config.model, e)
             self.tokenizer = None
-        self.runner = ModelRunner(config, self.tokenizer)
+        self.runner = ModelRunner(self.settings, self.tokenizer)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.hf_config.vocab_size
-        self.config = config = self.runner.config  # page_size resolved by the runner
+        self.config = config = self.settings.config  # page_size resolved
         self.allocator = self._make_allocator()
         self.scheduler = Scheduler(self.allocator, config.page_size, config.max_num_seqs,
-                                   config.max_num_batched_tokens,
-                                   getattr(self.runner.pool, "sliding_pages", None))
+                                   config.max_num_batched_tokens, self.runner.pool.sliding_pages)
         self.requests: dict[str, Request] = {}
         self.eos_ids = self._eos_ids()
         self._arrival = itertools.count()
@@ -97,19 +96,8 @@ class LLMEngine:
             text, ids = prompt, self.tokenizer(prompt)["input_ids"]
         else:
             text, ids = None, [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size}), got "
-                                      f"{bad[0]}", "prompt")
-        if not ids:
-            raise RequestRejected("the prompt is empty", "prompt")
-        room = self.max_model_len - len(ids)
-        if params.max_tokens is None:
-            if room < 1:
-                raise self._too_long(len(ids), 1)
-            params.max_tokens = room
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise self._too_long(len(ids), params.max_tokens)
+        params.max_tokens = check_request(ids, params.max_tokens, self.max_model_len,
+                                          self.vocab_size)
         gen = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else int(
@@ -119,12 +107,6 @@ class LLMEngine:
         req.detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         self.requests[request_id] = req
         self.scheduler.add(req)
-
-    def _too_long(self, n_prompt: int, n_out: int) -> RequestRejected:
-        return RequestRejected(
-            f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-            f"requested {n_prompt + n_out} tokens ({n_prompt} in the prompt, {n_out} in the "
-            f"completion). Please reduce the length of the prompt or completion.", "max_tokens")
 
     def abort_request(self, request_id: str) -> bool:
         """Finish a request as 'abort' and free its pages now. False if unknown/finished."""

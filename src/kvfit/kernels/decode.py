@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-_K = {}
-_LAST = [None]  # the last compiled split kernel (benchmarks read its registers/smem)
+from kvfit.kernels import decode_kernels
+
 LOG2E = 1.4426950408889634
 
 
@@ -35,7 +35,7 @@ class DecodeConfig:
 
 
 def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_kv_len: int,
-                  kv_dtype: torch.dtype, q_dtype: torch.dtype, num_sms: int = 132,
+                  cache_dtype: torch.dtype, q_dtype: torch.dtype, num_sms: int = 132,
                   use_dot: bool | None = None, block_n: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
                   maxnreg: int | None = None, ctas_per_sm: int | None = None,
@@ -50,9 +50,9 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
     fp8 over token-minor V: 64-token tiles, 5 pipeline stages (two tiles in flight) and a
     128-register cap, i.e. 4 programs per SM (2.9-3.05 TB/s against 2.5-2.7 for the HND tile).
     """
-    fp8 = kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    fp8 = cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if use_dot is None:
-        use_dot = q_dtype in (torch.bfloat16, torch.float16) and kv_dtype != torch.float32
+        use_dot = q_dtype in (torch.bfloat16, torch.float16) and cache_dtype != torch.float32
     small = head_dim <= 128
     if not use_dot:
         tile = (16, 2, None, 4)  # block_n, num_stages, maxnreg, ctas_per_sm
@@ -84,6 +84,43 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
                         v_t)
 
 
+def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_scale: float,
+                  cfg: DecodeConfig, k_scale: float, v_scale: float, softcap: float | None,
+                  window: int | None):
+    """(jitted split kernel, grid, positional args, launch options) of one decode call."""
+    import triton
+
+    split_k, _, split_fma = decode_kernels.build()
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    group = hq // hkv
+    g_pad = max(triton.next_power_of_2(group), 16 if cfg.use_dot else 1)
+    s = cfg.num_splits
+    args = (q, k_cache, v_cache, block_table, kv_lens, out, op, lse,
+            float(sm_scale * k_scale * LOG2E), float(softcap or 0.0), int(window or 0),
+            float(v_scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), block_table.stride(0), s)
+    opts = dict(G=group, G_PAD=g_pad, D=d, PAGE=k_cache.shape[2], BLOCK_N=cfg.block_n,
+                V_T=cfg.v_t, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
+                SINGLE=s == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.maxnreg:
+        opts["maxnreg"] = cfg.maxnreg
+    if cfg.use_dot:
+        opts["F16"] = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        return split_k, (b, hkv, s), args, opts
+    return split_fma, (b, hkv, s), args, opts
+
+
+def _scratch(q, cfg: DecodeConfig, scratch):
+    b, hq, d = q.shape
+    if cfg.num_splits == 1:
+        return None, None
+    if scratch is not None:
+        return scratch
+    return (torch.empty((b * hq * cfg.num_splits, d), dtype=torch.float32, device=q.device),
+            torch.empty((b * hq * cfg.num_splits,), dtype=torch.float32, device=q.device))
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_table: torch.Tensor, kv_lens: torch.Tensor, out: torch.Tensor,
                  sm_scale: float, cfg: DecodeConfig, k_scale: float = 1.0, v_scale: float = 1.0,
@@ -95,42 +132,36 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ``scratch`` = (op ``[>= B*Hq*S, D]`` f32, lse ``[>= B*Hq*S]`` f32) lets CUDA-graph callers pass
     static buffers; otherwise they are allocated here when ``cfg.num_splits > 1``.
     """
-    if "k" not in _K:
-        from kvfit.kernels.decode_kernels import build
-
-        _K["k"] = build()
-    split_k, merge_k, split_fma = _K["k"]
     import triton
 
-    b, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    group = hq // hkv
-    g_pad = max(triton.next_power_of_2(group), 16 if cfg.use_dot else 1)
-    s = cfg.num_splits
-    single = s == 1
+    op, lse = _scratch(q, cfg, scratch)
+    single = op is None
     if single:
-        op = lse = out  # unused
-    elif scratch is not None:
-        op, lse = scratch
-    else:
-        op = torch.empty((b * hq * s, d), dtype=torch.float32, device=q.device)
-        lse = torch.empty((b * hq * s,), dtype=torch.float32, device=q.device)
-    fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    args = (q, k_cache, v_cache, block_table, kv_lens, out, op, lse,
-            float(sm_scale * k_scale * LOG2E), float(softcap or 0.0), int(window or 0),
-            float(v_scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), block_table.stride(0), s)
-    common = dict(G=group, G_PAD=g_pad, D=d, PAGE=k_cache.shape[2], BLOCK_N=cfg.block_n,
-                  V_T=cfg.v_t, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-                  SINGLE=single, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if cfg.maxnreg:
-        common["maxnreg"] = cfg.maxnreg
-    if cfg.use_dot:
-        kern = split_k[(b, hkv, s)](*args, F16=fp8, **common)
-    else:
-        kern = split_fma[(b, hkv, s)](*args, **common)
-    _LAST[0] = kern
+        op = lse = out  # unused by the single-split kernel
+    kern, grid, args, opts = _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op,
+                                           lse, sm_scale, cfg, k_scale, v_scale, softcap, window)
+    kern[grid](*args, **opts)
     if not single:
+        b, hq, d = q.shape
+        s = cfg.num_splits
+        merge_k = decode_kernels.build()[1]
         merge_k[(b, hq)](op, lse, out, float(v_scale), out.stride(0), out.stride(1), s, hq,
                          D=d, S_PAD=triton.next_power_of_2(s), num_warps=4 if d >= 128 else 2)
     return out
+
+
+def compiled_split_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_table: torch.Tensor, kv_lens: torch.Tensor, out: torch.Tensor,
+                          sm_scale: float, cfg: DecodeConfig, softcap: float | None = None,
+                          window: int | None = None):
+    """The compiled split kernel that ``paged_decode`` launches for these arguments (Triton's
+    ``CompiledKernel``: ``n_regs``, ``metadata.shared``), compiled or looked up without a launch.
+
+    For kernel studies that read registers and shared memory per launch variant; writes nothing.
+    """
+    op, lse = _scratch(q, cfg, None)
+    if op is None:
+        op = lse = out
+    kern, grid, args, opts = _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op,
+                                           lse, sm_scale, cfg, 1.0, 1.0, softcap, window)
+    return kern.warmup(*args, grid=grid, **opts)

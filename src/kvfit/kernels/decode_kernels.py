@@ -25,9 +25,12 @@ Kernels own nothing; they write ``OUT`` or the split scratch ``OP``/``LSE``.
 
 from __future__ import annotations
 
+import functools
 
+
+@functools.cache
 def build():
-    """Compile-on-first-use kernels: (split, merge, split_fma)."""
+    """The jitted kernels (split, merge, split_fma), built once per process on first use."""
     import triton
     import triton.language as tl
 

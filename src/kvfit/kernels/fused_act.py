@@ -13,15 +13,17 @@ for x << 0.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
-_KERNEL = None
 
 
-def _build():
+@functools.cache
+def build():
+    """The jitted gated-activation kernel, built once per process on first use."""
     import triton
     import triton.language as tl
 
@@ -50,11 +52,8 @@ def act_and_mul(gate_up: torch.Tensor, act: str = "silu",
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``act(gate_up[..., :I]) * gate_up[..., I:]`` -> new ``[..., I]`` tensor (or ``out``),
     gate_up's dtype."""
-    global _KERNEL
     if act not in ACTIVATIONS:
         raise ValueError(f"activation {act!r} has no fused kernel; known: {', '.join(ACTIVATIONS)}")
-    if _KERNEL is None:
-        _KERNEL = _build()
     import triton
 
     two_i = gate_up.shape[-1]
@@ -75,7 +74,7 @@ def act_and_mul(gate_up: torch.Tensor, act: str = "silu",
         return out
     block = min(1024, triton.next_power_of_2(inter))
     grid = (t, triton.cdiv(inter, block))
-    _KERNEL[grid](x, out, inter, x.stride(0), ACT=ACTIVATIONS[act], BLOCK=block,
+    build()[grid](x, out, inter, x.stride(0), ACT=ACTIVATIONS[act], BLOCK=block,
                   num_warps=4 if block >= 512 else 1)
     return out
 

@@ -20,16 +20,17 @@ float32 tree reduction), so outputs agree to within one rounding of the output d
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
 from kvfit.kernels.outputs import check_out
 
-_KERNEL = None
 
-
-def _build():
+@functools.cache
+def build():
+    """The jitted (residual-add +) RMSNorm kernel, built once per process on first use."""
     import triton
     import triton.language as tl
 
@@ -77,9 +78,6 @@ def _rows_view(x: torch.Tensor):
 
 
 def _launch(x, residual, weight, eps, offset, out, rout):
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = _build()
     import triton
 
     shape = x.shape
@@ -107,7 +105,7 @@ def _launch(x, residual, weight, eps, offset, out, rout):
     block_r = max(1, min(16, 2048 // block_n))  # several short rows (head_dim) per program
     num_warps = min(16, max(1, block_r * block_n // 256))
     grid = (triton.cdiv(n_rows, block_r),)
-    _KERNEL[grid](xv, rv, weight, out, rout, n_rows, heads, sx0, sx1, sr0, sr1,
+    build()[grid](xv, rv, weight, out, rout, n_rows, heads, sx0, sx1, sr0, sr1,
                   float(eps), float(offset), N=n, BLOCK_R=block_r, BLOCK_N=block_n,
                   HAS_RES=residual is not None, HAS_OFFSET=bool(offset), num_warps=num_warps)
     return out, rout

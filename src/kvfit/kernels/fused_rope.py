@@ -17,16 +17,17 @@ Optionally a per-head RMSNorm of q and k runs first in the same launch (``qk_nor
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
 from kvfit.kernels.outputs import check_out
 
-_KERNEL = None
 
-
-def _build():
+@functools.cache
+def build():
+    """The jitted RoPE kernel, built once per process on first use."""
     import triton
     import triton.language as tl
 
@@ -112,9 +113,6 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     q and k (Qwen3's and Gemma 3's q_norm/k_norm, same roundings as ``fused_norm.rms_norm``) in
     the same launch: norm, rounded to the dtype, then RoPE.
     """
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = _build()
     import triton
 
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
@@ -147,7 +145,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         if qw.shape != (d,) or kw.shape != (d,):
             raise ValueError(f"q/k norm weights of shapes {tuple(qw.shape)}, {tuple(kw.shape)} "
                              f"do not match head_dim {d}")
-    _KERNEL[grid](q, k, qo, ko, positions, cos, sin, qw, kw, q.stride(0), q.stride(1),
+    build()[grid](q, k, qo, ko, positions, cos, sin, qw, kw, q.stride(0), q.stride(1),
                   k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), float(eps),
                   float(offset), HQ=hq, HK=hk, D=d, HALF=half, BLOCK_H=bh, BLOCK_HALF=bhalf,
                   BLOCK_P=bp, NORM=qk_norm is not None, HAS_OFFSET=bool(offset),

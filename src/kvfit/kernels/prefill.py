@@ -6,26 +6,29 @@ Rows of a program are (token, query head of the group) pairs, row r -> token r /
 so one program per KV head loads each KV tile once for all G query heads sharing it. Decode
 tokens of a mixed batch are simply requests with q_len 1.
 
-The host plan (``plan_blocks``) lists (request, first row) per program once per step, heaviest
-block first; the kernel reads q offsets and lengths from ``cu_seqlens_q`` and ``kv_lens`` on the
-device. A block's KV tiles split into three runs: tiles that may cross the sliding window's lower
-edge, tiles wholly visible to every row (no masks on loads or logits), and tiles that cross the
-causal diagonal or the end of the cache; only the first and last runs pay for masks.
+The host-side ``order_prefill_blocks`` lists (request, first row) per program once per step,
+heaviest block first; the kernel reads q offsets and lengths from ``cu_seqlens_q`` and
+``kv_lens`` on the device. A block's KV tiles split into three runs: tiles that may cross the
+sliding window's lower edge, tiles wholly visible to every row (no masks on loads or logits),
+and tiles that cross the causal diagonal or the end of the cache; only the first and last runs
+pay for masks.
 Owns nothing; writes ``out``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import torch
 
-_K = {}
 LOG2E = 1.4426950408889634
 
 
-def _build():
+@functools.cache
+def build():
+    """The jitted prefill kernel, built once per process on first use."""
     import triton
     import triton.language as tl
 
@@ -105,8 +108,8 @@ def _build():
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_T: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
                  F16: tl.constexpr):
-        # one program per (planned block, KV head); heads vary fastest so the heaviest blocks
-        # (listed first by plan_blocks) start first on every head
+        # one program per (listed block, KV head); heads vary fastest so the heaviest blocks
+        # (listed first by order_prefill_blocks) start first on every head
         pid = tl.program_id(0)
         blk = pid // HKV
         h = pid % HKV
@@ -165,13 +168,6 @@ def _build():
     return _prefill
 
 
-def _kernel():
-    """The compiled-on-first-use Triton prefill kernel (built once per process)."""
-    if "k" not in _K:
-        _K["k"] = _build()
-    return _K["k"]
-
-
 @dataclasses.dataclass(frozen=True)
 class PrefillConfig:
     """Launch shape of the prefill kernel: rows (token x head pairs) and KV tokens per tile,
@@ -183,7 +179,7 @@ class PrefillConfig:
 
 
 def prefill_config(head_dim: int, q_dtype: torch.dtype,
-                   kv_dtype: torch.dtype | None = None) -> PrefillConfig:
+                   cache_dtype: torch.dtype | None = None) -> PrefillConfig:
     """Measured on the H200 against FlashInfer fa2 (docs/kernels.md, explore_prefill.py).
 
     5 stages are the fewest at which Triton overlaps the block-table tile loads with the MMAs
@@ -191,18 +187,18 @@ def prefill_config(head_dim: int, q_dtype: torch.dtype,
     16-bit pages 128 rows x 8 warps (0.83-1.15x FlashInfer's time at 16k-1k prompts), fp8 pages
     64 rows x 4 warps (0.91-1.13x). 64-d heads: 64 rows, 4 warps, 2 stages (0.45-0.75x). Heads
     over 128 keep 32-token tiles and 2 stages (shared memory)."""
-    if q_dtype == torch.float32 or kv_dtype == torch.float32:  # exact float32 products
+    if q_dtype == torch.float32 or cache_dtype == torch.float32:  # exact float32 products
         return PrefillConfig(16, 16, 4, 1)
     if head_dim > 128:
         return PrefillConfig(64, 32, 4, 2)
     if head_dim <= 64:
         return PrefillConfig(64, 64, 4, 2)
-    if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return PrefillConfig(64, 64, 4, 5)
     return PrefillConfig(128, 64, 8, 5)
 
 
-def plan_blocks(q_lens: Sequence[int], group: int, block_m: int, device,
+def order_prefill_blocks(q_lens: Sequence[int], group: int, block_m: int, device,
                 kv_lens: Sequence[int] | None = None) -> torch.Tensor:
     """[NB, 2] int32 (request, first row) for every program of a step (host work, one copy).
 
@@ -227,10 +223,10 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   k_scale: float = 1.0, v_scale: float = 1.0, softcap: float | None = None,
                   window: int | None = None, v_t: bool = False) -> torch.Tensor:
     """q ``[T, Hq, D]`` -> ``out [T, Hq, D]`` (written) for the programs listed in ``blocks``
-    (``plan_blocks`` with ``cfg.block_m`` rows).
+    (``order_prefill_blocks`` with ``cfg.block_m`` rows).
 
     K pages ``[pages, Hkv, P, D]``; V the same, or token-minor ``[pages, Hkv, D, P]`` if ``v_t``."""
-    kern = _kernel()
+    kern = build()
     nb = blocks.shape[0]
     if nb == 0:
         return out

@@ -12,19 +12,15 @@ then cast (a plain cast at scale 1). Slots < 0 are skipped.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-_K = {}
 
-
-def _kernels():
-    if "k" not in _K:
-        _K["k"] = _build()
-    return _K["k"]
-
-
-def _build():
-    """(slot-mapped store kernel, page-chunk store kernel), compiled on first use."""
+@functools.cache
+def build():
+    """The jitted (slot-mapped store kernel, page-chunk store kernel), built once per process on
+    first use."""
     import triton
     import triton.language as tl
 
@@ -151,12 +147,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     import triton
 
     block = triton.next_power_of_2(h * d)
-    _kernels()[0][(t,)](k, v, k_cache, v_cache, slot_mapping, k_inv, v_inv, max_finite,
-                        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                        k_cache.stride(0), k_cache.stride(1),
-                        H=h, D=d, PAGE=k_cache.shape[2], BLOCK=block, QUANT=quant,
-                        SCALED=scaled, V_T=v_layout == "HDN",
-                        num_warps=4 if block >= 1024 else 2)
+    build()[0][(t,)](k, v, k_cache, v_cache, slot_mapping, k_inv, v_inv, max_finite,
+                     k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                     k_cache.stride(0), k_cache.stride(1),
+                     H=h, D=d, PAGE=k_cache.shape[2], BLOCK=block, QUANT=quant,
+                     SCALED=scaled, V_T=v_layout == "HDN",
+                     num_warps=4 if block >= 1024 else 2)
 
 
 def chunk_tokens(page_size: int) -> int:
@@ -164,7 +160,7 @@ def chunk_tokens(page_size: int) -> int:
     return min(page_size, 32)
 
 
-def plan_store_chunks(q_lens, kv_lens, page_size: int, device) -> torch.Tensor:
+def split_store_chunks(q_lens, kv_lens, page_size: int, device) -> torch.Tensor:
     """[NC, 2] int32 (request, first position) covering every request's new positions
     ``[kv_len - q_len, kv_len)`` in page-aligned chunks of ``chunk_tokens(page_size)``."""
     pp = chunk_tokens(page_size)
@@ -183,7 +179,7 @@ def store_kv_chunks(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 
     k, v ``[T, Hkv, D]`` hold the requests' new tokens back to back (``cu_seqlens_q``), at
     positions ``kv_len - q_len ..`` mapped to slots through ``block_table``; ``chunks`` is
-    ``plan_store_chunks``. Writes the same bytes as ``store_kv`` with the equivalent slot
+    ``split_store_chunks``. Writes the same bytes as ``store_kv`` with the equivalent slot
     mapping, with a page row's tokens written together. Mutates the caches. No host syncs."""
     t, h, d = k.shape
     if t == 0 or chunks.shape[0] == 0:
@@ -191,7 +187,7 @@ def store_kv_chunks(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     k, v, (quant, scaled, k_inv, v_inv, max_finite) = _checked(
         k, v, k_cache, v_cache, fmt, k_scale, v_scale, "HDN", "store_kv_chunks")
     page = k_cache.shape[2]
-    _kernels()[1][(chunks.shape[0], h)](
+    build()[1][(chunks.shape[0], h)](
         k, v, k_cache, v_cache, chunks, cu_seqlens_q, kv_lens, block_table, k_inv, v_inv,
         max_finite, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), block_table.stride(0),

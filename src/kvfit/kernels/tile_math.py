@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import types
 
-_K = {}
 
-
+@functools.cache
 def build() -> types.SimpleNamespace:
     """The shared helpers, built on first use (Triton is imported only then):
     ``softcap_logits``, ``tile_logits`` (Q@K^T, scaled or soft-capped), ``softmax_pv`` (one tile of
     online softmax + P@V) and ``request_span``."""
-    if "k" in _K:
-        return _K["k"]
     import triton
     import triton.language as tl
 
@@ -59,6 +57,5 @@ def build() -> types.SimpleNamespace:
         q_len = tl.load(CU + req + 1) - q_start
         return q_start, q_len, tl.load(KVLEN + req) - q_len
 
-    _K["k"] = types.SimpleNamespace(softcap_logits=softcap_logits, tile_logits=tile_logits,
-                                    softmax_pv=softmax_pv, request_span=request_span)
-    return _K["k"]
+    return types.SimpleNamespace(softcap_logits=softcap_logits, tile_logits=tile_logits,
+                                 softmax_pv=softmax_pv, request_span=request_span)

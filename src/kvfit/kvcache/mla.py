@@ -34,13 +34,14 @@ class MLAKVCache(KVPool):
     layer_kinds = frozenset({"mla"})
 
     def __init__(self, layers: Sequence[KVLayerSpec], num_pages: int, page_size: int,
-                 fmt: KVFormat, device: torch.device, k_scales=None, v_scales=None):
+                 fmt: KVFormat, device: torch.device, k_scales=None, v_scales=None,
+                 v_layout: str = "HND"):
         if v_scales is not None and k_scales is not None and list(map(float, v_scales)) != list(
                 map(float, k_scales)):
             raise ValueError("MLAKVCache has one scale per layer (k_scales) for the latent slab; "
                              "v_scales must be omitted or equal to k_scales")
         super().__init__(layers, num_pages, page_size, fmt, device, k_scales,
-                         k_scales if v_scales is None else v_scales)
+                         k_scales if v_scales is None else v_scales, v_layout)
         for spec in self.layers:
             if spec.kind != "mla" or spec.num_kv_heads != 1:
                 raise ValueError(f"MLAKVCache holds only KVLayerSpec('mla', 1, slab) layers, got "

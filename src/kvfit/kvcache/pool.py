@@ -13,30 +13,59 @@ docs/kernels.md). Same bytes per page either way; K is always HND.
 
 from __future__ import annotations
 
-from typing import ClassVar, Optional, Sequence
+from typing import TYPE_CHECKING, ClassVar, Optional, Sequence
 
 import torch
 
 from kvfit.kvcache.dtypes import KV_FORMATS, KVFormat
 from kvfit.kvcache.quant import dequantize, quantize
+from kvfit.kvcache.sizing import PoolSizing, SizingLimits, size_by_price
 from kvfit.kvcache.spec import KVLayerSpec, spec_kv_bytes_per_token
+
+if TYPE_CHECKING:
+    from kvfit.kvcache.sliding_pages import SlidingWindowPages
 
 
 class KVPool:
-    """Base of all pools. Subclasses declare which layer kinds and KV formats they hold."""
+    """Base of all pools. Subclasses declare which layer kinds and KV formats they hold, and size
+    themselves (``solve_pages`` -> ``PoolSizing`` -> ``from_sizing``), so no caller needs to know
+    which pool it holds.
+
+    ``sliding_pages`` is the pool's ``SlidingWindowPages`` when its sliding layers have a page
+    space of their own (the scheduler drives it, the step metadata reads it), None otherwise.
+    """
 
     name: ClassVar[str] = "KVPool"
     layer_kinds: ClassVar[frozenset[str]] = frozenset()
     supported_kv_dtypes: ClassVar[frozenset[str]] = frozenset(KV_FORMATS)
     v_layouts: ClassVar[frozenset[str]] = frozenset({"HND"})  # how V pages can be ordered
-    v_layout: str = "HND"  # how this pool's V pages are ordered
+    sliding_pages: Optional[SlidingWindowPages] = None
     # why full pages of this pool cannot be shared by prefix caching (None: they can)
     prefix_caching_refusal: ClassVar[Optional[str]] = None
+
+    @classmethod
+    def solve_pages(cls, layers: Sequence[KVLayerSpec], fmt: KVFormat, page_size: int,
+                    limits: SizingLimits) -> PoolSizing:
+        """How many pages this pool gets within ``limits`` (the price list of kvcache/spec.py);
+        raises ``KVBudgetError`` naming the flags that help when nothing fits."""
+        return size_by_price(layers, fmt, page_size, limits)
+
+    @classmethod
+    def from_sizing(cls, sizing: PoolSizing, layers: Sequence[KVLayerSpec], fmt: KVFormat,
+                    device: torch.device, k_scales: Optional[Sequence[float]] = None,
+                    v_scales: Optional[Sequence[float]] = None, v_layout: str = "HND"):
+        """The pool ``solve_pages`` sized (allocates its tensors)."""
+        return cls(layers, sizing.num_pages, sizing.page_size, fmt, device, k_scales, v_scales,
+                   v_layout=v_layout)
 
     def __init__(self, layers: Sequence[KVLayerSpec], num_pages: int, page_size: int,
                  fmt: KVFormat, device: torch.device,
                  k_scales: Optional[Sequence[float]] = None,
-                 v_scales: Optional[Sequence[float]] = None):
+                 v_scales: Optional[Sequence[float]] = None, v_layout: str = "HND"):
+        if v_layout not in self.v_layouts:
+            raise ValueError(f"v_layout must be one of {', '.join(sorted(self.v_layouts))} for the "
+                             f"{self.name} pool, got {v_layout!r}")
+        self.v_layout = v_layout  # how this pool's V pages are ordered
         self.layers = list(layers)
         self.num_layers = len(self.layers)
         self.num_pages = num_pages
@@ -79,10 +108,7 @@ class MHAKVCache(KVPool):
 
     def __init__(self, layers, num_pages, page_size, fmt, device, k_scales=None, v_scales=None,
                  v_layout: str = "HND"):
-        super().__init__(layers, num_pages, page_size, fmt, device, k_scales, v_scales)
-        if v_layout not in self.v_layouts:
-            raise ValueError(f"v_layout must be one of {sorted(self.v_layouts)}, got {v_layout!r}")
-        self.v_layout = v_layout
+        super().__init__(layers, num_pages, page_size, fmt, device, k_scales, v_scales, v_layout)
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
         for spec in self.layers:

@@ -32,6 +32,11 @@ class KVLayerSpec:
         return self.num_kv_heads * per_head
 
 
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages of ``page_size`` tokens that hold ``num_tokens`` tokens (rounded up)."""
+    return -(-num_tokens // page_size)
+
+
 def spec_kv_bytes_per_token(layers: Sequence[KVLayerSpec], fmt: KVFormat,
                             kinds: Optional[Sequence[str]] = None) -> int:
     """Bytes one token costs across ``layers`` (optionally only the given kinds) in format ``fmt``.

@@ -45,7 +45,7 @@ class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, sliding=None):
         self.allocator = allocator
-        self.sliding = sliding  # SlidingWindowPages of a windowed HybridSWAKVCache, else None
+        self.sliding = sliding  # the pool's sliding_pages (SlidingWindowPages) or None
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

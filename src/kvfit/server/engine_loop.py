@@ -96,6 +96,7 @@ class EngineLoop:
         self.engine: Any = None
         self.tokenizer: Any = None
         self.max_model_len: Optional[int] = None
+        self.vocab_size: Optional[int] = None
         self.metrics = ServerMetrics(lambda: self._stats, lambda: self.state == "ready")
 
     # ---- called from any thread -----------------------------------------------------------
@@ -157,6 +158,7 @@ class EngineLoop:
             eng = self._factory()
             self.engine, self.tokenizer = eng, eng.tokenizer
             self.max_model_len = eng.max_model_len
+            self.vocab_size = eng.vocab_size
             self._stats = dict(eng.stats())
         except BaseException as e:  # noqa: BLE001 - reported through /health and the log
             if isinstance(e, _USER_ERRORS):  # a message naming the fix; no traceback needed

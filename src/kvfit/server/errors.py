@@ -54,17 +54,8 @@ def model_not_found(name: str) -> APIError:
                     code="model_not_found")
 
 
-def context_too_long(max_len: int, prompt_len: int, max_tokens: int, chat: bool) -> APIError:
-    what = "messages" if chat else "prompt"
-    return APIError(
-        400, f"This model's maximum context length is {max_len} tokens. However, you requested "
-             f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} in the "
-             f"completion). Please reduce the length of the {what} or completion.",
-        param="max_tokens" if prompt_len < max_len else what, code="context_length_exceeded")
-
-
 def rejected(e: RequestRejected) -> APIError:
-    return APIError(400, str(e), param=e.param)
+    return APIError(400, str(e), param=e.param, code=e.code)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:

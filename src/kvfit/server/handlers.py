@@ -11,8 +11,9 @@ from typing import Any, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvfit.engine.request_check import check_request
 from kvfit.server.engine_loop import Delta, EngineLoop
-from kvfit.server.errors import APIError, context_too_long, sse_error
+from kvfit.server.errors import APIError, sse_error
 from kvfit.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                    ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                                    ChatLogprobs, ChatMessageOut, ChatTokenLogprob, ChatTopLogprob,
@@ -78,20 +79,11 @@ def _sse(model) -> str:
     return f"data: {model.model_dump_json(exclude_unset=False)}\n\n"
 
 
-def _check_context(loop: EngineLoop, n_prompt: int, max_tokens: Optional[int], chat: bool) -> int:
-    """The max_tokens to use (remaining context when None); APIError when over the context."""
-    limit = loop.max_model_len
-    if n_prompt == 0:
-        raise APIError(400, "the prompt is empty", param="messages" if chat else "prompt")
-    if max_tokens is None:
-        if n_prompt >= limit:
-            raise context_too_long(limit, n_prompt, 1, chat)
-        return limit - n_prompt
-    if max_tokens < 1:
-        raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
-    if n_prompt + max_tokens > limit:
-        raise context_too_long(limit, n_prompt, max_tokens, chat)
-    return max_tokens
+def _check_context(loop: EngineLoop, ids: list[int], max_tokens: Optional[int], chat: bool) -> int:
+    """The max_tokens to use (remaining context when None); ``RequestRejected`` (a 400 with its
+    ``param`` and ``code``) when the request can never be served: the engine's own check."""
+    return check_request(ids, max_tokens, loop.max_model_len, loop.vocab_size,
+                         "messages" if chat else "prompt")
 
 
 def _expand(req, ids: list[int], max_tokens: int, logprobs, prompt_logprobs=None) -> list:
@@ -166,7 +158,7 @@ async def create_completion(req: CompletionRequest, raw: Request, loop: EngineLo
     prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
     jobs: list = []
     for _, ids in prompts:
-        max_tokens = _check_context(loop, len(ids), req.max_tokens, chat=False)
+        max_tokens = _check_context(loop, ids, req.max_tokens, chat=False)
         jobs += _expand(req, ids, max_tokens, req.logprobs, prompt_lp)
     echo_text = [(t if t is not None else (tok.decode(ids) if tok is not None else ""))
                  if req.echo else "" for t, ids in prompts for _ in range(req.n)]
@@ -277,7 +269,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, loop:
     tok = loop.tokenizer
     ids = chat_prompt_ids(req, tok)
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = _check_context(loop, len(ids), asked, chat=True)
+    max_tokens = _check_context(loop, ids, asked, chat=True)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     jobs = _expand(req, ids, max_tokens, logprobs)
     sub = Submission(loop, jobs, raw)

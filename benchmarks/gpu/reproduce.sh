@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# Reproduces the published figures: every table of docs/benchmarks.md and the measurements that
+# docs/kernels.md cites. Run from anywhere in the repository on the GPU machine (one H200 for the
+# published figures); `quality` runs on any machine (CPU).
+#
+#   bash benchmarks/gpu/reproduce.sh [TARGET ...]        (default: seed kernels)
+#
+# Each target writes $OUT/<name>/ (OUT defaults to ./out) where <name> is the stem of the file in
+# benchmarks/results/h200/ that holds the published run, plus <name>.log with the printed table.
+# Device minutes per target on the H200 (device calls are limited to 10 minutes: run the groups
+# one per call):
+#   seed-defaults      `kvfit bench seed`, no engine flags (auto backend and page size)      ~3
+#   seed-triton        the same with --attention-backend triton                             ~3
+#   seed-fp8-page32    fp8 at pages of 32 on the triton and fi backends                     ~3
+#   seed-batch1        batch 1 and 64 at 1k/16k (triton, pages of 16) + HF generate()       ~3
+#   decode-page16      `kvfit bench kernels` decode grid at pages of 16, ours vs FlashInfer ~4
+#   decode-page32      decode grid at pages of 32 (the fp8 default), ours vs FlashInfer    ~2
+#   decode-page-size   fp8 decode at pages of 32 and 64, Qwen3 and Llama heads             ~2
+#   prefill            `kvfit bench kernels --no-decode`: prefill vs FlashInfer fa2          ~2
+#   studies            ncu, profiler and launch sweeps of docs/kernels.md (needs ncu)       ~10
+#   quality            the CPU quality tables (`kvfit bench quality`): hours on 2 CPU cores
+#   tests              the GPU tests (tests/gpu)                                            ~4
+# Groups: seed = the four seed-*; kernels = decode-page16 decode-page32 decode-page-size prefill.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+kvfit() { python3 -m kvfit.cli "$@"; }
+
+gpu_env() {
+  [ -n "${_GPU_ENV:-}" ] && return 0
+  # shellcheck source=benchmarks/gpu/setup.sh
+  source benchmarks/gpu/setup.sh || { echo "GPU setup failed"; exit 1; }
+  _GPU_ENV=1
+}
+
+# run NAME CMD...: CMD's output in $OUT/NAME.log (its files go where CMD's --out or OUT says)
+run() {
+  local name=$1; shift
+  echo "== $name: $*"
+  "$@" > "$OUT/$name.log" 2>&1
+  echo "   rc=$? after ${SECONDS}s"; grep -E "^\|" "$OUT/$name.log" | head -40
+}
+
+# table NAME KIND: the markdown table of docs/benchmarks.md from a `kvfit bench kernels` run
+table() {
+  python3 benchmarks/kernels/tables.py "$OUT/$1/kernels.json" "$2" | tee "$OUT/$1.md"
+}
+
+SEED=(bench seed --kv-dtypes bfloat16,fp8_e4m3 --contexts 16384,32768 --batches 16,64 --steps 24
+      --prefill-len 2048)
+
+target() {
+  case $1 in
+    seed) for t in seed-defaults seed-triton seed-fp8-page32 seed-batch1; do target $t; done ;;
+    kernels) for t in decode-page16 decode-page32 decode-page-size prefill; do target $t; done ;;
+    seed-defaults) gpu_env
+      run seed_default_flags kvfit "${SEED[@]}" --out "$OUT/seed_default_flags" ;;
+    seed-triton) gpu_env
+      run seed_triton_backend kvfit "${SEED[@]}" --attention-backend triton \
+        --out "$OUT/seed_triton_backend" ;;
+    seed-fp8-page32) gpu_env
+      for be in triton fi; do
+        run seed_fp8_page32_$be kvfit bench seed --kv-dtypes fp8_e4m3 --contexts 16384,32768 \
+          --batches 16,64 --steps 24 --prefill-len 2048 --page-size 32 --attention-backend $be \
+          --out "$OUT/seed_fp8_page32_$be"
+      done ;;
+    seed-batch1) gpu_env
+      run seed_hf_baseline kvfit bench seed --kv-dtypes bfloat16,fp8_e4m3 --contexts 1024,16384 \
+        --batches 1,64 --steps 32 --prefill-len 8192 --attention-backend triton --page-size 16 \
+        --baseline hf --out "$OUT/seed_hf_baseline" ;;
+    decode-page16) gpu_env
+      run decode_vs_flashinfer_page16 kvfit bench kernels --page-size 16 --no-prefill \
+        --out "$OUT/decode_vs_flashinfer_page16"
+      table decode_vs_flashinfer_page16 decode ;;
+    decode-page32) gpu_env
+      run decode_vs_flashinfer_page32 kvfit bench kernels --page-size 32 --batches 8,32,128 \
+        --contexts 4096,16384,65536 --no-prefill --out "$OUT/decode_vs_flashinfer_page32"
+      table decode_vs_flashinfer_page32 decode ;;
+    decode-page-size) gpu_env
+      for ps in 32 64; do
+        run decode_fp8_page_size_$ps kvfit bench kernels --page-size $ps \
+          --layouts qwen3-1.7b,llama-3.1-8b --batches 32,128 --contexts 16384 --no-prefill \
+          --no-fi --out "$OUT/decode_fp8_page_size_$ps"
+        grep -E "^decode" "$OUT/decode_fp8_page_size_$ps.log"
+      done ;;
+    prefill) gpu_env
+      run prefill_vs_flashinfer kvfit bench kernels --no-decode --out "$OUT/prefill_vs_flashinfer"
+      table prefill_vs_flashinfer prefill ;;
+    studies) gpu_env; studies ;;
+    quality) quality ;;
+    tests) gpu_env
+      run gpu_tests python3 -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/gpu
+      tail -3 "$OUT/gpu_tests.log" ;;
+    *) echo "unknown target $1; see the header of $0"; exit 2 ;;
+  esac
+}
+
+ncu_decode() {  # NAME VARIANT LAYOUT BATCH CONTEXT PAGE: ncu of the split + merge decode kernels
+  local name=$1; shift
+  run "$name" ncu --clock-control none -k regex:_decode --launch-skip 3 --launch-count 2 \
+    --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis \
+    --metrics smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,smsp__sass_inst_executed_op_shared_ld.sum \
+    python3 benchmarks/kernels/ncu_decode.py "$@"
+}
+
+studies() {
+  ncu_decode ncu_decode_fp8_page16 fp8_vt qwen3-1.7b 32 16384 16
+  ncu_decode ncu_decode_fp8_smollm2_128x16k fp8_hnd smollm2 128 16384 16
+  ncu_decode ncu_decode_fp8_smollm2_32x16k fp8_hnd smollm2 32 16384 16
+  ncu_decode ncu_decode_fp8_llama_8x16k fp8_vt llama-3.1-8b 8 16384 32
+  for v in bf16 fp8; do
+    for stages in 2 5; do
+      local which=$v; [ $stages = 2 ] && which=${v}_s2
+      run ncu_prefill_${v}_${stages}stages ncu --clock-control none -k regex:_prefill \
+        --launch-skip 3 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
+        --section Occupancy --section ComputeWorkloadAnalysis --metrics smsp__inst_executed.sum \
+        python3 benchmarks/kernels/ncu_prefill.py $which
+    done
+  done
+  run profile_prefill_step python3 benchmarks/kernels/profile_prefill_step.py
+  # the sweeps write $OUT/explore_prefill.json or $OUT/explore_vt.json: one folder each
+  local d
+  for d in explore_prefill_launch explore_prefill_256d explore_decode_fp8_misses_page16 \
+           explore_decode_fp8_misses_page32; do mkdir -p "$OUT/$d"; done
+  run explore_prefill_launch env OUT="$OUT/explore_prefill_launch" \
+    python3 benchmarks/kernels/explore_prefill.py
+  run explore_prefill_256d env NO_FI=1 LAYOUTS=gemma3-4b CTXS=4096,16384 \
+    OUT="$OUT/explore_prefill_256d" python3 benchmarks/kernels/explore_prefill.py
+  for ps in 16 32; do
+    run explore_decode_fp8_misses_page$ps env PAGE=$ps OUT="$OUT/explore_decode_fp8_misses_page$ps" \
+      python3 benchmarks/kernels/explore_vt.py small
+  done
+}
+
+quality() {  # the CPU tables of docs/benchmarks.md, as published (float32 compute, 1 thread)
+  export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=1
+  run quality_smollm2_2k kvfit bench quality --model smollm2-135m --context 2048 --auto-scales \
+    --device cpu
+  run quality_qwen_coder_4k kvfit bench quality --model qwen2.5-coder-0.5b --context 4096 \
+    --keys 1 --kl-tokens 2000 --chunk 2048 --device cpu
+  run quality_gemma3_2k kvfit bench quality --model gemma3-270m --context 2048 --keys 2 \
+    --kl-tokens 2000 --device cpu
+  run needle_smollm2_4k kvfit bench quality --model smollm2-135m --context 4096 --keys 3 \
+    --needle-only --auto-scales fp8_e4m3 --device cpu
+  run needle_gemma3_4k kvfit bench quality --model gemma3-270m --context 4096 --keys 3 \
+    --needle-only --device cpu
+  run serve_cpu kvfit bench serve --num-prompts 16 --max-concurrency 4 --input-len 128 \
+    --output-len 32 --device cpu
+}
+
+[ $# -gt 0 ] || set -- seed kernels
+for t in "$@"; do target "$t"; done
