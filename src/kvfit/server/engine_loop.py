@@ -49,6 +49,7 @@ class Delta:
     num_tokens: int
     finish_reason: Optional[str]
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass
@@ -282,7 +283,8 @@ class EngineLoop:
             stream.num_tokens = len(comp.token_ids)
             batches.setdefault(stream.loop, []).append((stream.queue, (
                 stream.index, "output", Delta(comp.text, new_ids, new_lps, stream.num_tokens,
-                                              comp.finish_reason, plp))))
+                                              comp.finish_reason, plp,
+                                              getattr(out, "num_cached_tokens", 0)))))
             if out.finished or comp.finish_reason is not None:
                 self._streams.pop(out.request_id, None)
                 m.finished.labels(comp.finish_reason or "stop").inc()

@@ -18,7 +18,7 @@ from kvfit.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionCh
                                    ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                                    ChatLogprobs, ChatMessageOut, ChatTokenLogprob, ChatTopLogprob,
                                    CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                   CompletionResponse, UsageInfo, random_id)
+                                   CompletionResponse, PromptTokensDetails, UsageInfo, random_id)
 from kvfit.server.serving import Submission, ensure_serving, gather
 
 logger = logging.getLogger("kvfit.server")
@@ -185,20 +185,21 @@ async def create_completion(req: CompletionRequest, raw: Request, loop: EngineLo
 
         async def stream():
             prev, offsets, ntok = [""] * len(jobs), [0] * len(jobs), [0] * len(jobs)
-            first = [True] * len(jobs)
+            first, cached = [True] * len(jobs), [0] * len(jobs)
             async for index, d in sub.events(poll_client=False):
                 text, prev[index] = _text_delta(prev[index], d.text)
                 lp, offsets[index] = logprobs_of(index, d, first[index], offsets[index])
                 if first[index]:
                     text, first[index] = echo_text[index] + text, False
-                ntok[index] = d.num_tokens
+                ntok[index], cached[index] = d.num_tokens, d.num_cached_tokens
                 yield _sse(CompletionResponse(id=rid, created=created, model=model_name,
                                               choices=[CompletionChoice(
                                                   index=index, text=text, logprobs=lp,
                                                   finish_reason=d.finish_reason)]))
             if include_usage:
                 yield _sse(CompletionResponse(id=rid, created=created, model=model_name,
-                                              choices=[], usage=_usage(n_prompt, sum(ntok))))
+                                              choices=[], usage=_usage(
+                                                  n_prompt, sum(ntok), cached[::req.n])))
 
         return _SubmissionStream(_guarded(stream(), sub, rid), sub)
 
@@ -216,14 +217,18 @@ async def create_completion(req: CompletionRequest, raw: Request, loop: EngineLo
                     getattr(lp, f).extend(getattr(part, f))
         choices.append(CompletionChoice(index=index, text=echo_text[index] + last.text,
                                         logprobs=lp, finish_reason=last.finish_reason))
+    cached = [deltas[-1].num_cached_tokens for deltas in per_choice][::req.n]
     return JSONResponse(CompletionResponse(id=rid, created=created, model=model_name,
                                            choices=choices,
-                                           usage=_usage(n_prompt, n_out)).model_dump())
+                                           usage=_usage(n_prompt, n_out, cached)).model_dump())
 
 
-def _usage(n_prompt: int, n_out: int) -> UsageInfo:
+def _usage(n_prompt: int, n_out: int, cached: list[int]) -> UsageInfo:
+    """``cached``: prompt tokens served from the prefix cache, one entry per distinct prompt
+    (the n choices of one prompt share it)."""
     return UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_out,
-                     total_tokens=n_prompt + n_out)
+                     total_tokens=n_prompt + n_out,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached)))
 
 
 # ---- /v1/chat/completions ------------------------------------------------------------------
@@ -284,20 +289,21 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, loop:
                                             choices=choices, usage=usage))
 
         async def stream():
-            prev, ntok = [""] * len(jobs), [0] * len(jobs)
+            prev, ntok, cached = [""] * len(jobs), [0] * len(jobs), [0]
             for i in range(len(jobs)):
                 yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant",
                                                                       content=""))])
             async for index, d in sub.events(poll_client=False):
                 text, prev[index] = _text_delta(prev[index], d.text)
                 ntok[index] = d.num_tokens
+                cached[0] = d.num_cached_tokens
                 delta = ChatDelta(content=text) if text or d.finish_reason is None \
                     else ChatDelta()
                 lp = _chat_logprobs(d, tokstr, logprobs or 0)
                 yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=lp,
                                              finish_reason=d.finish_reason)])
             if include_usage:
-                yield chunk([], _usage(len(ids), sum(ntok)))
+                yield chunk([], _usage(len(ids), sum(ntok), cached))
 
         return _SubmissionStream(_guarded(stream(), sub, rid), sub)
 
@@ -312,6 +318,6 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, loop:
                                        for c in _chat_logprobs(d, tokstr, logprobs).content])
         choices.append(ChatChoice(index=index, message=ChatMessageOut(content=last.text),
                                   logprobs=lp, finish_reason=last.finish_reason))
+    usage = _usage(len(ids), n_out, [per_choice[0][-1].num_cached_tokens])
     return JSONResponse(ChatCompletionResponse(id=rid, created=created, model=model_name,
-                                               choices=choices,
-                                               usage=_usage(len(ids), n_out)).model_dump())
+                                               choices=choices, usage=usage).model_dump())
