@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -14,6 +15,9 @@ class SamplingParams:
 
     logprobs: None, or N >= 0: return the chosen token's logprob plus the top-N per step.
     prompt_logprobs: None, or N >= 0: logprobs of every prompt token (for echo/lm-eval).
+    logit_bias: None, or {token id: bias in [-100, 100]} added to the logits before sampling and
+    before the greedy argmax (OpenAI's meaning: +100 forces a token, -100 bans it). The engine
+    checks the ids against the vocabulary at ``add_request``.
     """
 
     n: int = 1
@@ -29,6 +33,7 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
+    logit_bias: Optional[dict[int, float]] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -59,7 +64,27 @@ class SamplingParams:
                 bad(name, f"must be in [0, 20], got {v}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
+        if self.logit_bias is not None:
+            self.logit_bias = _checked_logit_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _checked_logit_bias(bias) -> dict[int, float]:
+    """{token id: bias} with int ids >= 0 and finite biases in [-100, 100], else RequestRejected."""
+    if not isinstance(bias, dict):
+        raise RequestRejected(f"logit_bias must be a map from token id to bias, got "
+                              f"{type(bias).__name__}", param="logit_bias")
+    out = {}
+    for tok, val in bias.items():
+        if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+            raise RequestRejected(f"logit_bias keys must be non-negative integer token ids, got "
+                                  f"{tok!r}", param="logit_bias")
+        if (isinstance(val, bool) or not isinstance(val, (int, float))
+                or not math.isfinite(val) or not -100.0 <= val <= 100.0):
+            raise RequestRejected(f"logit_bias values must be numbers in [-100, 100], got {val!r} "
+                                  f"for token {tok}", param="logit_bias")
+        out[tok] = float(val)
+    return out

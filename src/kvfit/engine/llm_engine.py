@@ -14,8 +14,8 @@ from kvfit.config import EngineConfig
 from kvfit.engine.detokenizer import IncrementalDetokenizer
 from kvfit.engine.request_check import check_request
 from kvfit.engine.runner import ModelRunner
+from kvfit.engine.sampling import SamplingBatch, sample, top_logprobs
 from kvfit.engine.settings import resolve_settings
-from kvfit.engine.sampler import sample, top_logprobs
 from kvfit.errors import RequestRejected
 from kvfit.kvcache.allocator import PageAllocator
 from kvfit.kvcache.prefix_cache import PrefixCachingAllocator, kv_identity
@@ -98,12 +98,14 @@ class LLMEngine:
             text, ids = None, [int(t) for t in prompt]
         params.max_tokens = check_request(ids, params.max_tokens, self.max_model_len,
                                           self.vocab_size)
-        gen = None
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else int(
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise RequestRejected(f"logit_bias token ids must be in [0, {self.vocab_size}), got "
+                                  f"{max(params.logit_bias)}", "logit_bias")
+        seed = params.seed
+        if seed is None:  # drawn from the engine's RNG (EngineConfig.seed): runs repeat
+            seed = 0 if params.greedy else int(
                 torch.randint(0, 2**62, (1,), generator=self._seed_rng))
-            gen = torch.Generator(device=self.runner.device).manual_seed(seed)
-        req = Request(request_id, text, ids, params, gen, next(self._arrival))
+        req = Request(request_id, text, ids, params, seed, next(self._arrival))
         req.detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -164,24 +166,30 @@ class LLMEngine:
         samplers = [req for (req, _), s in zip(items, sample_mask) if s]
         outputs = []
         if samplers:
-            tokens, logprobs = sample(result.sample_logits, [r.params for r in samplers],
-                                      [r.generator for r in samplers])
+            batch = SamplingBatch.build([r.params for r in samplers],
+                                        [r.sampling_seed for r in samplers],
+                                        [r.num_tokens for r in samplers],
+                                        result.sample_logits.shape[-1], result.sample_logits.device)
+            sampled = sample(result.sample_logits, batch)
+            tokens = sampled.token_ids.tolist()  # the step's one device-to-host copy of ids
+            logprobs = sampled.logprob_dicts(tokens)
             now = time.monotonic()
             for row, (req, tok) in enumerate(zip(samplers, tokens)):
-                self._append(req, tok, logprobs[row], now)
+                self._append(req, tok, logprobs.get(row), now)
                 outputs.append(self._output(req))
         return outputs
 
-    def _append(self, req: Request, tok: int, lp_row: torch.Tensor, now: float) -> None:
+    def _append(self, req: Request, tok: int, lp: Optional[dict[int, float]], now: float) -> None:
+        """Append a sampled token (``lp``: its logprob dict when the request asked for logprobs),
+        then decide whether the request finishes."""
         p = req.params
         req.output_token_ids.append(tok)
         self.generation_tokens_total += 1
         if req.t_first_token is None:
             req.t_first_token = now
-        lp = float(lp_row[tok])
-        req.cumulative_logprob += lp
         if req.logprobs is not None:
-            req.logprobs.append(top_logprobs(lp_row, tok, p.logprobs))
+            req.cumulative_logprob += lp[tok]
+            req.logprobs.append(lp)
         reason, stop_reason = None, None
         if tok in p.stop_token_ids:
             reason, stop_reason = "stop", tok

@@ -6,8 +6,6 @@ import enum
 import time
 from typing import Optional
 
-import torch
-
 from kvfit.sampling_params import SamplingParams
 
 
@@ -18,7 +16,7 @@ class Status(enum.Enum):
 
 
 class Request:
-    """Owns its token lists, its page list (the per-request page table) and its RNG.
+    """Owns its token lists, its page list (the per-request page table) and its sampling seed.
 
     ``num_computed_tokens`` counts tokens whose K/V are in the cache. A request is in prefill
     while ``num_computed_tokens < num_tokens - 1``; it samples when a step's chunk reaches its
@@ -27,12 +25,13 @@ class Request:
     """
 
     def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
-                 params: SamplingParams, generator: Optional[torch.Generator], arrival: int):
+                 params: SamplingParams, sampling_seed: int, arrival: int):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
-        self.generator = generator
+        # the token at position p is drawn from uniform(sampling_seed, p): see engine.sampling
+        self.sampling_seed = sampling_seed
         self.arrival = arrival
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
