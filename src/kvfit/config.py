@@ -70,6 +70,8 @@ class EngineConfig:
     async_scheduling: AsyncMode = _f("auto", "overlap the host's scheduling and output "
                                      "processing of one step with the GPU's next step; auto = "
                                      "on with CUDA, off on CPU")
+    enable_prefix_caching: bool = _f(True, "reuse the KV pages of prompt prefixes that earlier "
+                                     "requests computed (off: --no-enable-prefix-caching)")
     load_format: LoadFormat = _f("auto", "dummy = random weights from config.json alone")
     seed: int = _f(0, "seed for dummy weights and unseeded sampling")
 
@@ -170,7 +172,9 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),
         shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
         kw: dict = {"dest": f.name, "default": default, "help": f"{f.metadata['help']} "
                     f"(default: {shown})"}
-        if tp is bool:
+        if tp is bool and f.default is True:  # --x / --no-x (vLLM's --no-enable-prefix-caching)
+            kw["action"] = argparse.BooleanOptionalAction
+        elif tp is bool:
             kw["action"] = "store_true"
         elif typing.get_origin(tp) is Literal:
             kw["choices"] = list(typing.get_args(tp))

@@ -20,6 +20,7 @@ from kvfit.engine.sampling import top_logprobs
 from kvfit.engine.settings import resolve_settings
 from kvfit.errors import RequestRejected
 from kvfit.kvcache.allocator import PageAllocator
+from kvfit.kvcache.prefix_cache import PrefixCachingAllocator, kv_identity
 from kvfit.models.registry import load_tokenizer
 from kvfit.outputs import CompletionOutput, RequestOutput
 from kvfit.sampling_params import SamplingParams
@@ -47,8 +48,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.settings, self.tokenizer)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.hf_config.vocab_size
-        self.allocator = PageAllocator(self.runner.pool.num_pages)
         self.config = config = self.settings.config  # page_size resolved
+        self.allocator = self._make_allocator()
         self.scheduler = Scheduler(self.allocator, config.page_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.runner.pool.sliding_pages)
         self.requests: dict[str, Request] = {}
@@ -60,6 +61,24 @@ class LLMEngine:
         self.overlap = config.resolved_async_scheduling
         self._inflight: Optional[InFlightStep] = None  # launched, ids not yet read (overlap)
         self._structured = None  # StructuredOutputs, built on the first structured request
+
+    def _make_allocator(self) -> PageAllocator:
+        """A PrefixCachingAllocator when prefix caching is asked for and the pool can share full
+        pages (vLLM's behaviour: an unsupported model runs with it off and says why), else a
+        plain PageAllocator. Logs whether it is on."""
+        pool, c = self.runner.pool, self.config
+        refusal = pool.prefix_caching_refusal
+        if not c.enable_prefix_caching:
+            log.info("prefix caching: off (--no-enable-prefix-caching)")
+            return PageAllocator(pool.num_pages)
+        if refusal is not None:
+            log.info("prefix caching: off, the %s pool cannot share pages: %s", pool.name, refusal)
+            return PageAllocator(pool.num_pages)
+        model_id = (c.model, c.load_format, c.seed if c.load_format == "dummy" else None,
+                    str(self.runner.dtype))
+        log.info("prefix caching: on (full pages of %d tokens of %s are shared; "
+                 "--no-enable-prefix-caching turns it off)", c.page_size, pool.fmt.name)
+        return PrefixCachingAllocator(pool.num_pages, lambda: kv_identity(model_id, pool))
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -126,7 +145,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @property
+    def prefix_caching(self) -> bool:
+        return isinstance(self.allocator, PrefixCachingAllocator)
+
     def stats(self) -> dict:
+        cache = self.allocator if self.prefix_caching else None
         return {"num_running": len(self.scheduler.running),
                 "num_waiting": len(self.scheduler.waiting),
                 "pages_used": self.allocator.num_used, "pages_free": self.allocator.num_free,
@@ -134,7 +158,11 @@ class LLMEngine:
                 "kv_dtype": self.runner.kv_format.name,
                 "num_preemptions": self.scheduler.num_preemptions,
                 "prompt_tokens_total": self.prompt_tokens_total,
-                "generation_tokens_total": self.generation_tokens_total}
+                "generation_tokens_total": self.generation_tokens_total,
+                "prefix_caching": cache is not None,
+                "prefix_cache_queries": cache.num_queries if cache else 0,
+                "prefix_cache_hits": cache.num_hits if cache else 0,
+                "pages_cached": cache.num_cached if cache else 0}
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -191,6 +219,7 @@ class LLMEngine:
             if req.num_computed_tokens < req.num_prompt_tokens:
                 self.prompt_tokens_total += min(n, req.num_prompt_tokens - req.num_computed_tokens)
             req.num_computed_tokens += n
+        self.scheduler.cache_full_pages(items)  # pages this step fills become shareable
         for row, req in enumerate(samplers):
             req.output_token_ids.append(PLACEHOLDER)
             req.num_pending += 1
@@ -278,4 +307,5 @@ class LLMEngine:
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp],
                              req.finished, req.prompt_logprobs,
                              {"arrival": req.t_arrival, "first_token": req.t_first_token,
-                              "num_preemptions": req.num_preemptions})
+                              "num_preemptions": req.num_preemptions},
+                             req.num_cached_tokens or 0)

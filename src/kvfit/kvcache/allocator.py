@@ -32,6 +32,10 @@ class PageAllocator:
     def num_used(self) -> int:
         return self.num_pages - len(self._free)
 
+    def ref_count(self, page: int) -> int:
+        """References held on ``page`` (0 = free)."""
+        return self._refs[page]
+
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
 

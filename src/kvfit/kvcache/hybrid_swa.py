@@ -58,6 +58,8 @@ class HybridSWAKVCache(KVPool):
 
     name = "HybridSWAKVCache"
     layer_kinds = frozenset({"full", "sliding"})
+    prefix_caching_refusal = ("its sliding-window layers give pages back as the window slides, "
+                              "so a finished prompt's early window pages are gone")
 
     @classmethod
     def solve_pages(cls, layers: Sequence[KVLayerSpec], fmt: KVFormat, page_size: int,

@@ -40,6 +40,8 @@ class KVPool:
     supported_kv_dtypes: ClassVar[frozenset[str]] = frozenset(KV_FORMATS)
     v_layouts: ClassVar[frozenset[str]] = frozenset({"HND"})  # how V pages can be ordered
     sliding_pages: Optional[SlidingWindowPages] = None
+    # why full pages of this pool cannot be shared by prefix caching (None: they can)
+    prefix_caching_refusal: ClassVar[Optional[str]] = None
 
     @classmethod
     def solve_pages(cls, layers: Sequence[KVLayerSpec], fmt: KVFormat, page_size: int,

@@ -57,6 +57,12 @@ class Request:
         self.detok = None  # IncrementalDetokenizer, set by the engine
         self.grammar = None  # xgrammar GrammarMatcher of a structured request, set by the engine
         self.num_preemptions = 0
+        # prefix caching (scheduler-owned): keys of this request's full pages, the root they were
+        # chained from, how many of its pages are registered, prompt tokens found cached
+        self.page_keys: list[bytes] = []
+        self.page_keys_root: Optional[bytes] = None
+        self.num_registered_pages = 0
+        self.num_cached_tokens: Optional[int] = None  # set at first admission
         self.t_arrival = time.monotonic()
         self.t_first_token: Optional[float] = None
 

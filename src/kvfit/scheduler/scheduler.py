@@ -7,6 +7,10 @@ is preempted (pages freed, progress reset, back to the front of the waiting queu
 being scheduled preempts itself if it is the last one. Then waiting requests are admitted while
 the token budget, ``max_num_seqs`` and free pages allow. Nothing is ever dropped: requests that
 could never fit are refused by the engine before they get here.
+
+Prefix caching (when the allocator is a ``PrefixCachingAllocator``): a request admitted with
+nothing computed first maps its longest cached full-page prefix (``_map_cached_prefix``) and
+prefills only the rest; ``cache_full_pages`` registers pages once every slot of them is computed.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvfit.kvcache.allocator import PageAllocator
+from kvfit.kvcache.prefix_cache import PrefixCachingAllocator, extend_page_keys
 from kvfit.scheduler.request import Request, Status
 
 log = logging.getLogger("kvfit")
@@ -47,6 +52,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.cache = allocator if isinstance(allocator, PrefixCachingAllocator) else None
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -76,6 +82,7 @@ class Scheduler:
         self.running.remove(req)
         self.release(req)
         req.num_computed_tokens = 0
+        req.num_registered_pages = 0
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -107,17 +114,73 @@ class Scheduler:
             i += 1
         if batch.preempted:
             return batch  # no admissions in a step that had to preempt
+        if self.cache is not None and self.waiting:
+            self.cache.check_identity()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            hit_tokens = self._map_cached_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.grow(req, req.num_computed_tokens + n):
+                if hit_tokens is not None:  # undo the mapping; retried next step
+                    self.release(req)
+                    req.num_computed_tokens = req.num_registered_pages = 0
                 break
+            if hit_tokens is not None:
+                self.cache.record_query(req.num_tokens, hit_tokens)
+                if req.num_cached_tokens is None:
+                    req.num_cached_tokens = hit_tokens
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
             batch.items.append((req, n))
             budget -= n
         return batch
+
+    # -- prefix caching ------------------------------------------------------------------------
+    def _page_keys(self, req: Request, num_tokens: int) -> list[bytes]:
+        """Keys of ``req``'s full pages among its first ``num_tokens`` tokens (computed once per
+        page; recomputed if the cache's root changed)."""
+        if req.page_keys_root != self.cache.root:
+            req.page_keys, req.page_keys_root = [], self.cache.root
+        extend_page_keys(req.page_keys, self.cache.root, req.token_slice, num_tokens,
+                         self.page_size)
+        return req.page_keys
+
+    def _map_cached_prefix(self, req: Request):
+        """Put ``req``'s longest cached full-page prefix on its page table (shared, refcount + 1)
+        and mark those tokens computed. Returns the hit in tokens, or None when the request is
+        not eligible (caching off, progress already made, or it wants prompt logprobs, which
+        need every prompt position computed). The hit never includes the page of the last token:
+        one token must be computed for logits, and a request must never write a shared page."""
+        if (self.cache is None or req.num_computed_tokens or req.pages or req.num_pending
+                or req.wants_prompt_logprobs()):
+            return None
+        cap = (req.num_tokens - 1) // self.page_size
+        keys = self._page_keys(req, cap * self.page_size)
+        hit = self.cache.lookup(keys[:cap])
+        if hit:
+            self.cache.share(hit)
+            req.pages = hit
+            req.num_registered_pages = len(hit)
+            req.num_computed_tokens = len(hit) * self.page_size
+        return req.num_computed_tokens
+
+    def cache_full_pages(self, items) -> None:
+        """Register the pages the step just filled (call after ``num_computed_tokens`` moved):
+        prompt pages as prefill completes them, decode pages as they fill."""
+        if self.cache is None:
+            return
+        for req, _ in items:
+            # NOTE: with overlap scheduling the last computed token may still be a placeholder
+            # (sampled on the device, id not read yet): its page is registered a step later
+            known = min(req.num_computed_tokens, req.num_tokens - req.num_pending)
+            full = min(known // self.page_size, len(req.pages))
+            if full <= req.num_registered_pages:
+                continue
+            keys = self._page_keys(req, full * self.page_size)
+            for i in range(req.num_registered_pages, full):
+                self.cache.register(req.pages[i], keys[i])
+            req.num_registered_pages = full
 
     def release(self, req: Request) -> None:
         """Return every page ``req`` holds (full and sliding)."""

@@ -3,7 +3,7 @@ the tests, never collide in prometheus_client's global registry).
 
 Two sources: latency histograms and request counters observed by the engine thread and the HTTP
 handlers (prometheus_client metrics are thread-safe), and engine state (running/waiting requests,
-KV pages, token and preemption totals) read at scrape time from the last ``LLMEngine.stats()``
+KV pages, token, preemption and prefix-cache totals) read at scrape time from the last ``LLMEngine.stats()``
 snapshot the engine thread published (the HTTP thread never calls the engine).
 """
 
@@ -35,7 +35,10 @@ class _EngineCollector(Collector):
         gauges = (("kvfit_num_requests_running", "requests in the running batch", "num_running"),
                   ("kvfit_num_requests_waiting", "requests waiting for admission", "num_waiting"),
                   ("kvfit_kv_pages_used", "KV-cache pages in use", "pages_used"),
-                  ("kvfit_kv_pages_free", "KV-cache pages free", "pages_free"),
+                  ("kvfit_kv_pages_free", "KV-cache pages free (incl. evictable cached ones)",
+                   "pages_free"),
+                  ("kvfit_kv_pages_cached", "KV-cache pages holding a cached prefix",
+                   "pages_cached"),
                   ("kvfit_kv_pages_total", "KV-cache pages allocated at start", "pages_total"))
         for name, doc, key in gauges:
             if key in s:
@@ -48,7 +51,11 @@ class _EngineCollector(Collector):
         yield info
         counters = (("kvfit_prompt_tokens", "prompt tokens processed", "prompt_tokens_total"),
                     ("kvfit_generation_tokens", "tokens generated", "generation_tokens_total"),
-                    ("kvfit_num_preemptions", "requests preempted (recompute)", "num_preemptions"))
+                    ("kvfit_num_preemptions", "requests preempted (recompute)", "num_preemptions"),
+                    ("kvfit_prefix_cache_queries", "prompt tokens looked up in the prefix cache "
+                     "(vLLM's prefix_cache_queries)", "prefix_cache_queries"),
+                    ("kvfit_prefix_cache_hits", "of those, tokens whose KV was found cached "
+                     "(vLLM's prefix_cache_hits)", "prefix_cache_hits"))
         for name, doc, key in counters:
             if key in s:
                 c = CounterMetricFamily(name, doc)
