@@ -34,7 +34,7 @@ def test_cpu_smoke_records_every_scheduled_token(tmp_path):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     n, in_len, out_len = 6, 40, 9
     rc = main(["--model", tiny_config(tmp_path), *TINY, "--max-num-batched-tokens", "64",
-               "--num-prompts", str(n), "--input-len", str(in_len), "--output-len",
+               "--warmup-prompts", "2", "--num-prompts", str(n), "--input-len", str(in_len), "--output-len",
                str(out_len), "--token-id-range", "1", "250", "--output-json", str(out),
                "--plot", str(png)])
     assert rc == 0

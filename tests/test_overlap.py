@@ -139,3 +139,25 @@ def test_async_scheduling_flag_validated():
     assert make_config(device="cpu", async_scheduling="on").resolved_async_scheduling
     with pytest.raises(ValueError, match="async_scheduling"):
         make_config(async_scheduling="yes")
+
+
+def test_prefix_cache_under_overlap(overlap_llm):
+    # multi-turn: each turn resends the history, so turn 2 reuses turn 1's prompt AND decode
+    # pages; under overlap a decode page is registered one step late (its last id is still on
+    # the device when the step launches) and must never be keyed with a placeholder
+    tok = overlap_llm.get_tokenizer()
+    system = tok.encode("You are a careful assistant. " * 24)  # ~ 150 tokens, several pages
+    turns = [system + tok.encode(q) for q in ("Name a fruit.", "Name a city.", "Count to five.")]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    off = LLM("smollm2-135m", device="cpu", num_tokens=16384, max_model_len=2048,
+              enable_prefix_caching=False)
+    hits0 = overlap_llm.engine.stats()["prefix_cache_hits"]
+    for _ in range(2):  # turn 1, then turn 2 = turn 1 + its answer + a follow-up
+        want = _gen(off, [{"prompt_token_ids": t} for t in turns], sp)
+        got = _gen(overlap_llm, [{"prompt_token_ids": t} for t in turns], sp)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        turns = [t + list(o.outputs[0].token_ids) + tok.encode(" And another?")
+                 for t, o in zip(turns, got)]
+    assert overlap_llm.engine.stats()["prefix_cache_hits"] > hits0
+    assert any(o.num_cached_tokens > len(system) for o in got)  # turn 2 hit turn 1's decode pages
+    _pages_back(overlap_llm)
