@@ -21,6 +21,7 @@ from kvfit.attention.base import AttentionMetadata, SlidingTables
 from kvfit.kvcache.pool import KVPool
 from kvfit.kvcache.sliding_pages import FREED, first_live_position
 from kvfit.kvcache.spec import pages_for
+from kvfit.transfer import to_device
 
 
 def page_table_array(page_tables: Sequence[Sequence[int]], n_pages: np.ndarray,
@@ -52,14 +53,6 @@ def token_positions(q_lens: np.ndarray, kv_lens: np.ndarray) -> np.ndarray:
     starts = np.cumsum(q) - q  # flat offset of each request's first token
     req = token_request_index(q)
     return np.arange(int(q.sum()), dtype=np.int64) - starts[req] + (kv_lens - q)[req]
-
-
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """One host->device copy of ``array`` (pinned and non-blocking on CUDA)."""
-    t = torch.from_numpy(array)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def build_metadata(q_lens: Sequence[int], kv_lens: Sequence[int],

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvfit.attention.base import AttentionMetadata
-from kvfit.attention.meta_builder import to_device
+from kvfit.transfer import to_device
 
 log = logging.getLogger("kvfit")
 

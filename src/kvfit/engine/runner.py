@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvfit.attention.meta_builder import (build_metadata, build_step_metadata, to_device,
-                                          token_positions)
+from kvfit.attention.meta_builder import build_metadata, build_step_metadata, token_positions
 from kvfit.config import EngineConfig
 from kvfit.engine import memory
 from kvfit.engine.context import Context
@@ -26,6 +25,7 @@ from kvfit.engine.settings import EngineSettings, resolve_settings
 from kvfit.errors import KVBudgetError
 from kvfit.kvcache.sizing import PoolSizing
 from kvfit.models.weights import WeightSink, init_dummy, iter_gguf, iter_safetensors
+from kvfit.transfer import to_device
 
 log = logging.getLogger("kvfit")
 

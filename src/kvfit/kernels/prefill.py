@@ -24,6 +24,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from kvfit.transfer import to_device
+
 LOG2E = 1.4426950408889634
 
 
@@ -215,9 +217,7 @@ def order_prefill_blocks(q_lens: Sequence[int], group: int, block_m: int, device
             work.append((prefix + last, i, r0))
     work.sort(key=lambda w: -w[0])
     flat = [x for _, i, r0 in work for x in (i, r0)]
-    # pinned: a pageable copy would wait for the GPU's earlier work (overlap scheduling)
-    from kvfit.attention.meta_builder import to_device
-
+    # pinned: a pageable copy would wait for the GPU's earlier work (kvfit.transfer)
     return to_device(np.asarray(flat, dtype=np.int32).reshape(-1, 2), torch.device(device))
 
 

@@ -17,6 +17,8 @@ import functools
 import numpy as np
 import torch
 
+from kvfit.transfer import to_device
+
 
 @functools.cache
 def build():
@@ -170,9 +172,7 @@ def split_store_chunks(q_lens, kv_lens, page_size: int, device) -> torch.Tensor:
     for i, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
         for a in range((kl - ql) // pp * pp, kl, pp):
             flat += (i, a)
-    # pinned: a pageable copy would wait for the GPU's earlier work (overlap scheduling)
-    from kvfit.attention.meta_builder import to_device
-
+    # pinned: a pageable copy would wait for the GPU's earlier work (kvfit.transfer)
     return to_device(np.asarray(flat, dtype=np.int32).reshape(-1, 2), torch.device(device))
 
 

@@ -22,7 +22,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from kvfit.errors import RequestRejected
+from kvfit.errors import (KVBudgetError, ModelNotFoundError, RequestRejected,
+                          UnsupportedCombinationError)
+
+# start-up failures that are the user's to fix (reported as such, not as engine crashes)
+USER_ERRORS = (ModelNotFoundError, UnsupportedCombinationError, KVBudgetError, ValueError)
 
 logger = logging.getLogger("kvfit.server")
 

@@ -46,13 +46,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from kvfit.errors import KVBudgetError, ModelNotFoundError, UnsupportedCombinationError
 from kvfit.server.errors import APIError
 from kvfit.server.metrics import ServerMetrics
 
 logger = logging.getLogger("kvfit.server")
 
-USER_ERRORS = (ModelNotFoundError, UnsupportedCombinationError, KVBudgetError, ValueError)
 
 
 @dataclass
@@ -228,7 +226,7 @@ class EngineLoop:
                 return cmds
 
     def _run_thread(self) -> None:
-        from kvfit.server.engine_core import CoreLoop
+        from kvfit.server.engine_core import USER_ERRORS, CoreLoop
 
         try:
             eng = self._factory()

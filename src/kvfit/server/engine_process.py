@@ -60,8 +60,7 @@ def _engine_main(factory: Callable[[], Any], sock: socket.socket, log_level: int
     """Build the engine, then run the core until ``stop`` or the socket closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from kvfit.server.engine_core import CoreLoop
-    from kvfit.server.engine_loop import USER_ERRORS
+    from kvfit.server.engine_core import USER_ERRORS, CoreLoop
 
     sock.setblocking(True)
 

@@ -16,6 +16,7 @@ import torch
 
 from kvfit.engine.sampling.randomness import uniforms
 from kvfit.sampling_params import SamplingParams
+from kvfit.transfer import to_device
 
 _GREEDY_BELOW = 1e-5
 
@@ -72,7 +73,7 @@ class SamplingBatch:
         packed = None  # an all-greedy step needs no per-row tensors: argmax only
         if not all_greedy:
             u = uniforms(seeds, positions)
-            packed = _to_device(torch.from_numpy(
+            packed = to_device(torch.from_numpy(
                 np.stack([temperature, top_p, min_p, top_k, greedy, u])), dev)  # [6, N] float64
 
         bias = [(i, t, b) for i, p in enumerate(params) if p.logit_bias is not None
@@ -80,9 +81,9 @@ class SamplingBatch:
         bias_t = None
         if bias:
             rows, toks, vals = zip(*bias)
-            bias_t = (_to_device(torch.tensor(rows, dtype=torch.int64), dev),
-                      _to_device(torch.tensor(toks, dtype=torch.int64), dev),
-                      _to_device(torch.tensor(vals, dtype=torch.float32), dev))
+            bias_t = (to_device(torch.tensor(rows, dtype=torch.int64), dev),
+                      to_device(torch.tensor(toks, dtype=torch.int64), dev),
+                      to_device(torch.tensor(vals, dtype=torch.float32), dev))
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         return SamplingBatch(
             num_rows=n, vocab_size=v,
@@ -94,18 +95,11 @@ class SamplingBatch:
             uniform=None if packed is None else packed[5],
             all_greedy=all_greedy, any_greedy=bool(greedy.any()),
             any_min_p=bool((min_p > 0.0).any()),
-            sort_rows=(_to_device(torch.from_numpy(sort_rows.astype(np.int64)), dev)
+            sort_rows=(to_device(torch.from_numpy(sort_rows.astype(np.int64)), dev)
                        if sort_rows.size else None),
             num_candidates=k_max,
             bias_rows=bias_t[0] if bias_t else None, bias_tokens=bias_t[1] if bias_t else None,
             bias_values=bias_t[2] if bias_t else None,
             logprob_rows=lp_rows, logprob_counts=[params[i].logprobs for i in lp_rows],
-            logprob_index=(_to_device(torch.tensor(lp_rows, dtype=torch.int64), dev)
+            logprob_index=(to_device(torch.tensor(lp_rows, dtype=torch.int64), dev)
                            if lp_rows else None))
-
-
-def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    """Host tensor -> ``dev`` without a host sync (through pinned memory on CUDA)."""
-    if dev.type == "cuda":
-        return t.pin_memory().to(dev, non_blocking=True)
-    return t.to(dev)
