@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -206,15 +207,24 @@ def test_models_retrieve(client, srv):
 
 
 def test_usage_has_prompt_tokens_details(client):
-    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3, temperature=0)
+    # a prompt no other test sends (the server is shared, and prefix caching is on): nothing
+    # cached the first time; the same prompt again reuses its full pages, never the last token
+    words = " ".join(f"w{i}x{uuid.uuid4().hex[:6]}" for i in range(24))
+    prompt = f"Repeat: {words}"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
     assert r.usage.prompt_tokens_details.cached_tokens == 0
+    n_prompt = r.usage.prompt_tokens
+    # chat: the template's system prefix is shared with earlier chats and may be cached
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3, temperature=0)
+    assert 0 <= r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens
     r = client.completions.create(model=MODEL, prompt=["a b c", "d e"], n=2, max_tokens=3,
                                   temperature=0.5, seed=3)
-    assert r.usage.prompt_tokens_details.cached_tokens == 0
-    usage = [c.usage for c in client.chat.completions.create(
-        model=MODEL, messages=ASK, max_tokens=3, stream=True,
+    assert r.usage.prompt_tokens_details.cached_tokens == 0  # shorter than one page
+    usage = [c.usage for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, stream=True,
         stream_options={"include_usage": True}) if c.usage is not None]
-    assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens == 0
+    assert len(usage) == 1 and usage[0].prompt_tokens == n_prompt
+    assert 0 < usage[0].prompt_tokens_details.cached_tokens < n_prompt
     usage = [c.usage for c in client.completions.create(
         model=MODEL, prompt="hello", max_tokens=3, stream=True,
         stream_options={"include_usage": True}) if c.usage is not None]
