@@ -11,16 +11,20 @@ import numpy as np
 import pytest
 import torch
 
-from kvfit.attention.meta_builder import build_metadata
-from kvfit.engine.cuda_graph import DecodeGraphs, capture_sizes
+from kvfit.attention.meta_builder import build_hybrid_metadata, build_metadata
+from kvfit.engine.cuda_graph import DecodeGraphs, _StaticTable, capture_sizes
+from kvfit.kvcache.sliding_pages import SlidingWindowPages
+
+CPU = torch.device("cpu")
 
 
-def _stager(max_bs: int, max_pages: int, page_size: int) -> DecodeGraphs:
+def _stager(max_bs: int, max_pages: int, page_size: int, sliding=None) -> DecodeGraphs:
     g = DecodeGraphs.__new__(DecodeGraphs)  # host state only: no model, no capture
     g.page_size, g.max_bs, g.max_pages = page_size, max_bs, max_pages
     g.sizes = capture_sizes(max_bs)
-    g._host_table = np.zeros((max_bs, max_pages), dtype=np.int32)
-    g._host_rows = [None] * max_bs
+    g.device = CPU
+    g.sliding = sliding
+    g.tables = [_StaticTable(max_bs, max_pages, CPU) for _ in range(1 if sliding is None else 2)]
     return g
 
 
@@ -71,3 +75,60 @@ def test_stage_rejects_a_short_page_list_and_a_too_wide_table():
         g._stage([9], [[1, 2]])
     with pytest.raises(ValueError, match="graphs were sized"):
         g._stage([40], [list(range(10))])
+
+
+@pytest.mark.parametrize("page_size,window", [(4, 9), (16, 40)])
+def test_stage_sliding_tables_match_build_hybrid_metadata(page_size, window):
+    """A hybrid pool's graphs stage the sliding layers' table and slots too: the same rows
+    (freed pages as the null page) and slots as the eager ``build_hybrid_metadata``, while the
+    window slides and pages are released between steps."""
+    rng = random.Random(window)
+    sw = SlidingWindowPages(200, page_size, window)
+    g = _stager(8, 64, page_size, sw)
+    reqs = {}  # rid -> [kv_len, full pages]
+    for step in range(80):
+        if len(reqs) < 6 and rng.random() < 0.3:
+            rid = f"r{step}"
+            kv = rng.randint(1, 3 * window)
+            sw.reserve(rid, 0, kv)
+            reqs[rid] = [kv, rng.sample(range(5000), -(-kv // page_size))]
+        if reqs and rng.random() < 0.1:
+            rid = rng.choice(list(reqs))
+            del reqs[rid]
+            sw.free(rid)
+        if not reqs:
+            continue
+        for rid, r in list(reqs.items()):
+            if r[0] + 1 > 60 * page_size:
+                del reqs[rid]
+                sw.free(rid)
+                continue
+            sw.reserve(rid, r[0], r[0] + 1)  # the decode step computes position r[0]
+            r[0] += 1
+            while len(r[1]) < -(-r[0] // page_size):
+                r[1].append(rng.randrange(5000))
+        if not reqs:
+            continue
+        rids = list(reqs)
+        rng.shuffle(rids)
+        kv_lens = [reqs[r][0] for r in rids]
+        tables = [reqs[r][1] for r in rids]
+        swa = [sw.table(r) for r in rids]
+        bs = len(rids)
+        gbs, width, ints, slots, _ = g._stage(kv_lens, tables, swa)
+        ref = build_hybrid_metadata([1] * bs, kv_lens, tables, swa, page_size, window,
+                                    sw.null_page, CPU, max_pages=width)
+        full = ints[gbs:gbs + gbs * width].reshape(gbs, width)
+        sliding = ints[gbs + gbs * width:].reshape(gbs, width)
+        for i in range(bs):
+            k = -(-kv_lens[i] // page_size)
+            assert full[i, :k].tolist() == ref.block_table[i, :k].tolist()
+            assert sliding[i, :k].tolist() == ref.swa.block_table[i, :k].tolist()
+        assert (sliding[bs:] == 0).all()
+        assert slots[:bs].tolist() == ref.slot_mapping.tolist()
+        assert slots[gbs:gbs + bs].tolist() == ref.swa.slot_mapping.tolist()
+        assert (slots[bs:gbs] == -1).all() and (slots[gbs + bs:] == -1).all()
+        for rid in rids:  # release after the step, as the scheduler may
+            sw.release(rid, reqs[rid][0])
+    with pytest.raises(ValueError, match="swa_tables"):
+        g._stage([3], [[1]])

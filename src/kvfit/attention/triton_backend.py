@@ -1,4 +1,5 @@
-"""The ``triton`` attention backend: our own kernels (kvfit.kernels) over the MHAKVCache pool.
+"""The ``triton`` attention backend: our own kernels (kvfit.kernels) over the MHAKVCache pool and
+the hybrid sliding-window pool (HybridSWAKVCache, Gemma 2/3).
 
 Per step ``prepare`` picks the decode launch configuration (split count from batch size and the
 longest context) or, for steps with prefill chunks, the list of prefill programs. Per layer
@@ -11,6 +12,13 @@ from the largest context a request can have, so a captured grid never changes.
 
 fp8 pools are asked for token-minor V pages (``v_layout`` "HDN", docs/kernels.md): the kernels
 read either layout, whichever the pool has.
+
+Sliding-window layers: the kernels take the window (decode splits only the last ``window``
+tokens; prefill starts each block's tiles at its first row's window edge). In a windowed hybrid
+pool (``pool.sliding_pages`` set) a sliding layer stores and reads through ``meta.swa``: its
+block table is indexed by logical page like the full layers' one, pages that fell out of the
+window are the pool's zero-filled null page, which no kernel reads outside its window mask. The
+sliding layers get their own decode plan (split count from the window, not the context).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from typing import Optional
 import torch
 
 from kvfit.attention.base import AttentionBackend, AttentionMetadata, KVStoreTarget
+from kvfit.kernels.decode import DecodeConfig
 from kvfit.kernels.decode import choose_config, paged_decode
 from kvfit.kernels.prefill import order_prefill_blocks, paged_prefill, prefill_config
 from kvfit.kernels.store import split_store_chunks, store_kv, store_kv_chunks
@@ -28,7 +37,7 @@ from kvfit.kernels.store import split_store_chunks, store_kv, store_kv_chunks
 class TritonBackend(AttentionBackend):
     name = "triton"
     devices = frozenset({"cuda"})
-    pools = frozenset({"MHAKVCache"})
+    pools = frozenset({"MHAKVCache", "HybridSWAKVCache"})
     kv_dtypes = frozenset({"float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"})
     page_sizes = None  # any (powers of two are fastest)
     head_dims = frozenset({64, 128, 256})
@@ -37,7 +46,10 @@ class TritonBackend(AttentionBackend):
     def __init__(self, pool, compute_dtype: torch.dtype, sm_scale: float,
                  logit_softcap: Optional[float] = None):
         super().__init__(pool, compute_dtype, sm_scale, logit_softcap)
-        self._decode_cfg = None
+        self._decode_cfg: Optional[DecodeConfig] = None
+        self._decode_cfg_swa: Optional[DecodeConfig] = None  # sliding layers: split the window
+        windows = [l.window for l in pool.layers if l.kind == "sliding" and l.window]
+        self._window = max(windows) if windows else None
         self._blocks = None
         self._prefill_cfg = None
         self._store_chunks: Optional[torch.Tensor] = None
@@ -74,11 +86,17 @@ class TritonBackend(AttentionBackend):
         spec = self.pool.layers[0]
         return spec.num_kv_heads, spec.head_dim
 
-    def _prepare_decode(self, meta: AttentionMetadata, max_len: int) -> None:
+    def _decode_config(self, batch: int, max_len: int) -> DecodeConfig:
         hkv, d = self._layer_shape()
         # the group is fixed by the model; q heads are only known at forward, so prepare on Hkv
-        self._decode_cfg = choose_config(meta.batch_size, hkv, 1, d, max_len, self.pool.dtype,
-                                         self.compute_dtype, v_t=self._v_t)
+        return choose_config(batch, hkv, 1, d, max_len, self.pool.dtype, self.compute_dtype,
+                             v_t=self._v_t)
+
+    def _prepare_decode(self, meta: AttentionMetadata, max_len: int) -> None:
+        self._decode_cfg = self._decode_config(meta.batch_size, max_len)
+        if self._window is not None:  # a sliding layer reads at most the window
+            self._decode_cfg_swa = self._decode_config(meta.batch_size,
+                                                       min(max_len, self._window))
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Mutates self: the step's metadata and launch plan. Host work only (no syncs)."""
@@ -106,44 +124,58 @@ class TritonBackend(AttentionBackend):
         return self._blocks[group]
 
     # -- per layer ------------------------------------------------------------------------
+    def _tables(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, Optional[int]]:
+        """(block table, slot mapping, window) of a layer this step: a sliding layer of a
+        windowed hybrid pool reads its own page space (``meta.swa``)."""
+        meta = self.meta
+        spec = self.pool.layers[layer_id]
+        if spec.kind != "sliding":
+            return meta.block_table, meta.slot_mapping, None
+        if self.pool.sliding_pages is None:  # shared page ids: the window is a mask only
+            return meta.block_table, meta.slot_mapping, spec.window
+        if meta.swa is None:
+            raise RuntimeError(f"the {self.pool.name} pool keeps sliding layers in their own page "
+                               "space: build the step's metadata with kvfit.attention."
+                               "meta_builder.build_step_metadata (or build_hybrid_metadata)")
+        return meta.swa.block_table, meta.swa.slot_mapping, spec.window
+
     def kv_store_target(self, layer_id: int) -> Optional[KVStoreTarget]:
         """The slot-mapped store (decode steps, and prefill into HND pages) may be fused into
         the caller's RoPE kernel; prefill into token-minor V pages stores by page-row chunks."""
         if self._v_t and not self.meta.is_decode:
             return None
         pool = self.pool
-        return KVStoreTarget(pool.k_caches[layer_id], pool.v_caches[layer_id],
-                             self.meta.slot_mapping, pool.fmt, pool.k_scales[layer_id],
-                             pool.v_scales[layer_id], pool.v_layout)
+        _, slots, _ = self._tables(layer_id)
+        return KVStoreTarget(pool.k_caches[layer_id], pool.v_caches[layer_id], slots, pool.fmt,
+                             pool.k_scales[layer_id], pool.v_scales[layer_id], pool.v_layout)
 
     def forward(self, q, k, v, layer_id, kv_stored: bool = False):
         meta = self.meta
         pool = self.pool
         kc, vc = pool.k_caches[layer_id], pool.v_caches[layer_id]
         ks, vs = pool.k_scales[layer_id], pool.v_scales[layer_id]
+        table, slots, window = self._tables(layer_id)
         if kv_stored:
             pass  # the caller stored k/v at kv_store_target(layer_id)
         elif self._v_t and not meta.is_decode:
             store_kv_chunks(k, v, kc, vc, self._store_chunks, meta.cu_seqlens_q, meta.kv_lens,
-                            meta.block_table, pool.fmt, ks, vs)
+                            table, pool.fmt, ks, vs)
         else:
-            store_kv(k, v, kc, vc, meta.slot_mapping, pool.fmt, ks, vs, pool.v_layout)
-        spec = pool.layers[layer_id]
-        window = spec.window if spec.kind == "sliding" else None
+            store_kv(k, v, kc, vc, slots, pool.fmt, ks, vs, pool.v_layout)
         out = torch.empty_like(q)
         if q.stride(-1) != 1:
             q = q.contiguous()
         if meta.is_decode:
-            cfg = self._decode_cfg
+            cfg = self._decode_cfg if window is None else self._decode_cfg_swa
             scratch = None  # static split-K scratch when it is large enough, else allocated
             n = q.shape[0] * q.shape[1] * cfg.num_splits
             if self._scratch is not None and cfg.num_splits > 1 and n <= self._scratch[1].shape[0]:
                 scratch = (self._scratch[0][:n], self._scratch[1][:n])
-            paged_decode(q, kc, vc, meta.block_table, meta.kv_lens, out, self.sm_scale, cfg,
+            paged_decode(q, kc, vc, table, meta.kv_lens, out, self.sm_scale, cfg,
                          ks, vs, self.logit_softcap, window, scratch)
         else:
             group = q.shape[1] // kc.shape[1]
-            paged_prefill(q, kc, vc, meta.block_table, meta.cu_seqlens_q, meta.kv_lens,
+            paged_prefill(q, kc, vc, table, meta.cu_seqlens_q, meta.kv_lens,
                           self._prefill_blocks(group), self._prefill_cfg, out, self.sm_scale,
                           ks, vs, self.logit_softcap, window, v_t=self._v_t)
         return out
@@ -154,11 +186,13 @@ class TritonBackend(AttentionBackend):
         gets with contexts up to ``max_pages_per_req`` pages (static across replays)."""
         hkv, d = self._layer_shape()
         self._graph_max_len = max_pages_per_req * self.pool.page_size
+        lens = [self._graph_max_len]
+        if self._window is not None:
+            lens.append(min(self._graph_max_len, self._window))
         most = 1
         for bs in range(1, max_bs + 1):
-            cfg = choose_config(bs, hkv, 1, d, self._graph_max_len, self.pool.dtype,
-                                self.compute_dtype, v_t=self._v_t)
-            most = max(most, bs * cfg.num_splits)
+            for max_len in lens:
+                most = max(most, bs * self._decode_config(bs, max_len).num_splits)
         hq_max = 16 * hkv  # up to 16 query heads per KV head (larger: allocated per call)
         dev = self.pool.device
         self._scratch = (torch.empty((most * hq_max, d), dtype=torch.float32, device=dev),

@@ -1,9 +1,11 @@
 """CUDA graphs for decode steps: captured once per batch size at start, replayed every step.
 
 ``DecodeGraphs`` owns static input buffers (token ids, positions, and the attention metadata
-tensors: cu_seqlens_q, kv_lens, block_table, slot_mapping) and one graph per batch size in
-``capture_sizes(max_bs)``. A step of bs requests runs the smallest captured size >= bs; padded rows get q_len 1, kv_len 1, a block-table row of page 0 and
-slot -1 (nothing stored), and their outputs are dropped. Before every replay the backend is
+tensors: cu_seqlens_q, kv_lens, block_table, slot_mapping; for a pool whose sliding layers have
+a page space of their own, the sliding block table and slot mapping too) and one graph per batch
+size in ``capture_sizes(max_bs)``. A step of bs requests runs the smallest captured size >= bs;
+padded rows get q_len 1, kv_len 1, a block-table row of page 0 and slot -1 (nothing stored),
+and their outputs are dropped. Before every replay the backend is
 prepared outside the graph (``backend.prepare_cuda_graph``), which FlashInfer's graph wrappers need
 and which fixes our Triton kernels' grid per batch size.
 """
@@ -16,7 +18,8 @@ import time
 import numpy as np
 import torch
 
-from kvfit.attention.base import AttentionMetadata
+from kvfit.attention.base import AttentionMetadata, SlidingTables
+from kvfit.kvcache.sliding_pages import FREED, first_live_position
 from kvfit.transfer import to_device
 
 log = logging.getLogger("kvfit")
@@ -51,11 +54,10 @@ class DecodeGraphs:
         self.positions = torch.zeros(max_bs, dtype=torch.long, device=dev)
         self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.kv_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
-        self.block_table = torch.zeros((max_bs, self.max_pages), dtype=torch.int32, device=dev)
-        # host mirror of the block table; rows are rewritten only when a request's pages change
-        self._host_table = np.zeros((max_bs, self.max_pages), dtype=np.int32)
-        self._host_rows: list = [None] * max_bs
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
+        self.tables = [_StaticTable(max_bs, self.max_pages, dev)]
+        self.sliding = ctx.pool.sliding_pages  # SlidingWindowPages or None
+        if self.sliding is not None:  # the sliding layers' page space: a table of its own
+            self.tables.append(_StaticTable(max_bs, self.max_pages, dev))
         self.backend.num_q_heads = model.config.num_attention_heads  # known before any forward
         self.backend.init_cuda_graph(max_bs, self.max_pages)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -68,11 +70,18 @@ class DecodeGraphs:
 
     def _meta(self, bs: int, kv_lens_cpu: list[int], num_pages_cpu: list[int],
               num_real: int) -> AttentionMetadata:
+        full = self.tables[0]
+        swa = None
+        if self.sliding is not None:
+            sw = self.tables[1]
+            first = [first_live_position(kv - 1, self.sliding.window) // self.page_size
+                     for kv in kv_lens_cpu]
+            swa = SlidingTables(sw.table[:bs], sw.slots[:bs], num_pages_cpu, first)
         return AttentionMetadata(
             cu_seqlens_q=self.cu_seqlens[: bs + 1], kv_lens=self.kv_lens[:bs],
-            block_table=self.block_table[:bs], slot_mapping=self.slot_mapping[:bs],
+            block_table=full.table[:bs], slot_mapping=full.slots[:bs],
             q_lens_cpu=[1] * bs, kv_lens_cpu=kv_lens_cpu, num_pages_cpu=num_pages_cpu,
-            is_decode=True, num_real_reqs=num_real)
+            is_decode=True, num_real_reqs=num_real, swa=swa)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -101,60 +110,100 @@ class DecodeGraphs:
                 return s
         raise ValueError(f"decode batch {bs} exceeds the largest captured size {self.max_bs}")
 
-    def _stage(self, kv_lens_cpu: list[int], page_tables: list[list[int]]):
-        """Host side of a replay: (graph batch, table width, int32 [kv_lens | block table rows],
-        int64 slots), all for ``gbs`` rows (padded rows: kv_len 1, page 0, slot -1). Only rows
-        whose page list changed are rewritten in the host mirror of the block table."""
+    def _stage(self, kv_lens_cpu: list[int], page_tables: list[list[int]],
+               swa_tables: list[list[int]] | None = None):
+        """Host side of a replay: (graph batch, table width, int32 [kv_lens | block table rows
+        per static table], int64 [slots per static table], pages per row), all for ``gbs`` rows
+        (padded rows: kv_len 1, page 0, slot -1)."""
         bs = len(kv_lens_cpu)
         gbs = self._size_for(bs)
-        ps = self.page_size
         kv = np.ones(gbs, dtype=np.int64)
         kv[:bs] = kv_lens_cpu
-        n_pages = -(-kv // ps)  # [gbs]
+        n_pages = -(-kv // self.page_size)  # [gbs]
         width = int(n_pages[:bs].max())
         if width > self.max_pages:
             raise ValueError(f"a request needs {width} pages, graphs were sized for "
                              f"{self.max_pages}")
-        table = self._host_table  # [max_bs, max_pages] int32
-        for i, pages in enumerate(page_tables):
-            row = pages[: n_pages[i]]
-            if len(row) < n_pages[i]:
-                raise ValueError(f"request {i} has {len(pages)} pages for {kv[i]} tokens")
-            if self._host_rows[i] != row:  # list compare: far cheaper than converting rows
-                table[i, : len(row)] = row
-                self._host_rows[i] = row
-        for i in range(bs, gbs):
-            if self._host_rows[i] != "pad":
-                table[i] = 0
-                self._host_rows[i] = "pad"
-        ints = np.empty(gbs + gbs * width, dtype=np.int32)  # kv_lens | table[:gbs, :width]
+        lists = [page_tables]
+        if self.sliding is not None:
+            if swa_tables is None:
+                raise ValueError("this pool's sliding layers have their own pages: pass "
+                                 "swa_tables (pool.sliding_pages.table(request_id) each)")
+            null = self.sliding.null_page
+            lists.append([[null if p == FREED else p for p in t] for t in swa_tables])
+        ints = np.empty(gbs + len(lists) * gbs * width, dtype=np.int32)  # kv | table | ...
         ints[:gbs] = kv
-        ints[gbs:].reshape(gbs, width)[:] = table[:gbs, :width]
-        last = kv - 1  # position of each row's new token
-        slots = table[np.arange(gbs), last // ps].astype(np.int64) * ps + last % ps
-        slots[bs:] = -1
+        slots = np.empty(len(lists) * gbs, dtype=np.int64)
+        for j, (static, rows) in enumerate(zip(self.tables, lists)):
+            table = static.stage(rows, n_pages, kv, bs, gbs)
+            ints[gbs + j * gbs * width: gbs + (j + 1) * gbs * width].reshape(gbs, width)[:] = \
+                table[:gbs, :width]
+            slots[j * gbs:(j + 1) * gbs] = static.slots_of(table, kv, bs, gbs, self.page_size)
         return gbs, width, ints, slots, n_pages
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_lens_cpu: list[int],
-            page_tables: list[list[int]]) -> torch.Tensor:
+            page_tables: list[list[int]],
+            swa_tables: list[list[int]] | None = None) -> torch.Tensor:
         """One decode step of ``bs = len(kv_lens_cpu)`` requests -> hidden ``[bs, hidden]``.
 
         kv_lens_cpu[i] counts request i's tokens after this step (its new token included);
-        page_tables[i] lists its pages. Mutates the static buffers and the KV pool. Two
-        host->device copies (pinned, non-blocking) and no device->host sync."""
+        page_tables[i] lists its pages; ``swa_tables[i]`` its sliding page list
+        (``SlidingWindowPages.table``, ``FREED`` entries allowed) when the pool has sliding
+        pages. Mutates the static buffers and the KV pool. Two host->device copies (pinned,
+        non-blocking) and no device->host sync."""
         bs = len(kv_lens_cpu)
-        gbs, width, ints, slots, n_pages = self._stage(kv_lens_cpu, page_tables)
+        gbs, width, ints, slots, n_pages = self._stage(kv_lens_cpu, page_tables, swa_tables)
         self.input_ids[:bs].copy_(input_ids)
         self.positions[:bs].copy_(positions)
         if gbs > bs:
             self.input_ids[bs:gbs].zero_()
             self.positions[bs:gbs].zero_()
         dev_ints = to_device(ints, self.device)
+        dev_slots = to_device(slots, self.device)
         self.kv_lens[:gbs].copy_(dev_ints[:gbs])
-        self.block_table[:gbs, :width].copy_(dev_ints[gbs:].view(gbs, width))
-        self.slot_mapping[:gbs].copy_(to_device(slots, self.device))
+        for j, static in enumerate(self.tables):
+            part = dev_ints[gbs + j * gbs * width: gbs + (j + 1) * gbs * width]
+            static.table[:gbs, :width].copy_(part.view(gbs, width))
+            static.slots[:gbs].copy_(dev_slots[j * gbs:(j + 1) * gbs])
         meta = self._meta(gbs, list(kv_lens_cpu) + [1] * (gbs - bs), n_pages.tolist(), bs)
         self.backend.prepare_cuda_graph(meta)
         self.graphs[gbs].replay()
         return self.outputs[gbs][:bs]
+
+
+class _StaticTable:
+    """One page space's static block table ``[max_bs, max_pages]`` and slot mapping ``[max_bs]``
+    on the device, with a host mirror whose rows are rewritten only when a request's page list
+    changes (list compare: far cheaper than converting rows)."""
+
+    def __init__(self, max_bs: int, max_pages: int, device):
+        self.table = torch.zeros((max_bs, max_pages), dtype=torch.int32, device=device)
+        self.slots = torch.full((max_bs,), -1, dtype=torch.int64, device=device)
+        self._host = np.zeros((max_bs, max_pages), dtype=np.int32)
+        self._rows: list = [None] * max_bs
+
+    def stage(self, page_tables, n_pages: np.ndarray, kv: np.ndarray, bs: int,
+              gbs: int) -> np.ndarray:
+        """Update the host mirror for ``bs`` real rows (padded rows to ``gbs``: page 0)."""
+        table = self._host
+        for i, pages in enumerate(page_tables):
+            row = pages[: n_pages[i]]
+            if len(row) < n_pages[i]:
+                raise ValueError(f"request {i} has {len(pages)} pages for {kv[i]} tokens")
+            if self._rows[i] != row:
+                table[i, : len(row)] = row
+                self._rows[i] = row
+        for i in range(bs, gbs):
+            if self._rows[i] != "pad":
+                table[i] = 0
+                self._rows[i] = "pad"
+        return table
+
+    @staticmethod
+    def slots_of(table: np.ndarray, kv: np.ndarray, bs: int, gbs: int, ps: int) -> np.ndarray:
+        """[gbs] int64: each row's slot for its new token (padded rows -1)."""
+        last = kv - 1  # position of each row's new token
+        slots = table[np.arange(gbs), last // ps].astype(np.int64) * ps + last % ps
+        slots[bs:] = -1
+        return slots

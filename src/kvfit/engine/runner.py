@@ -185,7 +185,10 @@ class ModelRunner:
         input_ids, positions, q_lens, kv_lens, tables = self._step_inputs(items, carried)
         bs = len(items)
         if self.graphs is not None and all(q == 1 for q in q_lens) and self.graphs.can_run(bs):
-            hidden = self.graphs.run(input_ids, positions, kv_lens, tables)
+            sliding = self.pool.sliding_pages
+            swa = (None if sliding is None
+                   else [sliding.table(req.request_id) for req, _ in items])
+            hidden = self.graphs.run(input_ids, positions, kv_lens, tables, swa)
         else:
             meta = build_step_metadata(self.pool, q_lens, kv_lens, tables,
                                        [req.request_id for req, _ in items], self.device)

@@ -100,10 +100,15 @@ def build():
     @triton.jit
     def _split_range(KVLEN, b, s, num_splits, window, BLOCK_N: tl.constexpr,
                      HAS_WINDOW: tl.constexpr):
-        # tokens [lo, hi) of split s of request b; splits start at multiples of BLOCK_N
+        # tokens [lo, hi) of split s of request b; splits start at multiples of BLOCK_N. With a
+        # window the splits share only the window's tiles (from the tile holding its first
+        # token), so a long request's splits all have work and none reads a freed page.
         kv_len = tl.load(KVLEN + b)
-        per = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-        lo = s * per
+        base = 0
+        if HAS_WINDOW:
+            base = tl.maximum(kv_len - window, 0) // BLOCK_N * BLOCK_N
+        per = tl.cdiv(tl.cdiv(kv_len - base, num_splits), BLOCK_N) * BLOCK_N
+        lo = base + s * per
         hi = tl.minimum(lo + per, kv_len)
         if HAS_WINDOW:
             lo = tl.maximum(lo, kv_len - window)

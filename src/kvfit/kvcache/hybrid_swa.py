@@ -5,7 +5,8 @@ Two page spaces
 ---------------
 Full layers and sliding layers live in separate page spaces of the same ``page_size``:
 
-* full layers: ``k_caches[l]``/``v_caches[l]`` are ``[num_pages, H, P, D]``; a request's pages come
+* full layers: ``k_caches[l]``/``v_caches[l]`` are ``[num_pages, H, P, D]`` (V ``[.., D, P]`` with
+  ``v_layout="HDN"``, as in MHAKVCache); a request's pages come
   from the engine's ``PageAllocator`` exactly as for ``MHAKVCache`` (every token keeps its slot).
 * sliding layers: ``[num_swa_pages + 1, H, P, D]``; pages come from ``pool.sliding_pages``
   (a ``SlidingWindowPages``, kvcache/sliding_pages.py: its own allocator plus one *logical* page
@@ -58,6 +59,7 @@ class HybridSWAKVCache(KVPool):
 
     name = "HybridSWAKVCache"
     layer_kinds = frozenset({"full", "sliding"})
+    v_layouts = frozenset({"HND", "HDN"})  # as MHAKVCache: V pages token-major or token-minor
     prefix_caching_refusal = ("its sliding-window layers give pages back as the window slides, "
                               "so a finished prompt's early window pages are gone")
 
@@ -101,8 +103,9 @@ class HybridSWAKVCache(KVPool):
             else:  # sliding: zeros so that the null page reads finite
                 shape = (num_swa_pages + 1, spec.num_kv_heads, page_size, spec.head_dim)
                 make = torch.zeros
+            vshape = shape if v_layout == "HND" else (*shape[:2], spec.head_dim, page_size)
             self.k_caches.append(make(shape, dtype=self.dtype, device=device))
-            self.v_caches.append(make(shape, dtype=self.dtype, device=device))
+            self.v_caches.append(make(vshape, dtype=self.dtype, device=device))
 
     def priced_bytes(self) -> int:
         if self.sliding_pages is None:
