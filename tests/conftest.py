@@ -5,6 +5,7 @@ named ``conftest`` cannot be imported reliably, since tests/gpu has its own."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -12,6 +13,10 @@ import torch
 from modelhelpers import TINY, make_hf_model
 
 logging.getLogger("kvfit").setLevel(logging.WARNING)
+if not torch.cuda.is_available():
+    # kernels run under Triton's interpreter on CPU-only hosts (tests/triton_interp.py); the
+    # variable must be set before triton is first imported (its own @jit library functions)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

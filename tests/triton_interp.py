@@ -1,7 +1,7 @@
 """Run kvfit's Triton kernels on the CPU under Triton's interpreter (tests only).
 
-``enable()`` sets ``TRITON_INTERPRET=1`` for the process (CPU-only machines: kvfit's kernels are
-built on first use, so they are built interpreted). kvfit builds its kernels inside functions (``build()``, imported
+``TRITON_INTERPRET=1`` must be set before triton is first imported (triton's own library
+functions are ``@jit`` too): tests/conftest.py sets it on CPU-only hosts, ``enable()`` checks it. kvfit builds its kernels inside functions (``build()``, imported
 lazily), so a kernel calls helper ``@triton.jit`` functions held in its closure; the interpreter
 re-executes each kernel's source against the module's globals only, which loses those names.
 ``enable()`` patches the interpreter to add the closure's variables to the namespace it executes
@@ -11,6 +11,7 @@ in (a copy: the module's globals are not touched).
 from __future__ import annotations
 
 import os
+import sys
 import types
 
 
@@ -23,12 +24,14 @@ def _names(fn) -> dict:
 
 
 def enable() -> bool:
-    """Switch the interpreter on for this process (triton reads the variable when a kernel is
-    built); False on a machine with CUDA, where kernels must stay compiled (the caller skips)."""
+    """Switch the interpreter on for this process; False on a machine with CUDA, where kernels
+    stay compiled, or when triton was imported without it (the caller skips)."""
     import torch
 
     if torch.cuda.is_available():
         return False
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        return False  # triton's own @jit library was built compiled (tests/conftest.py sets it)
     os.environ["TRITON_INTERPRET"] = "1"
     from triton.runtime import interpreter
 

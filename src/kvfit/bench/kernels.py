@@ -6,6 +6,9 @@ inputs never sit in L2, and times each kernel with ``triton.testing.do_bench`` (
 µs, achieved TB/s (KV bytes read / time), % of the copy bandwidth measured in the same run,
 KV elements/s, and the fp8/bf16 speedup; it writes ``kernels.json`` and ``kernels.png`` under
 ``--out``. Prefill points time a whole causal prompt (empty prefix) and report TFLOP/s.
+Gemma 3 layouts (``--layouts gemma3-270m,gemma3-4b,gemma3-12b``) have sliding-window layers: each
+of their points also times our kernels over the window (``swa_us``) and prints its time against
+the full layer's at the same context (``swa/full``: ~1 inside the window, < 1 beyond it).
 """
 
 from __future__ import annotations
@@ -17,7 +20,12 @@ import os
 import time
 from dataclasses import dataclass
 
-LAYOUTS = {"qwen3-1.7b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128), "smollm2": (9, 3, 64)}
+LAYOUTS = {"qwen3-1.7b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128), "smollm2": (9, 3, 64),
+           "gemma3-270m": (4, 1, 256), "gemma3-4b": (8, 4, 256), "gemma3-12b": (16, 8, 256)}
+DEFAULT_LAYOUTS = ("qwen3-1.7b", "llama-3.1-8b", "smollm2")
+# sliding-window layers of a layout: each point also times our kernels with the window (the
+# same cache, read only over the last ``window`` tokens) against the full layer at that context
+WINDOWS = {"gemma3-270m": 512, "gemma3-4b": 1024, "gemma3-12b": 1024}
 L2_BYTES = 60 << 20
 
 
@@ -37,7 +45,8 @@ def parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="kvfit bench kernels", description=__doc__)
     p.add_argument("--out", default="bench-out/kernels")
-    p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS),
+                   help=f"head layouts, of: {', '.join(LAYOUTS)}")
     p.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3")
     p.add_argument("--batches", default="1,8,32,128")
     p.add_argument("--contexts", default="1024,4096,16384,65536")
@@ -144,7 +153,7 @@ def ours_v_caches(kv: KVSet) -> list:
     return kv.v_token_minor
 
 
-def time_ours_decode(kv: KVSet, hq, d, cfg) -> float:
+def time_ours_decode(kv: KVSet, hq, d, cfg, window=None) -> float:
     import torch
     import triton
 
@@ -154,7 +163,7 @@ def time_ours_decode(kv: KVSet, hq, d, cfg) -> float:
     qs = [torch.randn(kv.batch, hq, d, device="cuda", dtype=torch.bfloat16) for _ in kv.caches]
     outs = [torch.empty_like(q) for q in qs]
     fns = [lambda i=i: paged_decode(qs[i], kv.caches[i][0], vcs[i], kv.block_table,
-                                    kv.kv_lens, outs[i], d ** -0.5, cfg)
+                                    kv.kv_lens, outs[i], d ** -0.5, cfg, window=window)
            for i in range(kv.reps)]
     return triton.testing.do_bench(rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3
 
@@ -211,6 +220,13 @@ def run_decode(args, device, copy_bw, results):
                     cfg = choose_config(b, hkv, hq // hkv, d, ctx, dt, torch.bfloat16, v_t=v_t)
                     rec["ours_us"] = time_ours_decode(kv, hq, d, cfg)
                     rec["ours_cfg"] = str(cfg)
+                    window = WINDOWS.get(layout)
+                    if window:  # the engine's sliding-layer plan: splits from the window
+                        cfg_w = choose_config(b, hkv, hq // hkv, d, min(ctx, window), dt,
+                                              torch.bfloat16, v_t=v_t)
+                        rec["window"] = window
+                        rec["swa_us"] = time_ours_decode(kv, hq, d, cfg_w, window)
+                        rec["swa_over_full"] = rec["swa_us"] / rec["ours_us"]
                     if not args.no_fi:
                         use_tc = hq // hkv >= 4
                         try:
@@ -245,10 +261,12 @@ def _print_decode(r):
          f" {r['ours_elem_per_s']:.2e} el/s")
     if "fi_us" in r:
         s += f" | fi {r['fi_us']:9.1f} us {r['fi_tbps']:5.2f} TB/s"
+    if "swa_us" in r:
+        s += f" | window {r['window']}: {r['swa_us']:9.1f} us, swa/full {r['swa_over_full']:.2f}"
     print(s, flush=True)
 
 
-def time_ours_prefill(kv: KVSet, hq, d, q_len):
+def time_ours_prefill(kv: KVSet, hq, d, q_len, window=None):
     import torch
     import triton
 
@@ -263,7 +281,8 @@ def time_ours_prefill(kv: KVSet, hq, d, q_len):
     vcs = ours_v_caches(kv)
     v_t = ours_v_layout(kv) == "HDN"
     fns = [lambda i=i: paged_prefill(q, kv.caches[i][0], vcs[i], kv.block_table, cu,
-                                     kv.kv_lens, blocks, cfg, out, d ** -0.5, v_t=v_t)
+                                     kv.kv_lens, blocks, cfg, out, d ** -0.5, window=window,
+                                     v_t=v_t)
            for i in range(kv.reps)]
     return triton.testing.do_bench(rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3
 
@@ -299,6 +318,11 @@ def run_prefill(args, device, results):
                 rec = {"kind": "prefill", "layout": layout, "kv_dtype": kvd, "batch": b,
                        "context": ctx, "flops": flops, "page_size": kv.page_size}
                 rec["ours_us"] = time_ours_prefill(kv, hq, d, ctx)
+                window = WINDOWS.get(layout)
+                if window:
+                    rec["window"] = window
+                    rec["swa_us"] = time_ours_prefill(kv, hq, d, ctx, window)
+                    rec["swa_over_full"] = rec["swa_us"] / rec["ours_us"]
                 if not args.no_fi:
                     try:
                         rec["fi_us"] = time_fi_prefill(kv, hq, d, ctx)
@@ -312,6 +336,9 @@ def run_prefill(args, device, results):
                 if "fi_us" in rec:
                     s += (f" | fi {rec['fi_us']:9.1f} us {rec['fi_tflops']:6.1f} TFLOP/s"
                           f" | ours/fi time {rec['ours_us'] / rec['fi_us']:.2f}")
+                if "swa_us" in rec:
+                    s += (f" | window {rec['window']}: {rec['swa_us']:9.1f} us, swa/full "
+                          f"{rec['swa_over_full']:.2f}")
                 print(s, flush=True)
                 results.append(rec)
                 del kv

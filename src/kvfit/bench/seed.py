@@ -73,7 +73,8 @@ def _sync():
 
 
 def fill_pool(pool) -> None:
-    """Random KV in every page (never time on uninitialised memory: NaN patterns, zeros)."""
+    """Random KV in every page (never time on uninitialised memory: NaN patterns, zeros); a
+    hybrid pool's sliding null page stays zero, as the pool keeps it."""
     import torch
 
     g = torch.Generator(device=pool.device).manual_seed(0)
@@ -83,17 +84,45 @@ def fill_pool(pool) -> None:
         for i in range(0, flat.numel(), step):
             chunk = torch.randn(min(step, flat.numel() - i), generator=g, device=pool.device)
             flat[i:i + step] = chunk.to(t.dtype)
+    if pool.sliding_pages is not None:
+        for spec, kc, vc in zip(pool.layers, pool.k_caches, pool.v_caches):
+            if spec.kind == "sliding":
+                kc[pool.null_page] = 0
+                vc[pool.null_page] = 0
+
+
+def sliding_tables(pool, rids: list[str], ctx: int, end: int) -> list[list[int]] | None:
+    """A hybrid pool's sliding page lists for requests whose first ``ctx`` tokens are cached
+    and that will decode up to position ``end``: reserved as the scheduler does (pages behind the
+    window released as it goes), so only the window's pages are held. None for other pools."""
+    sliding = pool.sliding_pages
+    if sliding is None:
+        return None
+    ps = pool.page_size
+    for rid in rids:
+        for s in range(0, ctx, ps):
+            sliding.reserve(rid, s, min(s + ps, ctx))
+        sliding.reserve(rid, ctx, end)
+    return [sliding.table(rid) for rid in rids]
+
+
+def free_sliding(pool, rids: list[str]) -> None:
+    if pool.sliding_pages is not None:
+        for rid in rids:
+            pool.sliding_pages.free(rid)
 
 
 def decode_point(runner, batch: int, ctx: int, steps: int) -> float:
     """tok/s of ``steps`` decode steps of ``batch`` requests at context ``ctx`` (pages filled)."""
     import torch
 
-    from kvfit.attention.meta_builder import build_metadata
+    from kvfit.attention.meta_builder import build_step_metadata
 
     ps = runner.pool.page_size
     per = -(-(ctx + steps + 4) // ps)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
+    rids = [f"bench{i}" for i in range(batch)]
+    swa = sliding_tables(runner.pool, rids, ctx, ctx + steps + 4)
     dev = runner.device
     toks = torch.randint(0, runner.hf_config.vocab_size, (batch,), device=dev)
     lens = [ctx] * batch
@@ -104,32 +133,38 @@ def decode_point(runner, batch: int, ctx: int, steps: int) -> float:
             lens[i] += 1
         pos = torch.tensor([n - 1 for n in lens], device=dev)
         if runner.graphs is not None and runner.graphs.can_run(batch):
-            hidden = runner.graphs.run(toks, pos, lens, tables)
+            hidden = runner.graphs.run(toks, pos, lens, tables, swa)
         else:
-            meta = build_metadata([1] * batch, lens, tables, ps, dev)
+            meta = build_step_metadata(runner.pool, [1] * batch, lens, tables, rids, dev)
             runner.backend.prepare(meta)
             hidden = runner.model(toks, pos, runner.ctx)
         toks = runner.model.compute_logits(hidden).argmax(-1)
 
-    with torch.inference_mode():
-        for _ in range(3):
-            step()
-        _sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        _sync()
+    try:
+        with torch.inference_mode():
+            for _ in range(3):
+                step()
+            _sync()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            _sync()
+    finally:
+        free_sliding(runner.pool, rids)
     return batch * steps / (time.perf_counter() - t0)
 
 
 def prefill_point(runner, n: int) -> float:
     import torch
 
-    from kvfit.attention.meta_builder import build_metadata
+    from kvfit.attention.meta_builder import build_step_metadata
 
     ps = runner.pool.page_size
     pages = list(range(-(-n // ps)))
-    meta = build_metadata([n], [n], [pages], ps, runner.device)
+    if runner.pool.sliding_pages is not None:  # the sliding layers' pages of the prompt
+        runner.pool.sliding_pages.reserve("bench-prefill", 0, n)
+    meta = build_step_metadata(runner.pool, [n], [n], [pages], ["bench-prefill"], runner.device)
+    free_sliding(runner.pool, ["bench-prefill"])  # the tables are built: the pages may go back
     ids = torch.randint(0, runner.hf_config.vocab_size, (n,), device=runner.device)
     pos = torch.arange(n, device=runner.device)
     times = []
