@@ -52,6 +52,16 @@ def test_triton_swa_softcap_and_128_heads(kv_dtype):
     assert max(errs) < 2e-2, errs
 
 
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
+def test_triton_swa_long_context_split_decode(kv_dtype):
+    """Contexts long enough for split-K decode: the sliding layer's splits share only the window
+    (the full layer's the whole context), prompts prefilled in chunks of 512 across the edge."""
+    sched = window_schedule([1100, 600], 512, 6)
+    errs = run_case("cuda", kv_dtype, torch.bfloat16, 32, 300, sched, hq=8, hkv=4, head_dim=256,
+                    v_layout=_v_layout(kv_dtype, 32, 256))
+    assert max(errs) < 2e-2, errs
+
+
 def _gemma_llm(backend, kv_dtype, eager, dtype):
     from kvfit.attention.registry import unavailable_reason
     from kvfit.bench.configs import config_path
@@ -104,13 +114,3 @@ def test_gemma3_270m_shape_greedy_triton_equals_torch(kv_dtype, dtype, gap):
             if i is not None:
                 top = sorted(rlp[i].values(), reverse=True)
                 assert top[0] - top[1] < gap, (eager, i, rt, gt, rlp[i], glp[i])
-
-
-@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
-def test_triton_swa_long_context_split_decode(kv_dtype):
-    """Contexts long enough for split-K decode: the sliding layer's splits share only the window
-    (the full layer's the whole context), prompts prefilled in chunks of 512 across the edge."""
-    sched = window_schedule([1100, 600], 512, 6)
-    errs = run_case("cuda", kv_dtype, torch.bfloat16, 32, 300, sched, hq=8, hkv=4, head_dim=256,
-                    v_layout=_v_layout(kv_dtype, 32, 256))
-    assert max(errs) < 2e-2, errs
