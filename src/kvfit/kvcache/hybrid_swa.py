@@ -25,8 +25,8 @@ tests/test_gemma3.py).
 Two modes, fixed at construction
 --------------------------------
 * windowed (``num_swa_pages`` given; what the engine uses, sized by ``solve_pages``): as above.
-  Backends must read the sliding layers' tables from ``meta.swa``; metadata without them is
-  refused with an error (never a silent read of the wrong page space).
+  Backends (torch, triton) must read the sliding layers' tables from ``meta.swa``; metadata
+  without them is refused with an error (never a silent read of the wrong page space).
 * shared (``num_swa_pages=None``; throwaway pools for activation profiling and scale
   calibration): sliding layers use the full layers' page ids (tensors ``[num_pages, ...]``),
   nothing is released, the window is applied as a mask only, and the price is MHAKVCache's.
