@@ -85,3 +85,23 @@ def test_split_decode_shares_only_the_window_interpreted(use_dot, dtype, v_t):
         assert torch.isfinite(out[i]).all()
         tol = 1e-5 if dtype == torch.float32 else 3e-3
         assert (out[i].float() - ref[0]).abs().max().item() < tol
+
+
+def test_triton_backend_needs_hybrid_metadata():
+    """Plain metadata (no sliding tables) over a windowed pool is refused, never a silent read of
+    the full layers' page ids in the sliding page space."""
+    from kvfit.attention.meta_builder import build_metadata
+    from kvfit.attention.triton_backend import TritonBackend
+    from kvfit.kvcache.dtypes import kv_format
+    from kvfit.kvcache.hybrid_swa import HybridSWAKVCache
+    from kvfit.kvcache.spec import KVLayerSpec
+
+    layers = [KVLayerSpec("sliding", 1, 64, 8), KVLayerSpec("full", 1, 64)]
+    pool = HybridSWAKVCache(layers, 4, 4, kv_format("float16"), CPU, num_swa_pages=4)
+    be = TritonBackend(pool, torch.float16, 0.125)
+    be.prepare(build_metadata([3], [3], [[0]], 4, CPU))
+    x = torch.randn(3, 1, 64, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="build_step_metadata"):
+        be.forward(x, x, x, 0)
+    with pytest.raises(RuntimeError, match="build_step_metadata"):
+        be.kv_store_target(0)
