@@ -35,3 +35,33 @@ def test_gemma3_refuses_fi_naming_triton():
     with pytest.raises(UnsupportedCombinationError, match="HybridSWAKVCache.*triton"):
         plan_capacity(EngineConfig(model=GEMMA, attention_backend="fi"), parse_memory("4GiB"),
                       ["bfloat16"], device="cuda")
+
+
+def test_seed_bench_sliding_tables_hold_only_the_window():
+    """``kvfit bench seed`` on a hybrid pool: decode requests at 16k context hold only their
+    window's sliding pages (reserved in prefill chunks, as the scheduler would), within the
+    pool's worst-case reservation, and give them all back."""
+    from kvfit.attention.meta_builder import build_step_metadata
+    from kvfit.bench.seed import free_sliding, sliding_tables
+    from kvfit.kvcache.dtypes import kv_format
+    from kvfit.kvcache.hybrid_swa import HybridSWAKVCache
+    from kvfit.kvcache.sizing import solve_hybrid_pages
+    from kvfit.kvcache.spec import KVLayerSpec
+
+    layers = [KVLayerSpec("sliding", 1, 8, 512)] * 5 + [KVLayerSpec("full", 1, 8)]
+    ps, b, ctx, budget = 16, 16, 16384, 4096
+    fmt = kv_format("bfloat16")
+    sizing = solve_hybrid_pages(0, layers, fmt, ps, b, budget, num_pages=b * (ctx // ps + 8))
+    pool = HybridSWAKVCache.from_sizing(sizing, layers, fmt, torch.device("cpu"))
+    rids = [f"r{i}" for i in range(b)]
+    swa = sliding_tables(pool, rids, ctx, ctx + 20, budget)
+    live = -(-(ctx + 20) // ps) - (ctx - 511) // ps  # pages from the window's first token on
+    assert pool.sliding_pages.num_used == b * live <= sizing.num_swa_pages
+    per = -(-(ctx + 20) // ps)
+    meta = build_step_metadata(pool, [1] * b, [ctx + 1] * b,
+                               [list(range(i * per, (i + 1) * per)) for i in range(b)], rids,
+                               torch.device("cpu"))
+    assert meta.swa.first_live_cpu == [(ctx - 511) // ps] * b
+    assert all(t[0] == -1 and t[-1] >= 0 for t in swa)
+    free_sliding(pool, rids)
+    assert pool.sliding_pages.num_used == 0

@@ -91,17 +91,20 @@ def fill_pool(pool) -> None:
                 vc[pool.null_page] = 0
 
 
-def sliding_tables(pool, rids: list[str], ctx: int, end: int) -> list[list[int]] | None:
+def sliding_tables(pool, rids: list[str], ctx: int, end: int,
+                   max_num_batched_tokens: int) -> list[list[int]] | None:
     """A hybrid pool's sliding page lists for requests whose first ``ctx`` tokens are cached
-    and that will decode up to position ``end``: reserved as the scheduler does (pages behind the
-    window released as it goes), so only the window's pages are held. None for other pools."""
+    and that will decode up to position ``end``: reserved in prefill chunks as the scheduler
+    does (pages behind the window released as it goes, chunks sharing the step's token budget),
+    so only the window's pages are held. None for other pools."""
     sliding = pool.sliding_pages
     if sliding is None:
         return None
     ps = pool.page_size
+    chunk = max(ps, max_num_batched_tokens // len(rids) // ps * ps)
     for rid in rids:
-        for s in range(0, ctx, ps):
-            sliding.reserve(rid, s, min(s + ps, ctx))
+        for s in range(0, ctx, chunk):
+            sliding.reserve(rid, s, min(s + chunk, ctx))
         sliding.reserve(rid, ctx, end)
     return [sliding.table(rid) for rid in rids]
 
@@ -122,7 +125,8 @@ def decode_point(runner, batch: int, ctx: int, steps: int) -> float:
     per = -(-(ctx + steps + 4) // ps)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
     rids = [f"bench{i}" for i in range(batch)]
-    swa = sliding_tables(runner.pool, rids, ctx, ctx + steps + 4)
+    swa = sliding_tables(runner.pool, rids, ctx, ctx + steps + 4,
+                         runner.config.max_num_batched_tokens)
     dev = runner.device
     toks = torch.randint(0, runner.hf_config.vocab_size, (batch,), device=dev)
     lens = [ctx] * batch
