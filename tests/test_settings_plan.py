@@ -126,7 +126,9 @@ def test_plan_says_when_an_explicit_max_model_len_does_not_fit():
 def test_plan_for_cuda_refuses_what_the_engine_would(tmp_path):
     hybrid = _config_json(tmp_path, "hybrid")
     s = resolve_settings(EngineConfig(model=hybrid, kv_dtype="fp8_e4m3"), plan_for="cuda")
-    assert s.backend_name == "torch"  # the GPU backends do not hold the hybrid pool
+    # triton holds the hybrid pool but not these 16-d heads, fi neither (Gemma 3's 256-d heads
+    # plan triton: tests/test_swa_gpu_plan.py)
+    assert s.backend_name == "torch"
     with pytest.raises(UnsupportedCombinationError, match="these backends support it: torch"):
         resolve_settings(EngineConfig(model=hybrid, attention_backend="fi"), plan_for="cuda")
     with pytest.raises(ValueError, match="plan_for"):

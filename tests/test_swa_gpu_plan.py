@@ -65,3 +65,16 @@ def test_seed_bench_sliding_tables_hold_only_the_window():
     assert all(t[0] == -1 and t[-1] >= 0 for t in swa)
     free_sliding(pool, rids)
     assert pool.sliding_pages.num_used == 0
+
+
+def test_auto_backend_skips_backends_without_the_head_size():
+    """``auto`` picks only a backend that takes the model's heads: 16-d heads on the hybrid pool
+    fall back to torch instead of failing in the guard."""
+    from kvfit.attention.registry import select_backend
+
+    assert select_backend("auto", "cuda", "HybridSWAKVCache", "bfloat16", 256,
+                          assume_installed=True) == "triton"
+    assert select_backend("auto", "cuda", "HybridSWAKVCache", "bfloat16", 16,
+                          assume_installed=True) == "torch"
+    assert select_backend("auto", "cuda", "MHAKVCache", "bfloat16", 96,
+                          assume_installed=True) == "torch"
