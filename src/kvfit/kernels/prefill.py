@@ -137,9 +137,11 @@ def build():
         hi = prefix + last_tok + 1
         lo = 0
         if HAS_WINDOW:
-            lo = tl.maximum(0, prefix + first_tok - window + 1)
-        if V_T:  # page-slice aligned tiles: tokens below lo fall outside every row's window
-            lo = lo // BLOCK_N * BLOCK_N
+            # tiles start at a multiple of BLOCK_N below the first row's window edge (the
+            # tokens below the edge are masked in the first run): aligned tile addresses, which
+            # token-minor V pages need, and which keep the HND tiles' loads as fast as without
+            # a window (16-bit, 256-d, 1k prompts: 1.16x the full layer's time when unaligned)
+            lo = tl.maximum(0, prefix + first_tok - window + 1) // BLOCK_N * BLOCK_N
         # tiles [0, t_win) may cross the window's lower edge, [t_win, t_diag) are wholly visible
         # to every row, [t_diag, n_tiles) cross the causal diagonal or hi: masks only where needed
         n_tiles = tl.cdiv(hi - lo, BLOCK_N)
