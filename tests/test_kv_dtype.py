@@ -268,8 +268,8 @@ def test_triton_backend_asks_for_token_minor_v_only_where_measured_faster():
 
 def test_auto_backend_and_page_size_follow_the_measurements(monkeypatch):
     """auto on CUDA: triton for fp8 KV with heads >= 128 (its decode beat FlashInfer's fp8 by
-    1.2-2.2x), fi otherwise, triton when FlashInfer is missing; torch on CPU and for pools only
-    it holds. Unset page size: 32 for fp8 on triton (128-d), else 16."""
+    1.2-2.2x), fi otherwise (triton where fi does not hold the pool), triton when FlashInfer is
+    missing; torch on CPU and for pools only it holds. Unset page size: 32 for fp8 on triton (128-d), else 16."""
     from kvfit.attention import registry
     from kvfit.attention.torch_ref import TorchRefBackend
     from kvfit.attention.triton_backend import TritonBackend
@@ -283,7 +283,9 @@ def test_auto_backend_and_page_size_follow_the_measurements(monkeypatch):
     assert sel("auto", "cuda", "MHAKVCache", "fp8_e5m2", 256) == "triton"
     assert sel("auto", "cuda", "MHAKVCache", "fp8_e4m3", 64) == "fi"
     assert sel("auto", "cuda", "MHAKVCache", "bfloat16", 128) == "fi"
-    assert sel("auto", "cuda", "HybridSWAKVCache", "fp8_e4m3", 256) == "torch"
+    # the hybrid sliding-window pool: triton holds it (issue 18), FlashInfer does not
+    assert sel("auto", "cuda", "HybridSWAKVCache", "fp8_e4m3", 256) == "triton"
+    assert sel("auto", "cuda", "HybridSWAKVCache", "bfloat16", 256) == "triton"
     assert sel("auto", "cpu", "MHAKVCache", "fp8_e4m3", 128) == "torch"
     assert sel("fi", "cuda", "MHAKVCache", "fp8_e4m3", 128) == "fi"  # explicit kept
     missing.add("fi")

@@ -178,7 +178,9 @@ def build():
                                          full_end, lo, hi, qk_scale, softcap, D, PAGE, BLOCK_N,
                                          F16, HAS_SOFTCAP, True)
         else:
-            for t0 in range(lo, hi, BLOCK_N):
+            # tiles at multiples of BLOCK_N (a window's first tile masked below lo): aligned
+            # token indices let the page-id loads and addresses vectorise as without a window
+            for t0 in range(lo // BLOCK_N * BLOCK_N, hi, BLOCK_N):
                 acc, m_i, l_i = _tile_hnd(q, acc, m_i, l_i, KC, VC, bt_row, head_off, stride_cp,
                                           t0, lo, hi, qk_scale, softcap, D, PAGE, BLOCK_N, F16,
                                           HAS_SOFTCAP)
