@@ -1,0 +1,117 @@
+"""Tensor parallelism on CPU (gloo, one process per rank): the split arithmetic, the guard, and
+TP=N against TP=1 on the same weights: greedy tokens equal, logprobs within a measured
+tolerance (the row-parallel sums add the ranks' partial products in another order than one
+matmul: float32 differences of ~1e-6 relative, see docs/tensor_parallel.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfit import LLM, SamplingParams
+from kvfit.config import EngineConfig
+from kvfit.engine.settings import resolve_settings
+from kvfit.errors import UnsupportedCombinationError
+from kvfit.parallel.layout import shard_heads, shard_vocab, tp_refusals
+
+# measured: max |logprob(TP=2) - logprob(TP=1)| on the tiny models ~1e-6 (float32); 1e-4 leaves
+# room for other BLAS orders without hiding a wrong shard (which moves logprobs by > 0.1)
+LOGPROB_TOL = 1e-4
+
+
+def test_head_split_and_kv_replication():
+    # 8 query / 2 KV heads over 4 ranks: 2 query heads each, KV head 0 on ranks 0-1, 1 on 2-3
+    shards = [shard_heads(8, 2, r, 4) for r in range(4)]
+    assert [(s.q_start, s.q_count) for s in shards] == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    assert [(s.kv_start, s.kv_count) for s in shards] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    for s in shards:  # every query head of the rank reads a KV head the rank holds
+        group = 8 // 2
+        assert all(s.kv_start <= h // group < s.kv_start + s.kv_count
+                   for h in range(s.q_start, s.q_start + s.q_count))
+    # 9 query / 3 KV (SmolLM2) over 3 ranks: one KV head each
+    assert [shard_heads(9, 3, r, 3).kv_start for r in range(3)] == [0, 1, 2]
+    # vocabulary: padded rows only at the tail, every id on exactly one rank
+    parts = [shard_vocab(10, r, 4) for r in range(4)]
+    assert [(p.start, p.count) for p in parts] == [(0, 3), (3, 3), (6, 3), (9, 1)]
+    assert {p.padded for p in parts} == {3}
+
+
+def test_refusals_name_the_reason():
+    assert tp_refusals(9, 3, 1536, 3) == []
+    assert tp_refusals(8, 2, 64, 4) == []
+    assert any("more than the model's 4 query heads" in r for r in tp_refusals(4, 2, 64, 8))
+    assert any("does not divide the model's 9 query heads" in r
+               for r in tp_refusals(9, 3, 1536, 2))
+    assert any("KV heads do not divide 4 ranks" in r for r in tp_refusals(12, 3, 96, 4))
+    assert any("intermediate size 100" in r for r in tp_refusals(8, 8, 100, 8))
+
+
+def test_guard_refuses_before_loading(tmp_path):
+    with pytest.raises(UnsupportedCombinationError, match="9 query heads.*--tensor-parallel"):
+        resolve_settings(EngineConfig(model="smollm2-135m", device="cpu",
+                                      tensor_parallel_size=2))
+    from kvfit.bench.configs import config_path
+
+    with pytest.raises(UnsupportedCombinationError, match="MLA"):
+        resolve_settings(EngineConfig(model=config_path("deepseek-v2-lite"), device="cpu",
+                                      load_format="dummy", tensor_parallel_size=2))
+    with pytest.raises(UnsupportedCombinationError, match="kv-scales auto"):
+        resolve_settings(EngineConfig(model="smollm2-135m", device="cpu", kv_scales="auto",
+                                      tensor_parallel_size=3))
+
+
+def test_settings_hold_one_ranks_kv_heads():
+    s = resolve_settings(EngineConfig(model="smollm2-135m", device="cpu", tensor_parallel_size=3))
+    assert {l.num_kv_heads for l in s.layers} == {1}
+    assert {l.num_kv_heads for l in s.full_layers} == {3}
+
+
+@pytest.fixture(scope="module")
+def word_tokenizer(tmp_path_factory):
+    """A word-level tokenizer of the tiny models' 256 ids (the prompts here are token ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    d = tmp_path_factory.mktemp("tiny-tokenizer")
+    t = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
+    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=t, unk_token="t0").save_pretrained(str(d))
+    return str(d)
+
+
+def _generate(model_dir, tokenizer, tp, prompts, **kw):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=2)
+    with LLM(model_dir, tokenizer=tokenizer, device="cpu", num_pages=32, page_size=4,
+             max_model_len=128, tensor_parallel_size=tp, **kw) as llm:
+        return llm.generate(prompts, params, use_tqdm=False)
+
+
+def _max_logprob_gap(a, b) -> float:
+    gap = 0.0
+    for x, y in zip(a, b):
+        pairs = list(zip(x.outputs[0].logprobs, y.outputs[0].logprobs))
+        pairs += [(p, q) for p, q in zip(x.prompt_logprobs, y.prompt_logprobs) if p]
+        for p, q in pairs:
+            for tok, lp in p.items():
+                gap = max(gap, abs(lp - q[tok]))
+    return gap
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tp2_equals_tp1_on_tiny_models(tiny_models, word_tokenizer, arch):
+    """Safetensors checkpoints read lazily (each rank reads its slices); GQA 4/2 heads."""
+    d = tiny_models[arch][0]
+    prompts = [[3, 17, 42, 99, 5, 61, 7], [200, 1, 2, 3], list(range(10, 40))]
+    one = _generate(d, word_tokenizer, 1, prompts)
+    two = _generate(d, word_tokenizer, 2, prompts)
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+    assert _max_logprob_gap(two, one) < LOGPROB_TOL
+
+
+def test_tp_engine_can_be_rebuilt_and_replaced_by_tp1(tiny_models, word_tokenizer):
+    """close() stops the workers and leaves the group: the next engine (any size) starts."""
+    d, tok = tiny_models["llama"][0], word_tokenizer
+    a = _generate(d, tok, 2, [[1, 2, 3]])
+    b = _generate(d, tok, 2, [[1, 2, 3]])
+    c = _generate(d, tok, 1, [[1, 2, 3]])
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids == c[0].outputs[0].token_ids
