@@ -90,7 +90,7 @@ def _max_logprob_gap(a, b) -> float:
     gap = 0.0
     for x, y in zip(a, b):
         pairs = list(zip(x.outputs[0].logprobs, y.outputs[0].logprobs))
-        pairs += [(p, q) for p, q in zip(x.prompt_logprobs, y.prompt_logprobs) if p]
+        pairs += [(p, q) for p, q in zip(x.prompt_logprobs or [], y.prompt_logprobs or []) if p]
         for p, q in pairs:
             for tok, lp in p.items():
                 gap = max(gap, abs(lp - q[tok]))
@@ -115,3 +115,119 @@ def test_tp_engine_can_be_rebuilt_and_replaced_by_tp1(tiny_models, word_tokenize
     b = _generate(d, tok, 2, [[1, 2, 3]])
     c = _generate(d, tok, 1, [[1, 2, 3]])
     assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids == c[0].outputs[0].token_ids
+
+
+SMOL_PROMPTS = ["The capital of France is", "def add(a, b):",
+                "Once upon a time, in a small village,", "List three colors:", "Water boils at"]
+
+
+def test_tp3_equals_tp1_on_bundled_smollm2_with_chunks_and_preemption(bundled_llm):
+    """SmolLM2 (9 query / 3 KV heads, GGUF): 3 ranks with one KV head each. A 5-token step
+    budget forces chunked prefill and 12 pages of 4 force preemption; the greedy tokens equal
+    TP=1's (the session's bundled engine: greedy output does not depend on batching, chunking
+    or preemption, tests/test_engine.py) and the pages all come back."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    one = bundled_llm.generate(SMOL_PROMPTS, params, use_tqdm=False)
+    with LLM("smollm2-135m", device="cpu", num_pages=12, page_size=4, max_num_batched_tokens=5,
+             max_model_len=48, tensor_parallel_size=3) as llm:
+        three = llm.generate(SMOL_PROMPTS, params, use_tqdm=False)
+        eng = llm.engine
+        assert eng.scheduler.num_preemptions > 0
+        assert eng.allocator.num_free == eng.allocator.num_pages
+        assert {l.num_kv_heads for l in eng.runner.pool.layers} == {1}
+    assert [o.outputs[0].token_ids for o in three] == [o.outputs[0].token_ids for o in one]
+    assert _max_logprob_gap(three, one) < LOGPROB_TOL
+
+
+def _descendants_running(root: int, needle: str) -> list[int]:
+    """Pids of ``root``'s descendants whose command line contains ``needle`` (Linux /proc)."""
+    import os
+
+    parent = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    out = []
+    for pid in parent:
+        p = pid
+        while p in parent and p != root and p > 1:
+            p = parent[p]
+        if p == root:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if needle.encode() in f.read():
+                        out.append(pid)
+            except OSError:
+                continue
+    return out
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="/proc")
+def test_dead_worker_gives_503_and_the_server_exits_nonzero(tmp_path):
+    """Kill rank 1 mid-stream: the stream ends with a 503 error naming the lost rank, and the
+    server stops by itself with a non-zero status (never hangs)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import httpx
+    from server_common import tiny_config
+
+    from kvfit.server.launch import free_port
+
+    port = free_port()
+    env = dict(os.environ)
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "kvfit.server.main", "--model", tiny_config(tmp_path),
+           "--load-format", "dummy", "--device", "cpu", "--num-pages", "64",
+           "--max-model-len", "512", "--port", str(port), "--log-level", "warning",
+           "--tp-size", "2"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        workers = _descendants_running(proc.pid, "kvfit.engine.tp_worker")
+        assert len(workers) == 1
+        lines, first = [], threading.Event()
+
+        def stream():
+            with httpx.stream("POST", base + "/v1/completions", timeout=60, json={
+                    "prompt": [3, 4], "max_tokens": 500, "ignore_eos": True,
+                    "stream": True}) as r:
+                lines.append(r.status_code)
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        first.set()
+            first.set()
+
+        streamer = threading.Thread(target=stream, daemon=True)
+        streamer.start()
+        assert first.wait(60)
+        os.kill(workers[0], signal.SIGKILL)
+        code = proc.wait(90)
+        streamer.join(10)
+        assert code != 0, proc.stdout.read().decode()
+        assert lines[0] == 200 and lines[-1] == "data: [DONE]"
+        err = json.loads(lines[-2][len("data: "):])["error"]
+        assert err["type"] == "service_unavailable" and "rank 1" in err["message"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

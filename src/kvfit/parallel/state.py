@@ -12,6 +12,7 @@ ever travels through the GPU.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -80,3 +81,18 @@ def broadcast_from_driver(x: torch.Tensor) -> torch.Tensor:
 
     dist.broadcast(x, src=0, group=g.device_group)
     return x
+
+
+@contextlib.contextmanager
+def rank0_shapes(size: int):
+    """Build models with rank 0's shard shapes of a ``size``-rank group without joining one
+    (weights estimated on the ``meta`` device before start-up). No collective may run inside."""
+    global _GROUP
+    if size == 1 or _GROUP.size > 1:
+        yield
+        return
+    saved, _GROUP = _GROUP, TPGroup(0, size)
+    try:
+        yield
+    finally:
+        _GROUP = saved
