@@ -5,6 +5,8 @@ matmul: float32 differences of ~1e-6 relative, see docs/tensor_parallel.md)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvfit import LLM, SamplingParams
@@ -45,24 +47,46 @@ def test_refusals_name_the_reason():
     assert any("intermediate size 100" in r for r in tp_refusals(8, 8, 100, 8))
 
 
-def test_guard_refuses_before_loading(tmp_path):
+@pytest.fixture(scope="module")
+def smol_shape(tmp_path_factory):
+    """A config.json of SmolLM2's head layout (9 query / 3 KV heads) at a tiny size: the guard
+    and the settings read the config only (parsing the GGUF header costs seconds)."""
+    import json
+
+    d = tmp_path_factory.mktemp("smol-shape")
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=72,
+               intermediate_size=96, num_hidden_layers=2, num_attention_heads=9,
+               num_key_value_heads=3, vocab_size=300, max_position_embeddings=256,
+               rms_norm_eps=1e-5, rope_theta=1e5, tie_word_embeddings=True,
+               torch_dtype="float32")
+    path = d / "config.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _settings(model, tp, **kw):
+    return resolve_settings(EngineConfig(model=model, device="cpu", load_format="dummy",
+                                         tensor_parallel_size=tp, **kw))
+
+
+def test_guard_refuses_before_loading(smol_shape):
     with pytest.raises(UnsupportedCombinationError, match="9 query heads.*--tensor-parallel"):
-        resolve_settings(EngineConfig(model="smollm2-135m", device="cpu",
-                                      tensor_parallel_size=2))
+        _settings(smol_shape, 2)
+    with pytest.raises(UnsupportedCombinationError, match="more than the model's 9 query heads"):
+        _settings(smol_shape, 12)
     from kvfit.bench.configs import config_path
 
     with pytest.raises(UnsupportedCombinationError, match="MLA"):
-        resolve_settings(EngineConfig(model=config_path("deepseek-v2-lite"), device="cpu",
-                                      load_format="dummy", tensor_parallel_size=2))
+        _settings(config_path("deepseek-v2-lite"), 2)
     with pytest.raises(UnsupportedCombinationError, match="kv-scales auto"):
-        resolve_settings(EngineConfig(model="smollm2-135m", device="cpu", kv_scales="auto",
-                                      tensor_parallel_size=3))
+        _settings(smol_shape, 3, kv_scales="auto")
 
 
-def test_settings_hold_one_ranks_kv_heads():
-    s = resolve_settings(EngineConfig(model="smollm2-135m", device="cpu", tensor_parallel_size=3))
+def test_settings_hold_one_ranks_kv_heads(smol_shape):
+    s = _settings(smol_shape, 3)
     assert {l.num_kv_heads for l in s.layers} == {1}
     assert {l.num_kv_heads for l in s.full_layers} == {3}
+    assert _settings(smol_shape, 1).layers == s.full_layers
 
 
 @pytest.fixture(scope="module")
@@ -97,13 +121,29 @@ def _max_logprob_gap(a, b) -> float:
     return gap
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_tp2_equals_tp1_on_tiny_models(tiny_models, word_tokenizer, arch):
-    """Safetensors checkpoints read lazily (each rank reads its slices); GQA 4/2 heads."""
+def test_flags_and_kwargs():
+    import argparse
+
+    from kvfit.config import add_engine_args, config_from_args, make_config
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    for flag in ("--tensor-parallel-size", "--tp-size", "--tp"):
+        assert config_from_args(p.parse_args([flag, "4"])).tensor_parallel_size == 4
+    assert make_config(tp_size=2).tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        make_config(tensor_parallel_size=0)
+
+
+@pytest.mark.parametrize("arch,kv_dtype", [("llama", "auto"), ("qwen3", "auto"),
+                                           ("llama", "fp8_e4m3")])
+def test_tp2_equals_tp1_on_tiny_models(tiny_models, word_tokenizer, arch, kv_dtype):
+    """Safetensors checkpoints read lazily (each rank reads its slices); GQA 4/2 heads; the
+    KV format runs per rank unchanged (fp8: each rank quantizes its own heads)."""
     d = tiny_models[arch][0]
     prompts = [[3, 17, 42, 99, 5, 61, 7], [200, 1, 2, 3], list(range(10, 40))]
-    one = _generate(d, word_tokenizer, 1, prompts)
-    two = _generate(d, word_tokenizer, 2, prompts)
+    one = _generate(d, word_tokenizer, 1, prompts, kv_dtype=kv_dtype)
+    two = _generate(d, word_tokenizer, 2, prompts, kv_dtype=kv_dtype)
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
     assert _max_logprob_gap(two, one) < LOGPROB_TOL
 
@@ -231,3 +271,24 @@ def test_dead_worker_gives_503_and_the_server_exits_nonzero(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_plan_reports_per_gpu_and_total():
+    """Llama-3.1-8B (8 KV heads) at TP=2: each GPU's pool holds 4 KV heads, so the same per-GPU
+    budget holds 2x the tokens; the plan says per GPU and in total."""
+    from kvfit.bench.configs import config_path
+    from kvfit.plan import format_plan, plan_capacity
+
+    cfg = EngineConfig(model=config_path("llama-3.1-8b"), load_format="dummy",
+                       max_model_len=16384)
+    gib = 2**30
+    one = plan_capacity(cfg, 100 * gib, ("bfloat16", "fp8_e4m3"), device="cuda")
+    two = plan_capacity(dataclasses.replace(cfg, tensor_parallel_size=2), 100 * gib,
+                        ("bfloat16", "fp8_e4m3"), device="cuda")
+    for a, b in zip(one, two):
+        assert b.sizing.bytes_per_token * 2 == a.sizing.bytes_per_token
+        assert b.sizing.tokens == 2 * a.sizing.tokens
+        line = b.capacity_line()
+        assert "over 2 GPUs" in line and "per GPU 100.00 GiB" in line and "total 200.00" in line
+    text = format_plan(100 * gib, two)
+    assert "per GPU on 2 cuda GPUs" in text and "4 of the 8 KV heads" in text
