@@ -149,11 +149,7 @@ class ModelRunner:
     def _send(self, plan: Optional[StepPlan]) -> None:
         """Rank 0: hand the step (None: stop) to the workers; a lost worker raises."""
         self.workers.check()
-        try:
-            self._channel.send(plan)
-        except RuntimeError:
-            self.workers.check()
-            raise
+        self._channel.send(plan)
 
     def serve_steps(self) -> None:
         """A worker's life after start-up: run every step rank 0 sends, until it sends None."""
@@ -298,14 +294,18 @@ class ModelRunner:
         host has not read yet (overlap scheduling). Launches work; never waits for the GPU
         (under tensor parallelism: after handing the step to the workers)."""
         plan = self._plan(items, sample_mask, prompt_lp, carried)
-        if self.workers is not None:
-            self._send(plan)
+        workers = self.workers
+        if workers is None:
+            return self._run(plan, carried[0] if carried is not None else None)
+        workers.in_step = True
         try:
+            self._send(plan)
             return self._run(plan, carried[0] if carried is not None else None)
         except RuntimeError:
-            if self.workers is not None:
-                self.workers.check()  # a collective failed because a worker died
+            workers.check(wait_s=5.0)  # a collective failed because a worker died
             raise
+        finally:
+            workers.in_step = False
 
     def _run(self, plan: StepPlan, prev_ids) -> StepResult:
         """The forward of one step (every rank), logits of the sampling rows and prompt rows."""

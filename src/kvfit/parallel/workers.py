@@ -8,9 +8,10 @@ semantics: nothing inherited but the environment), started with ``subprocess`` r
 its stdin and keeps the pipe open: when rank 0 goes away, for any reason, the pipe closes and
 the worker exits, so no worker outlives the engine. A worker that exits while the engine runs
 is reported by ``check()`` as ``WorkerLostError`` (the step in flight fails with it; gloo's
-collectives fail at once when a peer's socket closes). If the engine does not notice within
-``LOST_GRACE_S`` (a collective that cannot fail, e.g. NCCL), the process exits with status 70
-rather than hang.
+collectives fail at once when a peer's socket closes). If rank 0 stays inside a step for
+``LOST_GRACE_S`` after the loss (a collective that cannot fail, e.g. NCCL waiting for the dead
+peer), the process exits with status 70 rather than hang; an idle engine just fails its next
+step.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class WorkerGroup:
         self.init_method = f"tcp://127.0.0.1:{free_port()}"
         self.lost: Optional[str] = None
         self.closing = False
+        self.in_step = False  # set by rank 0's runner while it runs a step (collectives)
         self.acknowledged = threading.Event()
         self.procs: list[subprocess.Popen] = []
         env = dict(os.environ)
@@ -77,20 +79,38 @@ class WorkerGroup:
                  size - 1, ", ".join(str(p.pid) for p in self.procs), self.init_method)
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
-        code = proc.wait()
+        proc.wait()
         if self.closing:
             return
-        self.lost = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
-                     f"{code}; the engine cannot continue with {self.size - 1} of {self.size} "
-                     f"ranks: restart it")
-        log.error(self.lost)
-        if not self.acknowledged.wait(LOST_GRACE_S):
-            log.critical("the engine did not stop within %.0f s of losing a worker: exiting",
-                         LOST_GRACE_S)
-            os._exit(70)
+        self._record_loss(rank, proc)
+        stuck = 0.0  # seconds rank 0 has spent inside a step since the loss
+        while not self.acknowledged.wait(1.0):
+            stuck = stuck + 1.0 if self.in_step else 0.0
+            if stuck >= LOST_GRACE_S:
+                log.critical("the engine has been stuck in a step for %.0f s since it lost a "
+                             "worker (a collective that cannot fail): exiting", stuck)
+                os._exit(70)
 
-    def check(self) -> None:
-        """Raise WorkerLostError if a worker has exited (marks the loss as handled)."""
+    def _record_loss(self, rank: int, proc: subprocess.Popen) -> None:
+        if self.lost is None:
+            self.lost = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
+                         f"{proc.returncode}; the engine cannot continue with {self.size - 1} of "
+                         f"{self.size} ranks: restart it")
+            log.error(self.lost)
+
+    def check(self, wait_s: float = 0.0) -> None:
+        """Raise WorkerLostError if a worker has exited (marks the loss as handled).
+        ``wait_s``: after a failed collective, give a dying worker that long to be seen exit
+        (the collective may fail before the process is reaped)."""
+        deadline = time.monotonic() + wait_s
+        while self.lost is None:
+            for rank, proc in enumerate(self.procs, start=1):
+                if proc.poll() is not None and not self.closing:
+                    self._record_loss(rank, proc)
+                    break
+            if self.lost is not None or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
         if self.lost is not None:
             self.acknowledged.set()
             raise WorkerLostError(self.lost)
