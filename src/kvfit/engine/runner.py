@@ -84,6 +84,13 @@ class ModelRunner:
         self._channel = None
         if settings.tp_size > 1 or tp_group().size > 1:
             settings = self._join_tensor_parallel(settings, tp_rank, init_method)
+        try:
+            self._build(settings, tokenizer, t0)
+        except BaseException:
+            self.close()  # rank 0 under tensor parallelism: stop the workers, leave the group
+            raise
+
+    def _build(self, settings: EngineSettings, tokenizer, t0: float) -> None:
         self.settings = s = settings
         self.config = config = s.config  # page_size resolved
         self.device = s.device
