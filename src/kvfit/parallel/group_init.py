@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 
 import torch
 
@@ -19,6 +20,9 @@ def join_group(rank: int, size: int, init_method: str, device_type: str) -> TPGr
     step messages; gloo for both on CPU. Blocks until every rank has joined."""
     import torch.distributed as dist
 
+    if sys.platform.startswith("linux"):
+        # every rank is on this host: gloo over loopback, whether or not the hostname resolves
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process: one "
                            "tensor-parallel engine per process (close the other one first)")
