@@ -58,7 +58,9 @@ class DecodeGraphs:
         self.sliding = ctx.pool.sliding_pages  # SlidingWindowPages or None
         if self.sliding is not None:  # the sliding layers' page space: a table of its own
             self.tables.append(_StaticTable(max_bs, self.max_pages, dev))
-        self.backend.num_q_heads = model.config.num_attention_heads  # known before any forward
+        # known before any forward; a tensor-parallel rank runs its share of the heads
+        self.backend.num_q_heads = getattr(model, "num_q_heads_per_rank",
+                                           model.config.num_attention_heads)
         self.backend.init_cuda_graph(max_bs, self.max_pages)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
