@@ -60,6 +60,10 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="after the server run, run the same requests offline in this process "
                              "(max_num_seqs = min(--max-num-seqs, --max-concurrency)) and print "
                              "the server/offline output-throughput ratio (needs no --base-url)")
+    parser.add_argument("--step-log", default=None, metavar="PREFIX",
+                        help="time every engine step (kvfit.bench.step_timer) of the started "
+                             "server's engine into PREFIX.server.json and of the --offline run "
+                             "into PREFIX.offline.json, and print where each run's time went")
     from kvfit.config import add_engine_args
 
     add_engine_args(parser)
@@ -141,9 +145,11 @@ def make_prompts(num_prompts: int, input_len: int, id_range=(1000, 10000),
     return [[rng.randrange(*id_range) for _ in range(input_len)] for _ in range(num_prompts)]
 
 
-def run_offline(config, prompts: list[list[int]], output_len: int, max_concurrency: int) -> dict:
+def run_offline(config, prompts: list[list[int]], output_len: int, max_concurrency: int,
+                step_log: Optional[str] = None) -> dict:
     """The same requests through ``LLM`` in this process, ``max_num_seqs`` capped at the
-    concurrency; output/total token throughput over the wall time of ``generate``."""
+    concurrency; output/total token throughput over the wall time of ``generate`` (its steps
+    timed into ``step_log`` when given)."""
     import dataclasses
 
     from kvfit.llm import LLM
@@ -156,9 +162,16 @@ def run_offline(config, prompts: list[list[int]], output_len: int, max_concurren
         warm = SamplingParams(temperature=0.0, max_tokens=min(output_len, 4), ignore_eos=True)
         llm.generate([prompts[0]], warm, use_tqdm=False)  # the server run's warm-up
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        timer = None
+        if step_log is not None:
+            from kvfit.bench.step_timer import StepTimer
+
+            timer = StepTimer().attach(llm.engine)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         duration = time.perf_counter() - t0
+        if timer is not None:
+            timer.dump(step_log)
     finally:
         del llm
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -240,6 +253,27 @@ def format_table(s: dict) -> str:
     return "\n".join(lines)
 
 
+def print_step_logs(prefix: str) -> dict:
+    """Per run (server, offline): where the engine's time went over its timed run (the steps
+    after the warm-up's last one)."""
+    import os
+
+    from kvfit.bench.step_timer import after_first_idle, summarize
+
+    out = {}
+    for run in ("server", "offline"):
+        path = f"{prefix}.{run}.json"
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+        # the server's engine ran the warm-up request first (the offline timer starts after it)
+        out[run] = s = summarize(after_first_idle(rows) if run == "server" else rows)
+        print(f"engine steps ({run}): " + ", ".join(
+            f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in s.items()))
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = add_bench_serve_args(argparse.ArgumentParser(
         prog="kvfit bench serve", description=__doc__.split("\n\n")[0]))
@@ -269,7 +303,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             parser.error(str(e))
         name = args.served_model_name or config.model
         print(f"starting a server for {config.model} ...", flush=True)
-        server = ServerProcess(config, name).start()
+        log = None if args.step_log is None else args.step_log + ".server.json"
+        server = ServerProcess(config, name, step_log=log).start()
         base_url = server.base_url
     try:
         summary = asyncio.run(run_benchmark(
@@ -287,13 +322,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("server: " + ", ".join(f"{k}={v}" for k, v in summary["server"].items()))
     if args.offline:
         prompts = make_prompts(args.num_prompts, args.input_len, (lo, hi), args.bench_seed)
-        off = run_offline(config, prompts, args.output_len, args.max_concurrency)
+        off = run_offline(config, prompts, args.output_len, args.max_concurrency,
+                          None if args.step_log is None else args.step_log + ".offline.json")
         off["server_over_offline"] = summary["output_throughput"] / off["output_throughput"]
         summary["offline"] = off
         print(f"offline (max_num_seqs={off['max_num_seqs']}): "
               f"{off['output_throughput']:.2f} output tok/s, "
               f"{off['total_token_throughput']:.2f} total tok/s; "
               f"server/offline output throughput: {off['server_over_offline']:.1%}")
+    if args.step_log is not None:
+        summary["steps"] = print_step_logs(args.step_log)
     if args.result_json:
         with open(args.result_json, "w") as f:
             json.dump(summary, f, indent=2)
