@@ -67,6 +67,8 @@ def main() -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--random-reps", type=int, default=2,
                    help="random batches (128 prompts of 100-1024 tokens, 16 out) run at the end")
+    p.add_argument("--offline-serve-log", default=None,
+                   help="first run bench serve's offline workload with a step log written here")
     p.add_argument("--out-dir", default=".")
     args = p.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
@@ -79,6 +81,34 @@ def main() -> None:
     eng = build(args)
     print(f"engine built in {time.perf_counter() - t0:.1f} s", flush=True)
     wl.ttft_probe(eng, 64, 8, 99)
+    if args.offline_serve_log:
+        # ``kvfit bench serve --offline``'s run on this engine (max_num_seqs 64): 256 x 1,024
+        # random ids in / 256 out, every step timed (compare with the server's step log)
+        from kvfit.bench.serve import make_prompts
+        from kvfit.bench.step_timer import StepTimer, summarize
+        from kvfit.sampling_params import SamplingParams
+
+        prompts = make_prompts(256, 1024)
+        wl.drive(eng, prompts[:1], [4], "warm")
+        timer = StepTimer().attach(eng)
+        t = time.perf_counter()
+        rids = []
+        for i, pr in enumerate(prompts):
+            rids.append(f"off-{i}")
+            eng.add_request(rids[-1], pr, SamplingParams(temperature=0.0, max_tokens=256,
+                                                         ignore_eos=True))
+        n_out = 0
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    n_out += len(o.outputs[0].token_ids)
+        dt = time.perf_counter() - t
+        timer.dump(args.offline_serve_log)
+        timer.detach()
+        summ = summarize(timer.rows)
+        print(f"offline serve workload: {n_out} tokens in {dt:.3f} s = {n_out / dt:.1f} output "
+              f"tok/s; steps: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else
+                                            f"{k}={v}" for k, v in summ.items()), flush=True)
     for i in range(2):
         wl.ttft_probe(eng, args.prefix_len, args.suffix_len, 500 + i)
     res = {"probes": [wl.ttft_probe(eng, args.prefix_len, args.suffix_len, 1000 + i)
