@@ -20,6 +20,9 @@ timeout ${PROBE_S:-32} python3 benchmarks/serve/profile_probe.py --model $M --kv
     --out-dir "$OUT_DIR" --repeats 5 --offline-serve-log "$OUT_DIR/steps.offline.json" \
     > "$OUT_DIR/probe.txt" 2>&1
 echo "rc=$?"; grep -v "^INFO\|^WARNING" "$OUT_DIR/probe.txt" | head -150
+[ -f "$OUT_DIR/steps.server.json" ] && [ -f "$OUT_DIR/steps.offline.json" ] && \
+    python3 benchmarks/serve/compare_steps.py "$OUT_DIR/steps.server.json" \
+        "$OUT_DIR/steps.offline.json" --bucket-ms 250 2>&1 | tee "$OUT_DIR/compare_steps.txt" | head -60
 el "fake engine HTTP path"
 fake() {  # $1 = label, $2 = PYTHONPATH src dir, rest = extra flags
     local label=$1 src=$2; shift 2
