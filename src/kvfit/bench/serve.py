@@ -70,26 +70,24 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
-async def _one(http, model: str, prompt: list[int], output_len: int) -> RequestResult:
+async def _one(pool, model: str, prompt: list[int], output_len: int) -> RequestResult:
     res = RequestResult(prompt_len=len(prompt))
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": output_len,
+                       "temperature": 0.0, "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
     t0 = time.perf_counter()
     last = None
     try:
-        async with http.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+        async with pool.stream_post("/v1/completions", body) as (status, events):
+            if status != 200:
+                async for _, payloads in events:
+                    res.error = f"HTTP {status}: {b''.join(payloads)[:200]!r}"
                 return res
-            buf = b""
-            async for data in r.aiter_raw():  # SSE events split here: aiter_lines costs more
-                buf += data
-                *events, buf = buf.split(b"\n\n")
-                now = time.perf_counter()
-                for raw in events:
-                    if not raw.startswith(b"data: ") or raw == b"data: [DONE]":
+            async for now, payloads in events:  # every event of one read: one arrival time
+                for raw in payloads:
+                    if raw == b"[DONE]":
                         continue
-                    ev = json.loads(raw[6:])
+                    ev = json.loads(raw)
                     if "error" in ev:
                         res.error = ev["error"]["message"]
                         return res
@@ -115,27 +113,39 @@ async def run_benchmark(base_url: str, model: Optional[str], num_prompts: int,
                         max_concurrency: int, input_len: int, output_len: int,
                         id_range=(1000, 10000), seed: int = 0, warmup: bool = True) -> dict:
     """Run the load and return the summary dict (what ``format_table`` prints)."""
+    from urllib.parse import urlsplit
+
     import httpx
 
+    from kvfit.bench.sse_client import ConnectionPool
+
     prompts = make_prompts(num_prompts, input_len, id_range, seed)
-    limits = httpx.Limits(max_connections=max_concurrency + 2)
-    async with httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits) as http:
-        if model is None:
+    if model is None:
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
             model = (await http.get("/v1/models")).json()["data"][0]["id"]
+    url = urlsplit(base_url)
+    pool = ConnectionPool(url.hostname, url.port or 80)
+    try:
         if warmup:  # a whole prompt: compiles the prefill kernels' shapes before timing
-            w = await _one(http, model, prompts[0], min(output_len, 4))
+            w = await _one(pool, model, prompts[0], min(output_len, 4))
             if not w.ok:
                 raise RuntimeError(f"warm-up request failed: {w.error}")
         sem = asyncio.Semaphore(max_concurrency)
 
         async def limited(p):
             async with sem:
-                return await _one(http, model, p, output_len)
+                return await _one(pool, model, p, output_len)
 
+        cpu0 = time.process_time()
         t0 = time.perf_counter()
         results = await asyncio.gather(*[limited(p) for p in prompts])
         duration = time.perf_counter() - t0
-    return summarize(results, duration, model, max_concurrency)
+        cpu = time.process_time() - cpu0
+    finally:
+        pool.close()
+    summary = summarize(results, duration, model, max_concurrency)
+    summary["client_cpu_s"] = cpu  # the load generator's own CPU time (it must not saturate)
+    return summary
 
 
 def make_prompts(num_prompts: int, input_len: int, id_range=(1000, 10000),
@@ -248,6 +258,9 @@ def format_table(s: dict) -> str:
             label = f"{stat.capitalize() if stat != 'p99' else 'P99'} {short} (ms):"
             lines.append(f"{label:<40}{s[key][stat]:<10.2f}")
     lines.append("=" * 50)
+    if "client_cpu_s" in s:
+        lines.append(f"load generator CPU: {s['client_cpu_s']:.2f} s over "
+                     f"{s['duration_s']:.2f} s ({s['client_cpu_s'] / s['duration_s']:.0%})")
     if s["errors"]:
         lines.append("errors: " + "; ".join(s["errors"]))
     return "\n".join(lines)
