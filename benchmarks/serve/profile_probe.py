@@ -106,6 +106,8 @@ def main() -> None:
         timer.dump(args.offline_serve_log)
         timer.detach()
         summ = summarize(timer.rows)
+        off_result = {"output_tokens": n_out, "seconds": dt, "output_tok_s": n_out / dt,
+                      "steps": summ}
         print(f"offline serve workload: {n_out} tokens in {dt:.3f} s = {n_out / dt:.1f} output "
               f"tok/s; steps: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else
                                             f"{k}={v}" for k, v in summ.items()), flush=True)
@@ -113,8 +115,22 @@ def main() -> None:
         wl.ttft_probe(eng, args.prefix_len, args.suffix_len, 500 + i)
     res = {"probes": [wl.ttft_probe(eng, args.prefix_len, args.suffix_len, 1000 + i)
                       for i in range(args.repeats)]}
+    if args.offline_serve_log:
+        res["offline_serve"] = off_result
     unc = statistics.median(r["uncached_ttft_ms"] for r in res["probes"])
     cac = statistics.median(r["cached_ttft_ms"] for r in res["probes"])
+    res["probe_median"] = {"uncached_ttft_ms": unc, "cached_ttft_ms": cac, "ratio": cac / unc}
+    if eng.overlap:  # the same probes with the synchronous step (no overlap) on this engine
+        eng.overlap = False
+        sync = [wl.ttft_probe(eng, args.prefix_len, args.suffix_len, 1500 + i)
+                for i in range(args.repeats)]
+        eng.overlap = True
+        res["probe_sync"] = {k: statistics.median(r[k] for r in sync)
+                             for k in ("uncached_ttft_ms", "cached_ttft_ms")}
+        print(f"probe without overlap: uncached {res['probe_sync']['uncached_ttft_ms']:.2f} ms, "
+              f"cached {res['probe_sync']['cached_ttft_ms']:.2f} ms", flush=True)
+    with open(os.path.join(args.out_dir, "probe_profile.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)  # rewritten at the end with the rest
     print(f"probe: uncached {unc:.2f} ms, cached {cac:.2f} ms, ratio {cac / unc:.3f}", flush=True)
 
     # host split of cached probes
