@@ -316,8 +316,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             parser.error(str(e))
         name = args.served_model_name or config.model
         print(f"starting a server for {config.model} ...", flush=True)
-        log = None if args.step_log is None else args.step_log + ".server.json"
-        server = ServerProcess(config, name, step_log=log).start()
+        factory = None
+        if args.step_log is not None:  # the engine process times its steps (picklable)
+            import functools
+
+            from kvfit.bench.step_timer import timed_engine
+
+            factory = functools.partial(timed_engine, config, args.step_log + ".server.json")
+        server = ServerProcess(config, name, engine_factory=factory).start()
         base_url = server.base_url
     try:
         summary = asyncio.run(run_benchmark(
