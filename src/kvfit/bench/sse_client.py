@@ -74,14 +74,24 @@ class ConnectionPool:
 
     @contextlib.asynccontextmanager
     async def stream_post(self, path: str, body: bytes):
+        request = (b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+                   b"Accept: text/event-stream\r\nContent-Length: %d\r\n\r\n"
+                   % (path.encode(), self.host.encode(), self.port, len(body)) + body)
+        reused = bool(self._idle)
         conn = await self._get()
         ok = False
         try:
-            conn.writer.write(
-                b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-                b"Accept: text/event-stream\r\nContent-Length: %d\r\n\r\n"
-                % (path.encode(), self.host.encode(), self.port, len(body)) + body)
-            status, headers = await conn.read_head()
+            try:
+                conn.writer.write(request)
+                status, headers = await conn.read_head()
+            except (HTTPStreamError, ConnectionError):
+                if not reused:
+                    raise
+                # the server closed an idle keep-alive connection: once more on a new one
+                conn.close()
+                conn = _Conn(*await asyncio.open_connection(self.host, self.port))
+                conn.writer.write(request)
+                status, headers = await conn.read_head()
             reader = _Body(conn, headers)
             yield status, reader.events()
             ok = reader.done and headers.get(b"connection", b"").lower() != b"close"
