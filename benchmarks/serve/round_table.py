@@ -16,6 +16,10 @@ def main(out_dir: str) -> None:
         off = p.get("offline_serve")
     if os.path.exists(serve):
         s = json.load(open(serve))
+        if off is None and "offline" in s:  # kvfit bench serve --offline
+            o = s["offline"]
+            off = {"output_tok_s": o["output_throughput"], "steps": s.get("steps", {}).get(
+                "offline", {"steps": 0, "decode_step_median_ms": 0.0})}
         rows.append(("server output tok/s", f"{s['output_throughput']:.0f}"))
         if off:
             rows.append(("offline output tok/s (same requests, max_num_seqs 64)",
