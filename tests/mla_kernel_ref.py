@@ -32,8 +32,8 @@ def random_latent_batch(q_lens, kv_lens, heads, rank, rope, page, fmt_name, devi
         table[b, :need[b]] = torch.tensor(pages, dtype=torch.int32)
         x = torch.randn(k, slab, generator=g) * 2.0
         xq = quantize(x.to(q_dtype), fmt, scale)  # [k, slab] in the pool dtype
-        for t in range(k):
-            cache[pages[t // page], t % page] = xq[t]
+        t = torch.arange(k)
+        cache[torch.tensor(pages)[t // page], t % page] = xq
         stored.append(dequantize(xq, torch.float64, scale))
     q = (torch.randn(sum(q_lens), heads, slab, generator=g)).to(q_dtype)
     cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
