@@ -50,23 +50,27 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
                   num_stages: int | None = None, num_splits: int | None = None) -> MLAConfig:
     """Rows: every head of a request (at least 16 for the MMA, at most 64 per program, larger
     head counts take several programs per request). Splits: the fewest waves per unit of work
-    over ``num_sms`` SMs at one program per SM (the latent tile of 512+64 dims fills an SM's
-    shared memory), splits of >= 256 tokens, 1% merge cost per split. Ranks that are not a power
+    over ``num_sms`` SMs at the programs per SM each tile allows, splits of >= 256 tokens, 1%
+    merge cost per split. Ranks that are not a power
     of two keep one split (the merge kernel reads whole rows)."""
     exact = _exact(q_dtype, cache_dtype)
     block_m = 16 if exact else min(64, max(16, _pow2(num_heads)))
     hblk = math.ceil(num_heads / block_m)
+    # (block_n, warps, stages, programs per SM) from the sm_90 compile of each variant
+    # (benchmarks/kernels/inspect_mla.py): 16-bit 32-token tiles take 104 registers and 56 KB of
+    # shared memory (2 per SM); 8-bit tiles are converted to float16 in registers, 32-token
+    # tiles at 8 warps are the largest without spills (190 registers: 1 per SM)
     if exact:
-        tile = (16, 4, 1)
+        tile = (16, 4, 1, 1)
     elif cache_dtype in FP8:
-        tile = (64, 8, 2)
+        tile = (32, 8, 3, 1)
     else:
-        tile = (32, 8, 2)
+        tile = (32, 8, 2, 2)
     max_splits = int(min(64, max(1, math.ceil(max(1, max_kv_len) / 256))))
     if num_splits is None:
         num_splits = 1
         if rank == _pow2(rank):
-            slots = num_sms
+            slots = num_sms * tile[3]
             programs = max(1, batch * hblk)
             best = (float("inf"), 1)
             for sp in range(1, max_splits + 1):
