@@ -234,3 +234,19 @@ def test_moe_grouped_experts_match_the_loop():
     assert torch.isfinite(grouped).all()
     rel = ((grouped.float() - loop.float()).abs().max() / loop.float().abs().max()).item()
     assert rel < 2e-2, rel
+
+
+def test_moe_every_expert_path_matches_the_loop():
+    """The sync-free path CUDA-graph capture takes for non-bf16 models: every expert on every
+    token, masked by the routing weights, equals the loop (float32)."""
+    from kvfit.models.deepseek_v2 import MoE
+
+    cfg = _tiny_cfg("lite")
+    torch.manual_seed(2)
+    moe = MoE(cfg)
+    x = torch.randn(4, cfg.hidden_size)
+    idx = torch.tensor([[1, 2], [2, 6], [6, 1], [0, 2]])
+    w = torch.rand(4, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(moe.experts.every_expert(x, idx, w), moe.experts(x, idx, w),
+                                   rtol=1e-5, atol=1e-5)

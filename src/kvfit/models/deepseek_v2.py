@@ -162,10 +162,21 @@ class RoutedExperts(nn.ModuleList):
         y = y * topk_w.reshape(-1)[order, None].to(y.dtype)
         return torch.zeros_like(x).index_add_(0, tok, y)
 
+    def every_expert(self, x, topk_idx, topk_w):
+        """As ``forward``, running every expert on every token with the routing weights as a
+        mask (no host sync, any dtype; E times the work: CUDA-graph capture of non-bf16 models)."""
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self):
+            w = (topk_w * (topk_idx == e)).sum(-1, keepdim=True)  # [T, 1], 0 if not routed
+            out += (expert(x) * w).to(out.dtype)
+        return out
+
     def forward(self, x, topk_idx, topk_w):
         """x [T, H], topk_idx/topk_w [T, k] -> [T, H] (weighted sum over each token's experts)."""
         if self.w_gate_up is not None and x.dtype == torch.bfloat16:
             return self.grouped(x, topk_idx, topk_w)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.every_expert(x, topk_idx, topk_w)
         out = torch.zeros_like(x)
         for e in topk_idx.unique().tolist():
             tok, slot = torch.where(topk_idx == e)
