@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are first built
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 if torch.cuda.is_available():  # the GPU tests cover these kernels there
     pytest.skip("interpreter tests run on CPU-only hosts", allow_module_level=True)
+# before the kernels are first built; only on hosts without CUDA (no kernel runs compiled there)
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvfit.kernels.mla import (decode_config, mla_decode, mla_prefill, order_mla_blocks,  # noqa: E402
                                prefill_config, store_latent)
