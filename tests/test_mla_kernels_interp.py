@@ -11,11 +11,11 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("triton")
 if torch.cuda.is_available():  # the GPU tests cover these kernels there
     pytest.skip("interpreter tests run on CPU-only hosts", allow_module_level=True)
-# before the kernels are first built; only on hosts without CUDA (no kernel runs compiled there)
+# before Triton is imported; only on hosts without CUDA (no kernel runs compiled there)
 os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
 
 from kvfit.kernels.mla import (decode_config, mla_decode, mla_prefill, order_mla_blocks,  # noqa: E402
                                prefill_config, store_latent)
