@@ -18,6 +18,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--points", default="bfloat16:4:32768,fp8_e4m3:4:32768")
     p.add_argument("--variants", default="", help="block_n:warps:stages,... (default only)")
+    p.add_argument("--prefill-points", default="", help="kv_dtype:batch:prompt_len,...")
+    p.add_argument("--prefill-variants", default="", help="block_m:block_n:warps:stages,...")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--json", default=None)
@@ -25,8 +27,8 @@ def main() -> None:
     import torch
 
     from kvfit.bench.kernels import copy_bandwidth
-    from kvfit.bench.kernels_mla import LatentSet, time_mla_decode
-    from kvfit.kernels.mla import decode_config
+    from kvfit.bench.kernels_mla import LatentSet, time_mla_decode, time_mla_prefill
+    from kvfit.kernels.mla import MLAConfig, decode_config, prefill_config
 
     bw = copy_bandwidth(torch.device("cuda"))
     print(f"GPU {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -55,6 +57,29 @@ def main() -> None:
             print(f"{kvd:>9} b={b:<3} ctx={ctx:<6} {name:>9} splits={cfg.num_splits:<3} "
                   f"{us:9.1f} us {tbps:5.2f} TB/s ({100 * tbps * 1e12 / bw:4.0f}% of copy)",
                   flush=True)
+        del ls
+        torch.cuda.empty_cache()
+    for point in filter(None, args.prefill_points.split(",")):
+        kvd, b, n = point.split(":")
+        b, n = int(b), int(n)
+        page = args.page_size or (32 if kvd.startswith("fp8") else 16)
+        ls = LatentSet(512, 64, kvd, b, n, page, "cuda")
+        flops = b * 2 * args.heads * (2 * 512 + 64) * n * (n + 1) / 2
+        cfgs = [("default", prefill_config(args.heads, ls.dtype, torch.bfloat16))]
+        for v in filter(None, args.prefill_variants.split(",")):
+            cfgs.append((v, MLAConfig(*map(int, v.split(":")))))
+        for name, cfg in cfgs:
+            try:
+                us = time_mla_prefill(ls, args.heads, n, cfg)
+            except Exception as e:  # noqa: BLE001
+                print(f"prefill {kvd:>9} b={b} len={n} {name}: {type(e).__name__} "
+                      f"{str(e)[:120]}", flush=True)
+                continue
+            rows.append({"kind": "prefill", "kv_dtype": kvd, "batch": b, "len": n,
+                         "variant": name, "cfg": str(cfg), "us": us,
+                         "tflops": flops / (us * 1e-6) / 1e12})
+            print(f"prefill {kvd:>9} b={b:<3} len={n:<6} {name:>12} {us:9.1f} us "
+                  f"{flops / (us * 1e-6) / 1e12:6.1f} TFLOP/s (absorbed)", flush=True)
         del ls
         torch.cuda.empty_cache()
     if args.json:

@@ -68,13 +68,15 @@ def time_mla_decode(ls: LatentSet, heads: int, cfg) -> float:
     return triton.testing.do_bench(rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3
 
 
-def time_mla_prefill(ls: LatentSet, heads: int, q_len: int) -> float:
+def time_mla_prefill(ls: LatentSet, heads: int, q_len: int, cfg=None) -> float:
+    """Median µs of one ``mla_prefill`` of ``q_len`` new tokens per request (``cfg``: the
+    launch, default ``prefill_config``'s)."""
     import torch
     import triton
 
     from kvfit.kernels.mla import mla_prefill, order_mla_blocks, prefill_config
 
-    cfg = prefill_config(heads, ls.dtype, torch.bfloat16)
+    cfg = cfg or prefill_config(heads, ls.dtype, torch.bfloat16)
     blocks = order_mla_blocks([q_len] * ls.batch, [ls.context] * ls.batch, heads, cfg.block_m,
                               "cuda")
     cu = torch.arange(ls.batch + 1, dtype=torch.int32, device="cuda") * q_len

@@ -161,8 +161,11 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
         import triton
 
         merge = decode_kernels.build()[1]
+        s_pad = triton.next_power_of_2(s)
+        # the merge holds all S_PAD x rank partials of a row: <= 128 float32 registers a thread
+        warps = min(8, max(2, rank * s_pad // 4096))
         merge[(b, h)](op, lse, out, float(scale), out.stride(0), out.stride(1), s, h, D=rank,
-                      S_PAD=triton.next_power_of_2(s), num_warps=4 if rank >= 128 else 2)
+                      S_PAD=s_pad, num_warps=warps)
     return out
 
 
