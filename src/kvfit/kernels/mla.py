@@ -83,10 +83,13 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
 
 
 def prefill_config(num_heads: int, cache_dtype: torch.dtype, q_dtype: torch.dtype) -> MLAConfig:
-    """Rows: 64 (token, head) pairs per program (16 for float32), 32-token latent tiles."""
+    """Rows: 32 (token, head) pairs per program (16 for float32), 32-token latent tiles, 8
+    warps, 3 stages: the sm_90 compile of 64-row programs spills (a [64, 512] float32
+    accumulator and the [64, 576] query), 32 rows do not (199 registers for 16-bit latents, 254
+    for fp8; benchmarks/kernels/inspect_mla.py)."""
     if _exact(q_dtype, cache_dtype):
         return MLAConfig(16, 16, 4, 1)
-    return MLAConfig(64, 32, 8, 2)
+    return MLAConfig(32, 32, 8, 3)
 
 
 def order_mla_blocks(q_lens, kv_lens, num_heads: int, block_m: int, device) -> torch.Tensor:
