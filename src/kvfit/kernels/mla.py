@@ -58,8 +58,9 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
     hblk = math.ceil(num_heads / block_m)
     # (block_n, warps, stages, programs per SM) from the sm_90 compile of each variant
     # (benchmarks/kernels/inspect_mla.py): 16-bit 32-token tiles take 104 registers and 56 KB of
-    # shared memory (2 per SM); 8-bit tiles are converted to float16 in registers, 32-token
-    # tiles at 8 warps are the largest without spills (190 registers: 1 per SM)
+    # shared memory (2 per SM); 8-bit tiles are loaded twice (once per MMA, each converted into
+    # its operand): 32-token tiles take 144 registers and 55 KB (one converted tile kept for
+    # both products took 190, 64-token tiles spilled)
     if exact:
         tile = (16, 4, 1, 1)
     elif cache_dtype in FP8:

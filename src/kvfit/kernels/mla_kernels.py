@@ -14,7 +14,11 @@ request's visible tokens (multiples of BLOCK_N) with an online softmax in float3
 logits, the latent scale folded into the softmax scale and applied to the output); with more
 than one split the partial results and their log-sum-exp go to scratch and the decode merge
 kernel (``decode_kernels``) combines them. fp8 latents become float16 in registers (one packed
-convert per two values) with the query cast to float16; 16-bit latents are used as they are.
+convert per two values) with the query cast to float16; the fp8 tile is loaded a second time for
+P@C (an L1/L2 hit: the first load keeps it, ``evict_last``), so each product converts its own
+operand and no converted [BLOCK_N, 512] tile stays live across the softmax (the sm_90 compile:
+144 registers against 190, no shared-memory round trip of the converted tile). 16-bit latents
+are loaded once and used as they are.
 
 Kernels own nothing; they write ``OUT`` or the split scratch ``OP``/``LSE``.
 """
@@ -62,23 +66,29 @@ def build():
             cmask = cmask & (dc < RANK)[None, :]
         rmask = nmask[:, None] & (dr < ROPE)[None, :]
         if MASKED or DC != RANK:
-            kc = tl.load(tok[:, None] + dc[None, :], mask=cmask, other=0.0)
+            kc = tl.load(tok[:, None] + dc[None, :], mask=cmask, other=0.0,
+                         eviction_policy="evict_last")
         else:
-            kc = tl.load(tok[:, None] + dc[None, :])
+            kc = tl.load(tok[:, None] + dc[None, :], eviction_policy="evict_last")
         if MASKED or DR != ROPE:
             kr = tl.load(tok[:, None] + RANK + dr[None, :], mask=rmask, other=0.0)
         else:
             kr = tl.load(tok[:, None] + RANK + dr[None, :])
-        if F16:
-            kc = kc.to(tl.float16)
-            kr = kr.to(tl.float16)
-        else:
-            kc = kc.to(qc.dtype)
-            kr = kr.to(qc.dtype)
-        qk = tl.dot(qc, tl.trans(kc), input_precision=PREC)  # [BLOCK_M, BLOCK_N]
+        kr = kr.to(qc.dtype)
+        qk = tl.dot(qc, tl.trans(kc.to(qc.dtype)), input_precision=PREC)  # [BLOCK_M, BLOCK_N]
         qk = tl.dot(qr, tl.trans(kr), qk, input_precision=PREC) * qk_scale
         vis = nmask[None, :] & (n[None, :] <= qpos[:, None])  # read only when MASKED
-        return softmax_pv(qk, kc, acc, m_i, l_i, vis, MASKED, PREC)  # noqa: F821
+        if F16:
+            # 8-bit latents: a second load of the tile for P@C (an L1 hit), each load converted
+            # into its own MMA operand, rather than one converted tile kept for both products
+            if MASKED or DC != RANK:
+                kv = tl.load(tok[:, None] + dc[None, :], mask=cmask, other=0.0,
+                             eviction_policy="evict_first")
+            else:
+                kv = tl.load(tok[:, None] + dc[None, :], eviction_policy="evict_first")
+        else:
+            kv = kc
+        return softmax_pv(qk, kv.to(qc.dtype), acc, m_i, l_i, vis, MASKED, PREC)  # noqa: F821
 
     globals()["_tile"] = _tile
 
