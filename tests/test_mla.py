@@ -250,3 +250,18 @@ def test_moe_every_expert_path_matches_the_loop():
     with torch.no_grad():
         torch.testing.assert_close(moe.experts.every_expert(x, idx, w), moe.experts(x, idx, w),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_mla_decode_config_fills_the_gpu():
+    """Launch choices of the triton MLA decode (kernels/mla.py, pure host code): a few long
+    requests split their context over the SMs, many short ones do not; 128 heads take four
+    32-row programs per request; a rank that is not a power of two keeps one split."""
+    from kvfit.kernels.mla import decode_config
+
+    few_long = decode_config(2, 16, 512, 65536, torch.bfloat16, torch.bfloat16)
+    assert few_long.block_m == 16 and few_long.num_splits >= 32
+    many = decode_config(256, 16, 512, 1024, torch.bfloat16, torch.bfloat16)
+    assert many.num_splits <= 2
+    v2 = decode_config(4, 128, 512, 65536, torch.float8_e4m3fn, torch.bfloat16)
+    assert v2.block_m == 32 and 4 * 4 * v2.num_splits >= 0.9 * 132
+    assert decode_config(2, 16, 48, 65536, torch.bfloat16, torch.bfloat16).num_splits == 1

@@ -48,13 +48,14 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
                   cache_dtype: torch.dtype, q_dtype: torch.dtype, num_sms: int = 132,
                   block_n: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, num_splits: int | None = None) -> MLAConfig:
-    """Rows: every head of a request (at least 16 for the MMA, at most 64 per program, larger
-    head counts take several programs per request). Splits: the fewest waves per unit of work
+    """Rows: every head of a request (at least 16 for the MMA, at most 32 per program: a
+    [64, 512] float32 accumulator spills; larger head counts take several programs per request,
+    adjacent in the grid so their shared latent tiles come from L2). Splits: the fewest waves per unit of work
     over ``num_sms`` SMs at the programs per SM each tile allows, splits of >= 256 tokens, 1%
     merge cost per split. Ranks that are not a power
     of two keep one split (the merge kernel reads whole rows)."""
     exact = _exact(q_dtype, cache_dtype)
-    block_m = 16 if exact else min(64, max(16, _pow2(num_heads)))
+    block_m = 16 if exact else min(32, max(16, _pow2(num_heads)))
     hblk = math.ceil(num_heads / block_m)
     # (block_n, warps, stages, programs per SM) from the sm_90 compile of each variant
     # (benchmarks/kernels/inspect_mla.py): 16-bit 32-token tiles take 104 registers and 56 KB of

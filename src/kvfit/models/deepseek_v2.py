@@ -23,6 +23,7 @@ one GatedMLP each, loaded from the checkpoints' per-expert names (``mlp.experts.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -112,6 +113,14 @@ class MLAAttention(nn.Module):
         return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
 
 
+@functools.cache
+def grouped_gemm_available(device: torch.device) -> bool:
+    """``torch._grouped_mm`` on bfloat16 runs here: torch has it, and on CUDA the GPU is sm_90+."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 class RoutedExperts(nn.ModuleList):
     """E gated experts, ``experts.{e}.gate_up_proj``/``down_proj`` (checkpoint names
     ``experts.{e}.gate_proj/up_proj/down_proj``, as DeepSeek and ``save_pretrained`` write them).
@@ -173,7 +182,8 @@ class RoutedExperts(nn.ModuleList):
 
     def forward(self, x, topk_idx, topk_w):
         """x [T, H], topk_idx/topk_w [T, k] -> [T, H] (weighted sum over each token's experts)."""
-        if self.w_gate_up is not None and x.dtype == torch.bfloat16:
+        if (self.w_gate_up is not None and x.dtype == torch.bfloat16
+                and grouped_gemm_available(x.device)):
             return self.grouped(x, topk_idx, topk_w)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return self.every_expert(x, topk_idx, topk_w)
