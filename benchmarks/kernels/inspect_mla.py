@@ -38,7 +38,9 @@ def compile_one(kv, decode, single, bm, bn, warps, stages, heads=16):
     attrs = {(i,): [["tt.divisibility", 16]] for i in list(range(9)) + list(range(11, 17))}
     consts = dict(H=heads, RANK=512, ROPE=64, DC=512, DR=64, SLAB=576, PAGE=32 if kv != "bf16"
                   else 16, BLOCK_M=bm, BLOCK_N=bn, HBLK=max(1, heads // bm), DECODE=decode,
-                  SINGLE=single, F16=kv != "bf16", PREC="tf32")
+                  SINGLE=single, F16=kv != "bf16", PREC="tf32",
+                  PAIRS=kv != "bf16" and os.environ.get("PAIRS", "1") == "1", E5M2=kv == "fp8e5",
+                  ASM=True)
     src = ASTSource(mla_kernels.build()[0], sig(kv), constexprs=consts, attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": warps,
                                                         "num_stages": stages})
@@ -56,9 +58,11 @@ def report(k):
         m = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", line)
         if m:
             ops[m.group(1).split(".")[0]] += 1
+            ops[m.group(1)] += 1
     regs = re.search(r"REG:(\d+)", res)
     spill = "STL" in ops
-    keep = ("HMMA", "HGMMA", "F2FP", "F2F", "LDGSTS", "LDG", "LDS", "LDSM", "STS", "MUFU")
+    keep = ("HMMA", "HGMMA", "F2FP", "F2F", "LDGSTS", "LDG", "LDS", "LDS.U8", "LDS.U16", "LDSM",
+            "STS", "MUFU", "PRMT", "BAR")
     mix = " ".join(f"{o}={ops[o]}" for o in keep if ops[o])
     return (f"regs={regs.group(1) if regs else '?'} smem={k.metadata.shared} "
             f"spills={'YES' if spill else 'no'} {mix}")

@@ -17,7 +17,9 @@ import json
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--points", default="bfloat16:4:32768,fp8_e4m3:4:32768")
-    p.add_argument("--variants", default="", help="block_n:warps:stages,... (default only)")
+    p.add_argument("--variants", default="",
+                   help="block_n:warps:stages[:bytes],... (default only; bytes: fp8 P@C operand "
+                        "from the byte tile instead of 16-bit pairs)")
     p.add_argument("--prefill-points", default="", help="kv_dtype:batch:prompt_len,...")
     p.add_argument("--prefill-variants", default="", help="block_m:block_n:warps:stages,...")
     p.add_argument("--heads", type=int, default=16)
@@ -41,8 +43,10 @@ def main() -> None:
         base = decode_config(b, args.heads, 512, ctx, ls.dtype, torch.bfloat16)
         cfgs = [("default", base)]
         for v in filter(None, args.variants.split(",")):
-            bn, w, st = map(int, v.split(":"))
-            cfgs.append((v, dataclasses.replace(base, block_n=bn, num_warps=w, num_stages=st)))
+            parts = v.split(":")  # block_n:warps:stages[:bytes] (bytes: fp8 P@C without pairs)
+            bn, w, st = map(int, parts[:3])
+            cfgs.append((v, dataclasses.replace(base, block_n=bn, num_warps=w, num_stages=st,
+                                                pairs="bytes" not in parts)))
         for name, cfg in cfgs:
             try:
                 us = time_mla_decode(ls, args.heads, cfg)

@@ -34,10 +34,18 @@ class MLAConfig:
     num_warps: int
     num_stages: int
     num_splits: int = 1
+    pairs: bool = True  # fp8: P@C operand from 16-bit words converted in registers
 
 
 def _pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _interpreting() -> bool:
+    """Triton's CPU interpreter (TRITON_INTERPRET=1) runs the kernels: no inline PTX there."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _exact(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
@@ -59,13 +67,13 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
     hblk = math.ceil(num_heads / block_m)
     # (block_n, warps, stages, programs per SM) from the sm_90 compile of each variant
     # (benchmarks/kernels/inspect_mla.py): 16-bit 32-token tiles take 104 registers and 56 KB of
-    # shared memory (2 per SM); 8-bit tiles are loaded twice (once per MMA, each converted into
-    # its operand): 32-token tiles take 144 registers and 55 KB (one converted tile kept for
-    # both products took 190, 64-token tiles spilled)
+    # shared memory (2 per SM), 428 instructions per warp and tile; 8-bit tiles read as 16-bit
+    # words and converted in registers (PAIRS) take 196 registers and 123 KB at 64 tokens (1 per
+    # SM), 683 instructions per warp and tile (11 per token; 17 at 32-token tiles)
     if exact:
         tile = (16, 4, 1, 1)
     elif cache_dtype in FP8:
-        tile = (32, 8, 3, 1)
+        tile = (64, 8, 3, 1)
     else:
         tile = (32, 8, 2, 2)
     max_splits = int(min(64, max(1, math.ceil(max(1, max_kv_len) / 256))))
@@ -136,6 +144,8 @@ def _launch(q, cache, block_table, cu_seqlens_q, kv_lens, blocks, out, op, lse, 
         PAGE=cache.shape[1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HBLK=math.ceil(h / cfg.block_m), DECODE=decode, SINGLE=single,
         F16=cache.dtype in FP8 and not exact, PREC="ieee" if exact else "tf32",
+        PAIRS=cache.dtype in FP8 and not exact and cfg.pairs and rank % 2 == 0,
+        E5M2=cache.dtype == torch.float8_e5m2, ASM=not _interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 

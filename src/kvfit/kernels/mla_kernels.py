@@ -13,12 +13,13 @@ consecutive tokens of one request. Grid ``(programs, splits)``: split s walks it
 request's visible tokens (multiples of BLOCK_N) with an online softmax in float32 (base-2
 logits, the latent scale folded into the softmax scale and applied to the output); with more
 than one split the partial results and their log-sum-exp go to scratch and the decode merge
-kernel (``decode_kernels``) combines them. fp8 latents become float16 in registers (one packed
-convert per two values) with the query cast to float16; the fp8 tile is loaded a second time for
-P@C (an L1/L2 hit: the first load keeps it, ``evict_last``), so each product converts its own
-operand and no converted [BLOCK_N, 512] tile stays live across the softmax (the sm_90 compile:
-144 registers against 190, no shared-memory round trip of the converted tile). 16-bit latents
-are loaded once and used as they are.
+kernel (``decode_kernels``) combines them. fp8 latents are read as 16-bit words and become
+float16 in registers (one packed ``cvt`` per word, ``_fp8_pairs_to_f16``) with the query cast to
+float16: the converted tile then feeds both products as a 16-bit tile does (Q@C^T through
+``ldmatrix``, P@C, which reduces over the tokens, through ``ldmatrix.trans``). Loaded as bytes,
+the P@C operand of an 8-bit tile is gathered from shared memory one byte at a time (there is no
+8-bit transposing load), with tokens 576 bytes apart: 16-way bank conflicts; that version ran at
+12-20% of the copy bandwidth on the H200. 16-bit latents are loaded once and used as they are.
 
 Kernels own nothing; they write ``OUT`` or the split scratch ``OP``/``LSE``.
 """
@@ -46,10 +47,39 @@ def build():
                      quant=build_store()[2])
 
     @triton.jit
+    def _fp8_pairs_to_f16(w, E5M2: tl.constexpr, ASM: tl.constexpr):
+        # w [N, D/2] uint16 words, two fp8 values each -> [N, D] float16 in registers (row
+        # layout), so the P@C operand (reduced over the tokens: the tile transposed) is built
+        # from float16 through ldmatrix.trans instead of byte-wise shared-memory gathers. ASM:
+        # one packed cvt per word on the GPU; else (the interpreter) the same values by bytes.
+        if ASM:
+            if E5M2:
+                lo, hi = tl.inline_asm_elementwise(
+                    "{ .reg .b32 r; cvt.rn.f16x2.e5m2x2 r, $2; mov.b32 {$0, $1}, r; }",
+                    "=h,=h,h", [w], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+            else:
+                lo, hi = tl.inline_asm_elementwise(
+                    "{ .reg .b32 r; cvt.rn.f16x2.e4m3x2 r, $2; mov.b32 {$0, $1}, r; }",
+                    "=h,=h,h", [w], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+        else:
+            b0 = (w & 0xFF).to(tl.uint8)
+            b1 = (w >> 8).to(tl.uint8)
+            if E5M2:
+                lo = b0.to(tl.float8e5, bitcast=True).to(tl.float16)
+                hi = b1.to(tl.float8e5, bitcast=True).to(tl.float16)
+            else:
+                lo = b0.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+                hi = b1.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        return tl.reshape(tl.join(lo, hi), (w.shape[0], 2 * w.shape[1]))
+
+    globals()["_fp8_pairs_to_f16"] = _fp8_pairs_to_f16
+
+    @triton.jit
     def _tile(acc, m_i, l_i, qc, qr, n0, hi, qpos, C, bt_row, stride_cp, qk_scale,
               RANK: tl.constexpr, ROPE: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr,
               SLAB: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-              F16: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
+              F16: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr,
+              PAIRS: tl.constexpr, E5M2: tl.constexpr, ASM: tl.constexpr):
         # tokens [n0, n0 + BLOCK_N): latent tile [BLOCK_N, DC] (= keys' first part and values),
         # rope tile [BLOCK_N, DR]; MASKED tiles cross hi or some row's causal diagonal
         n = n0 + tl.arange(0, BLOCK_N)
@@ -61,34 +91,35 @@ def build():
         else:
             page = tl.load(bt_row + n // PAGE).to(tl.int64)
         tok = C + page * stride_cp + (n % PAGE) * SLAB  # [BLOCK_N] pointers to the slabs
-        cmask = nmask[:, None]
-        if DC != RANK:
-            cmask = cmask & (dc < RANK)[None, :]
-        rmask = nmask[:, None] & (dr < ROPE)[None, :]
-        if MASKED or DC != RANK:
-            kc = tl.load(tok[:, None] + dc[None, :], mask=cmask, other=0.0,
-                         eviction_policy="evict_last")
+        if PAIRS:
+            # 8-bit latents as 16-bit words, converted in registers (_fp8_pairs_to_f16): the
+            # float16 tile then feeds both products like a 16-bit tile
+            d2 = tl.arange(0, DC // 2)
+            wptr = tok.to(tl.pointer_type(tl.uint16), bitcast=True)[:, None] + d2[None, :]
+            if MASKED or DC != RANK:
+                w = tl.load(wptr, mask=nmask[:, None] & (d2 < RANK // 2)[None, :], other=0)
+            else:
+                w = tl.load(wptr)
+            kc = _fp8_pairs_to_f16(w, E5M2, ASM)  # noqa: F821  [BLOCK_N, DC]
         else:
-            kc = tl.load(tok[:, None] + dc[None, :], eviction_policy="evict_last")
+            cmask = nmask[:, None]
+            if DC != RANK:
+                cmask = cmask & (dc < RANK)[None, :]
+            if MASKED or DC != RANK:
+                kc = tl.load(tok[:, None] + dc[None, :], mask=cmask, other=0.0)
+            else:
+                kc = tl.load(tok[:, None] + dc[None, :])
+            kc = kc.to(qc.dtype)
+        rmask = nmask[:, None] & (dr < ROPE)[None, :]
         if MASKED or DR != ROPE:
             kr = tl.load(tok[:, None] + RANK + dr[None, :], mask=rmask, other=0.0)
         else:
             kr = tl.load(tok[:, None] + RANK + dr[None, :])
         kr = kr.to(qc.dtype)
-        qk = tl.dot(qc, tl.trans(kc.to(qc.dtype)), input_precision=PREC)  # [BLOCK_M, BLOCK_N]
+        qk = tl.dot(qc, tl.trans(kc), input_precision=PREC)  # [BLOCK_M, BLOCK_N]
         qk = tl.dot(qr, tl.trans(kr), qk, input_precision=PREC) * qk_scale
         vis = nmask[None, :] & (n[None, :] <= qpos[:, None])  # read only when MASKED
-        if F16:
-            # 8-bit latents: a second load of the tile for P@C (an L1 hit), each load converted
-            # into its own MMA operand, rather than one converted tile kept for both products
-            if MASKED or DC != RANK:
-                kv = tl.load(tok[:, None] + dc[None, :], mask=cmask, other=0.0,
-                             eviction_policy="evict_first")
-            else:
-                kv = tl.load(tok[:, None] + dc[None, :], eviction_policy="evict_first")
-        else:
-            kv = kc
-        return softmax_pv(qk, kv.to(qc.dtype), acc, m_i, l_i, vis, MASKED, PREC)  # noqa: F821
+        return softmax_pv(qk, kc, acc, m_i, l_i, vis, MASKED, PREC)  # noqa: F821
 
     globals()["_tile"] = _tile
 
@@ -101,7 +132,8 @@ def build():
                   DR: tl.constexpr, SLAB: tl.constexpr, PAGE: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HBLK: tl.constexpr,
                   DECODE: tl.constexpr, SINGLE: tl.constexpr, F16: tl.constexpr,
-                  PREC: tl.constexpr):
+                  PREC: tl.constexpr, PAIRS: tl.constexpr, E5M2: tl.constexpr,
+                  ASM: tl.constexpr):
         pid = tl.program_id(0)
         s = tl.program_id(1)
         if DECODE:  # program = (request, block of heads): no block list needed (graphs)
@@ -142,11 +174,11 @@ def build():
         for n0 in range(lo, full_end, BLOCK_N):
             acc, m_i, l_i = _tile(acc, m_i, l_i, qc, qr, n0, hi, qpos, C, bt_row, stride_cp,
                                   qk_scale, RANK, ROPE, DC, DR, SLAB, PAGE, BLOCK_N, F16, PREC,
-                                  False)
+                                  False, PAIRS, E5M2, ASM)
         for n0 in range(full_end, hi, BLOCK_N):
             acc, m_i, l_i = _tile(acc, m_i, l_i, qc, qr, n0, hi, qpos, C, bt_row, stride_cp,
                                   qk_scale, RANK, ROPE, DC, DR, SLAB, PAGE, BLOCK_N, F16, PREC,
-                                  True)
+                                  True, PAIRS, E5M2, ASM)
         safe_l = tl.where(l_i > 0, l_i, 1.0)
         o = acc / safe_l[:, None]
         t_glob = (q_start + tok).to(tl.int64)
