@@ -115,10 +115,17 @@ class AttentionBackend:
         self.num_q_heads: Optional[int] = None
 
     @classmethod
-    def v_layout(cls, kv_dtype: str, page_size: int, head_dim: int) -> str:
-        """The V page layout this backend reads fastest for a KV dtype and head size (a pool
-        constructor argument; "HND" is what every backend reads)."""
+    def v_layout(cls, kv_dtype: str, page_size: int, head_dim: int,
+                 pool_name: Optional[str] = None) -> str:
+        """The V page layout this backend reads fastest for a KV dtype and head size in the pool
+        ``pool_name`` (a pool constructor argument; "HND" is what every backend reads)."""
         return "HND"
+
+    @classmethod
+    def head_dims_for(cls, pool_name: str) -> Optional[frozenset[int]]:
+        """The head sizes (``KVLayerSpec.head_dim``) this backend reads in the pool
+        ``pool_name``; None = any. Default: ``head_dims``."""
+        return cls.head_dims
 
     @classmethod
     def default_page_size(cls, kv_dtype: str, head_dim: int) -> int:

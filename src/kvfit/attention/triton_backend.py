@@ -1,4 +1,5 @@
-"""The ``triton`` attention backend: our own kernels (kvfit.kernels) over the MHAKVCache pool.
+"""The ``triton`` attention backend: our own kernels (kvfit.kernels) over the MHAKVCache pool,
+and over the MLAKVCache latent pool through ``attention/triton_mla.py`` (``forward_mla``).
 
 Per step ``prepare`` picks the decode launch configuration (split count from batch size and the
 longest context) or, for steps with prefill chunks, the list of prefill programs. Per layer
@@ -20,6 +21,7 @@ from typing import Optional
 import torch
 
 from kvfit.attention.base import AttentionBackend, AttentionMetadata, KVStoreTarget
+from kvfit.attention.triton_mla import TritonMLA
 from kvfit.kernels.decode import choose_config, paged_decode
 from kvfit.kernels.prefill import order_prefill_blocks, paged_prefill, prefill_config
 from kvfit.kernels.store import split_store_chunks, store_kv, store_kv_chunks
@@ -28,7 +30,7 @@ from kvfit.kernels.store import split_store_chunks, store_kv, store_kv_chunks
 class TritonBackend(AttentionBackend):
     name = "triton"
     devices = frozenset({"cuda"})
-    pools = frozenset({"MHAKVCache"})
+    pools = frozenset({"MHAKVCache", "MLAKVCache"})
     kv_dtypes = frozenset({"float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"})
     page_sizes = None  # any (powers of two are fastest)
     head_dims = frozenset({64, 128, 256})
@@ -44,12 +46,23 @@ class TritonBackend(AttentionBackend):
         self._graph_max_len: Optional[int] = None
         self._scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._v_t = pool.v_layout == "HDN"
+        # MLA pools (latent slabs): the MLA kernels own prepare/forward_mla/graph hooks
+        self._mla = (TritonMLA(pool, compute_dtype, sm_scale, logit_softcap)
+                     if "mla" in pool.layer_kinds else None)
 
     @classmethod
-    def v_layout(cls, kv_dtype: str, page_size: int, head_dim: int) -> str:
+    def head_dims_for(cls, pool_name: str):
+        """MLA slabs of any width (the kernels pad rank and rope to powers of two)."""
+        return None if pool_name == "MLAKVCache" else cls.head_dims
+
+    @classmethod
+    def v_layout(cls, kv_dtype: str, page_size: int, head_dim: int,
+                 pool_name: Optional[str] = None) -> str:
         """Token-minor V for fp8 with heads of >= 128 (no 8-bit transpose in the P@V operand:
         2.9-3.06 TB/s against 2.2-2.3 for HND on the H200); HND for 16/32-bit pools and 64-d fp8
         heads, where the HND tile measured as fast or faster (docs/kernels.md)."""
+        if pool_name == "MLAKVCache":  # one latent slab per token: no separate V pages
+            return "HND"
         pow2 = page_size > 0 and page_size & (page_size - 1) == 0
         return "HDN" if kv_dtype.startswith("fp8") and pow2 and head_dim >= 128 else "HND"
 
@@ -83,6 +96,9 @@ class TritonBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         """Mutates self: the step's metadata and launch plan. Host work only (no syncs)."""
         self.meta = meta
+        if self._mla is not None:
+            self._mla.prepare(meta)
+            return
         if meta.is_decode:
             self._prepare_decode(meta, max(meta.kv_lens_cpu, default=1))
             self._blocks = None
@@ -109,12 +125,20 @@ class TritonBackend(AttentionBackend):
     def kv_store_target(self, layer_id: int) -> Optional[KVStoreTarget]:
         """The slot-mapped store (decode steps, and prefill into HND pages) may be fused into
         the caller's RoPE kernel; prefill into token-minor V pages stores by page-row chunks."""
-        if self._v_t and not self.meta.is_decode:
+        if self._mla is not None or (self._v_t and not self.meta.is_decode):
             return None
         pool = self.pool
         return KVStoreTarget(pool.k_caches[layer_id], pool.v_caches[layer_id],
                              self.meta.slot_mapping, pool.fmt, pool.k_scales[layer_id],
                              pool.v_scales[layer_id], pool.v_layout)
+
+    def forward_mla(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int,
+                    v_dim: int) -> torch.Tensor:
+        """MLA pools: store the slabs and attend (attention/triton_mla.py). Mutates the pool."""
+        if self._mla is None:
+            raise RuntimeError(f"forward_mla needs a pool of MLA layers (MLAKVCache), got the "
+                               f"{self.pool.name} pool")
+        return self._mla.forward_mla(q, kv, layer_id, v_dim)
 
     def forward(self, q, k, v, layer_id, kv_stored: bool = False):
         meta = self.meta
@@ -152,8 +176,11 @@ class TritonBackend(AttentionBackend):
     def init_cuda_graph(self, max_bs: int, max_pages_per_req: int) -> None:
         """Allocate split-K scratch for ``max_bs`` decode rows at the most splits any batch size
         gets with contexts up to ``max_pages_per_req`` pages (static across replays)."""
-        hkv, d = self._layer_shape()
         self._graph_max_len = max_pages_per_req * self.pool.page_size
+        if self._mla is not None:
+            self._mla.init_cuda_graph(max_bs, max_pages_per_req)
+            return
+        hkv, d = self._layer_shape()
         most = 1
         for bs in range(1, max_bs + 1):
             cfg = choose_config(bs, hkv, 1, d, self._graph_max_len, self.pool.dtype,
@@ -169,5 +196,8 @@ class TritonBackend(AttentionBackend):
         if self._graph_max_len is None:
             raise RuntimeError("init_cuda_graph must be called before prepare_cuda_graph")
         self.meta = meta
+        if self._mla is not None:
+            self._mla.prepare_cuda_graph(meta)
+            return
         self._blocks = None
         self._prepare_decode(meta, self._graph_max_len)

@@ -6,6 +6,8 @@ inputs never sit in L2, and times each kernel with ``triton.testing.do_bench`` (
 µs, achieved TB/s (KV bytes read / time), % of the copy bandwidth measured in the same run,
 KV elements/s, and the fp8/bf16 speedup; it writes ``kernels.json`` and ``kernels.png`` under
 ``--out``. Prefill points time a whole causal prompt (empty prefix) and report TFLOP/s.
+MLA layouts (``deepseek-v2-lite``, ``deepseek-v2``: a latent cache, bench/kernels_mla.py) time
+our MLA kernels only.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import math
 import os
 import time
 from dataclasses import dataclass
+
+from kvfit.bench.kernels_mla import MLA_LAYOUTS, run_mla_decode, run_mla_prefill
 
 LAYOUTS = {"qwen3-1.7b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128), "smollm2": (9, 3, 64)}
 L2_BYTES = 60 << 20
@@ -37,7 +41,8 @@ def parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="kvfit bench kernels", description=__doc__)
     p.add_argument("--out", default="bench-out/kernels")
-    p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--layouts", default=",".join(LAYOUTS) + ",deepseek-v2-lite",
+                   help=f"of {', '.join(LAYOUTS)}, {', '.join(MLA_LAYOUTS)}")
     p.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3")
     p.add_argument("--batches", default="1,8,32,128")
     p.add_argument("--contexts", default="1024,4096,16384,65536")
@@ -191,6 +196,9 @@ def run_decode(args, device, copy_bw, results):
 
     layouts = args.layouts.split(",")
     for layout in layouts:
+        if layout in MLA_LAYOUTS:
+            run_mla_decode(args, layout, device, copy_bw, results)
+            continue
         hq, hkv, d = LAYOUTS[layout]
         for b in map(int, args.batches.split(",")):
             for ctx in map(int, args.contexts.split(",")):
@@ -290,6 +298,9 @@ def time_fi_prefill(kv: KVSet, hq, d, q_len):
 
 def run_prefill(args, device, results):
     for layout in args.layouts.split(","):
+        if layout in MLA_LAYOUTS:
+            run_mla_prefill(args, layout, device, results)
+            continue
         hq, hkv, d = LAYOUTS[layout]
         for ctx in map(int, args.prefill_contexts.split(",")):
             b = max(1, 16384 // ctx)
@@ -350,6 +361,11 @@ def plot(results, path):
 def main(argv: list[str]) -> int:
     """Entry point of ``kvfit bench kernels``; returns the exit status."""
     args = parser().parse_args(argv)
+    unknown = set(args.layouts.split(",")) - set(LAYOUTS) - set(MLA_LAYOUTS)
+    if unknown:
+        print(f"unknown layout(s) {', '.join(sorted(unknown))}; known: "
+              f"{', '.join([*LAYOUTS, *MLA_LAYOUTS])}")
+        return 2
     import torch
 
     if not torch.cuda.is_available():

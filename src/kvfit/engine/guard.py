@@ -32,13 +32,14 @@ def _reasons(backend_name: str, pool_cls, fmt: KVFormat, page_size: int, device_
     if cls.page_sizes is not None and page_size not in cls.page_sizes:
         out.append(f"{backend_name} does not support page size {page_size} "
                    f"(supports {', '.join(map(str, sorted(cls.page_sizes)))})")
-    wanted = {cls.v_layout(fmt.name, page_size, d) for d in head_dims}
+    wanted = {cls.v_layout(fmt.name, page_size, d, pool_cls.name) for d in head_dims}
     if pool_cls.name in cls.pools and not wanted <= pool_cls.v_layouts:
         out.append(f"{backend_name} reads {', '.join(sorted(wanted))} V pages, the "
                    f"{pool_cls.name} pool stores {', '.join(sorted(pool_cls.v_layouts))}")
-    if cls.head_dims is not None and not head_dims <= cls.head_dims:
-        out.append(f"{backend_name} does not support head_dim {sorted(head_dims - cls.head_dims)}"
-                   f" (supports {', '.join(map(str, sorted(cls.head_dims)))})")
+    dims = cls.head_dims_for(pool_cls.name)
+    if dims is not None and not head_dims <= dims:
+        out.append(f"{backend_name} does not support head_dim {sorted(head_dims - dims)}"
+                   f" (supports {', '.join(map(str, sorted(dims)))})")
     return out
 
 

@@ -185,7 +185,7 @@ class ModelRunner:
         model.eval()
         if self.config.load_format == "dummy":
             init_dummy(model, self.config.seed)
-            return model
+            return self._ready(model)
         sink = WeightSink(model)
         if self.source.kind == "gguf":
             items = iter_gguf(self.source.path, self.hf_config)
@@ -195,6 +195,14 @@ class ModelRunner:
             for name, t in items:
                 sink.put(name, t)
         sink.check_complete()
+        return self._ready(model)
+
+    @staticmethod
+    def _ready(model):
+        """The model's own post-load step when it has one (e.g. stacking MoE experts)."""
+        prepare = getattr(model, "prepare_for_inference", None)
+        if prepare is not None:
+            prepare()
         return model
 
     def _size_pool(self, free_before: int) -> PoolSizing:

@@ -139,6 +139,7 @@ def resolve_settings(config: EngineConfig, plan_for: Optional[str] = None) -> En
         config=config, source=source, hf_config=hf_config, model_cls=model_cls, device=device,
         dtype=dtype, kv_format=fmt, layers=layers, pool_cls=pool_cls, backend_name=backend_name,
         backend_chosen="auto" if config.attention_backend == "auto" else "requested",
-        page_size=page_size, v_layout=backend.v_layout(fmt.name, page_size, head_dim),
+        page_size=page_size, v_layout=backend.v_layout(fmt.name, page_size, head_dim,
+                                                          pool_cls.name),
         max_model_len=config.max_model_len or ctx_len, assumed_installed=assume_installed,
         full_layers=full_layers)

@@ -28,6 +28,8 @@ def build():
     import triton
     import triton.language as tl
 
+    globals().update(triton=triton, tl=tl)  # the Triton interpreter looks them up there
+
     from kvfit.kernels.tile_math import build as build_tile_math
 
     request_span = build_tile_math().request_span

@@ -14,6 +14,8 @@ def build() -> types.SimpleNamespace:
     import triton
     import triton.language as tl
 
+    globals().update(triton=triton, tl=tl)  # the Triton interpreter looks them up there
+
     @triton.jit
     def softcap_logits(qk, qk_scale, softcap):
         # softcap * tanh(qk * sm_scale / softcap) in base-2 logits; qk_scale = sm_scale * log2(e)
