@@ -1,0 +1,195 @@
+"""Batch-1 GEMV with the decoder's neighbours fused in: the CUDA path of a one-token decode step.
+
+Owns nothing; returns new tensors. ``y = W @ x`` for ONE token (x ``[1, K]``, W ``[N, K]``
+row-major as ``nn.Linear`` stores it), each program computing ``BLOCK_N`` outputs over the whole
+K (no split-K: no reduce kernel, and every output is summed in one fixed order, so an output does
+not depend on N or on the launch grid). Optional parts, each replacing one launch of the unfused
+step:
+* ``norm`` prologue (``residual``-add + RMSNorm, ``models.layers.RMSNorm``'s roundings): every
+  program recomputes the norm of the 2-8 KB input row (it is in L2) instead of a separate norm
+  kernel writing it; program 0 writes the new residual ``s = x + residual``;
+* ``gated`` epilogue: W holds ``[gate; up]`` (``[2I, K]``, ``GatedMLP.gate_up_proj``) and the
+  output is ``act(gate) * up`` ``[1, I]`` with ``fused_act``'s roundings (activation in float32
+  rounded to the dtype, then the product rounded once).
+The dot products accumulate in float32 and round once to the dtype, like a cuBLAS GEMM; only the
+summation order differs, so outputs agree with ``F.linear`` to within one rounding.
+
+At batch 1 a decode step is a chain of such GEMVs: reading the weights at the copy bandwidth is
+the whole cost, and a cuBLAS GEMM of M = 1 reads them at 2.7-3.2 TB/s on the H200 with a split-K
+reduce on ``down_proj`` (docs/benchmarks.md). ``GEMV_CONFIG`` holds the tile per (N, K) class.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
+GEMV_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def build():
+    """The jitted GEMV kernel, built once per process on first use."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _gemv_kernel(X, R, RO, NW, W, B, OUT, K, N_OUT, stride_w, up_off, eps, offset,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                     ADD: tl.constexpr, HAS_OFFSET: tl.constexpr, GATED: tl.constexpr,
+                     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
+        pid = tl.program_id(0)
+        ty = X.dtype.element_ty
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output rows
+        rmask = rows < N_OUT
+        ks = tl.arange(0, BLOCK_K)
+        rstd = 1.0
+        if NORM:  # pass 1 over the row: s = x (+ residual), rounded; its mean square
+            ssq = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                km = (k0 + ks) < K
+                s = tl.load(X + k0 + ks, mask=km, other=0.0)
+                if ADD:
+                    r = tl.load(R + k0 + ks, mask=km, other=0.0)
+                    s = (s.to(tl.float32) + r.to(tl.float32)).to(ty)  # rounded like torch's add
+                    if pid == 0:
+                        tl.store(RO + k0 + ks, s, mask=km)
+                sf = s.to(tl.float32)
+                ssq += sf * sf
+            rstd = tl.rsqrt(tl.sum(ssq, axis=0) / K + eps)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+        w_ptr = W + rows.to(tl.int64)[:, None] * stride_w + ks[None, :]  # [BN, BK]
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                xk = tl.load(X + k0 + ks)
+            else:
+                km = (k0 + ks) < K
+                xk = tl.load(X + k0 + ks, mask=km, other=0.0)
+            if NORM:
+                if ADD:
+                    if EVEN_K:
+                        rk = tl.load(R + k0 + ks)
+                    else:
+                        rk = tl.load(R + k0 + ks, mask=km, other=0.0)
+                    xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(ty)
+                if EVEN_K:
+                    nw = tl.load(NW + k0 + ks).to(tl.float32)
+                else:
+                    nw = tl.load(NW + k0 + ks, mask=km, other=0.0).to(tl.float32)
+                normed = xk.to(tl.float32) * rstd
+                if HAS_OFFSET:
+                    xk = (normed * (offset + nw)).to(ty)
+                else:
+                    xk = (normed.to(ty).to(tl.float32) * nw).to(ty)
+            xf = xk.to(tl.float32)[None, :]
+            if EVEN_K:
+                w = tl.load(w_ptr + k0, mask=rmask[:, None], other=0.0)
+            else:
+                w = tl.load(w_ptr + k0, mask=rmask[:, None] & km[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * xf, axis=1)
+            if GATED:
+                if EVEN_K:
+                    wu = tl.load(w_ptr + up_off * stride_w + k0, mask=rmask[:, None], other=0.0)
+                else:
+                    wu = tl.load(w_ptr + up_off * stride_w + k0,
+                                 mask=rmask[:, None] & km[None, :], other=0.0)
+                acc_up += tl.sum(wu.to(tl.float32) * xf, axis=1)
+        if HAS_BIAS:
+            acc += tl.load(B + rows, mask=rmask, other=0.0).to(tl.float32)
+            if GATED:
+                acc_up += tl.load(B + up_off + rows, mask=rmask, other=0.0).to(tl.float32)
+        y = acc.to(ty)
+        if GATED:  # act(gate) * up, as kernels.fused_act rounds it
+            g = y.to(tl.float32)
+            u = acc_up.to(ty).to(tl.float32)
+            if ACT == 0:
+                a = g / (1.0 + tl.exp(-g))
+            elif ACT == 1:
+                z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+                a = g / (1.0 + tl.exp(-2.0 * z))
+            else:
+                a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+            y = (a.to(ty).to(tl.float32) * u).to(ty)
+        tl.store(OUT + rows, y, mask=rmask)
+
+    return _gemv_kernel
+
+
+# (block_n, block_k, num_warps, num_stages) per output-row count class; chosen on the H200
+# (benchmarks/kernels/gemv_bench.py) for the Qwen3-1.7B/Llama shapes, any shape runs with them
+GEMV_CONFIG = {"default": (8, 512, 4, 3)}
+
+
+def gemv_config(n_out: int, k: int, gated: bool) -> tuple[int, int, int, int]:
+    """The tile for an output of ``n_out`` rows over ``k`` inputs (gated: two weight rows each)."""
+    return GEMV_CONFIG.get((n_out, k, gated), GEMV_CONFIG["default"])
+
+
+def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in GEMV_DTYPES
+            and weight.dtype == x.dtype and weight.device == x.device and weight.dim() == 2
+            and weight.stride(1) == 1 and x.shape[1] == weight.shape[1])
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when ``gemv`` runs this product on the GPU: one CUDA token row, 16-bit, the weight's
+    dtype, a row-major weight."""
+    return x.is_cuda and _fits(x, weight)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+         norm: Optional[tuple[torch.Tensor, float, float]] = None,
+         residual: Optional[torch.Tensor] = None, gated_act: Optional[str] = None,
+         config: Optional[tuple[int, int, int, int]] = None):
+    """One token's ``x [1, K]`` times ``weight [N, K]`` (+ ``bias [N]``) -> ``[1, N]``.
+
+    ``norm = (norm_weight [K], eps, offset)``: the input is ``RMSNorm(x)`` (or, with
+    ``residual [1, K]``, ``RMSNorm(x + residual)``); returns ``(y, s)`` with the new residual
+    ``s = x + residual`` (``s = x`` without ``residual``, no copy). ``gated_act`` ("silu", ...):
+    ``weight`` is ``[2I, K]`` = [gate; up] and ``y = act(gate) * up`` ``[1, I]``.
+    Never writes its inputs.
+    """
+    import triton
+
+    if not _fits(x, weight):
+        raise ValueError(f"gemv wants one 16-bit row x [1, K] and a row-major weight [N, K] of "
+                         f"its dtype on its device, got x {tuple(x.shape)} {x.dtype} on "
+                         f"{x.device}, weight {tuple(weight.shape)} {weight.dtype}")
+    n, k = weight.shape
+    gated = gated_act is not None
+    if gated and (n % 2 or gated_act not in ACTIVATIONS):
+        raise ValueError(f"gated gemv wants an even row count and an activation in "
+                         f"{sorted(ACTIVATIONS)}, got {n} rows and {gated_act!r}")
+    n_out = n // 2 if gated else n
+    x = x.contiguous()
+    out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
+    add = norm is not None and residual is not None
+    if norm is None:
+        nw, eps, offset = x, 0.0, 0.0
+    else:
+        nw, eps, offset = norm
+        if nw.shape != (k,):
+            raise ValueError(f"norm weight of shape {tuple(nw.shape)} does not match K={k}")
+    if add:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
+                             f"x {tuple(x.shape)} {x.dtype}")
+        residual = residual.contiguous()
+        res_out = torch.empty_like(x)
+    else:
+        residual, res_out = x, x
+    bn, bk, warps, stages = config or gemv_config(n_out, k, gated)
+    bk = min(bk, triton.next_power_of_2(k))
+    grid = (triton.cdiv(n_out, bn),)
+    build()[grid](x, residual, res_out, nw, weight, weight if bias is None else bias, out, k,
+                  n_out, weight.stride(0), n_out, float(eps), float(offset), BLOCK_N=bn,
+                  BLOCK_K=bk, NORM=norm is not None, ADD=add, HAS_OFFSET=bool(offset),
+                  GATED=gated, ACT=ACTIVATIONS.get(gated_act, 0), HAS_BIAS=bias is not None,
+                  EVEN_K=k % bk == 0, num_warps=warps, num_stages=stages)
+    if norm is None:
+        return out
+    return out, res_out

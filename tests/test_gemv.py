@@ -1,0 +1,101 @@
+"""The batch-1 GEMV kernel (kernels/gemv.py) on the CPU under the Triton interpreter, against
+float64 references on small shapes: plain, with bias, with the residual-add + RMSNorm prologue,
+and with the gated activation epilogue; K not a multiple of the tile; bad input is refused.
+
+float16 is compared at one rounding of the output (the interpreter rounds float16 like the GPU);
+bfloat16 at two (the interpreter's float32 -> bfloat16 conversion truncates)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if torch.cuda.is_available():  # the interpreter flag is process-wide: never set it next to a GPU
+    pytest.skip("Triton-interpreter tests run on CPU-only machines; the GPU runs "
+                "tests/gpu/test_gemv_cuda.py", allow_module_level=True)
+os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from kvfit.kernels.gemv import gemv  # noqa: E402
+from kvfit.models.layers import RMSNorm  # noqa: E402
+
+ULP = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}  # relative, per rounding
+ROUNDINGS = {torch.float16: 1, torch.bfloat16: 2}
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor, dtype, extra: float = 0.0) -> None:
+    """|y - ref| within the dtype's roundings of |ref| (+ a floor for values near zero)."""
+    tol = ROUNDINGS[dtype] * ULP[dtype] * ref.abs() + extra + 1e-3 * ref.abs().max()
+    bad = (y.double() - ref).abs() > tol
+    assert not bad.any(), (y[bad][:5], ref[bad][:5])
+
+
+def _data(k: int, n: int, dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    return x, w, g
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("k,block_k", [(96, 32), (80, 32)])  # 80: K not a multiple of the tile
+def test_plain_and_bias(dtype, k, block_k):
+    x, w, g = _data(k, 20, dtype, 1)
+    bias = torch.randn(20, generator=g).to(dtype)
+    y = gemv(x, w, config=(8, block_k, 4, 1))  # 20 rows: the last program is partial
+    assert y.shape == (1, 20) and y.dtype == dtype
+    _close(y, x.double() @ w.double().t(), dtype)
+    yb = gemv(x, w, bias, config=(8, block_k, 4, 1))
+    _close(yb, x.double() @ w.double().t() + bias.double(), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_prologue(dtype, with_residual):
+    k = 64
+    x, w, g = _data(k, 24, dtype, 2)
+    r = torch.randn(1, k, generator=g).to(dtype)
+    norm = RMSNorm(k, 1e-6)
+    norm.weight.data = (1 + 0.2 * torch.randn(k, generator=g)).to(dtype)
+    res = r if with_residual else None
+    y, s = gemv(x, w, norm=(norm.weight.data, 1e-6, 0.0), residual=res, config=(8, 32, 4, 1))
+    with torch.no_grad():
+        h, s_ref = norm(x, r) if with_residual else (norm(x), x)
+    if dtype == torch.float16:
+        assert torch.equal(s, s_ref)  # the new residual is x + r rounded once
+    else:
+        _close(s, s_ref.double(), dtype)
+    assert not with_residual or s.data_ptr() not in (x.data_ptr(), r.data_ptr())
+    # the norm's output is one rounding from the torch path's; the product adds one more
+    _close(y, h.double() @ w.double().t(), dtype, extra=2 * ULP[dtype])
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_gated_epilogue(act):
+    dtype, k, inter = torch.float16, 64, 24
+    x, w, g = _data(k, 2 * inter, dtype, 3)
+    norm = RMSNorm(k, 1e-6)
+    norm.weight.data = (1 + 0.2 * torch.randn(k, generator=g)).to(dtype)
+    y, _ = gemv(x, w, norm=(norm.weight.data, 1e-6, 0.0), gated_act=act, config=(8, 32, 4, 1))
+    assert y.shape == (1, inter)
+    with torch.no_grad():
+        gate, up = (norm(x).double() @ w.double().t()).chunk(2, dim=-1)
+    fn = F.silu if act == "silu" else (lambda t: F.gelu(t, approximate="tanh"))
+    ref = fn(gate) * up
+    _close(y, ref, dtype, extra=4 * ULP[dtype] * ref.abs().max().item())
+
+
+def test_refuses_what_it_cannot_run():
+    x = torch.randn(2, 16).half()
+    w = torch.randn(8, 16).half()
+    with pytest.raises(ValueError, match="one 16-bit row"):
+        gemv(x, w)
+    with pytest.raises(ValueError, match="one 16-bit row"):
+        gemv(x[:1], w.float())
+    with pytest.raises(ValueError, match="even row count"):
+        gemv(x[:1], w[:7], gated_act="silu")
+    with pytest.raises(ValueError, match="norm weight"):
+        gemv(x[:1], w, norm=(torch.ones(8).half(), 1e-6, 0.0))
