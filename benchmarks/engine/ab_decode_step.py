@@ -14,6 +14,7 @@ Prints one line per figure and a JSON line prefixed ``RESULT`` (collected by the
 
 Usage: python3 ab_decode_step.py --label main --kv-dtypes bfloat16,fp8_e4m3
        [--points 1x1024,64x1024,1x16384] [--steps 32] [--repeats 3] [--trace-dir DIR]
+       [--one-token on|off]
 """
 
 from __future__ import annotations
@@ -123,7 +124,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--model", default=MODEL)
     p.add_argument("--trace-dir", default=None)
+    p.add_argument("--one-token", choices=["on", "off"], default="on",
+                   help="trees with kvfit.models.one_token: its batch-1 GEMV path on or off")
     args = p.parse_args()
+    try:
+        from kvfit.models import one_token
+
+        one_token.ENABLED = args.one_token == "on"
+    except ImportError:  # trees before the one-token path
+        pass
     import kvfit
     from kvfit.bench import seed
     from kvfit.bench.kernels import copy_bandwidth

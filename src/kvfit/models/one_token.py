@@ -1,0 +1,58 @@
+"""The one-token (batch-1 decode) path of a Llama-family decoder layer on CUDA: four GEMV launches
+with the norms and the gated activation fused in (``kernels/gemv.py``), instead of two norm
+kernels, four cuBLAS GEMMs (one with a split-K reduce) and the activation kernel.
+
+    qkv, residual = gemv(W_qkv, RMSNorm_in(x + residual))       # norm prologue
+    o             = attention (RoPE + K/V store, paged decode)  # as the batched path
+    h             = gemv(W_o, o)
+    a, residual   = gemv(W_gate_up, RMSNorm_post(h + residual)) # norm prologue, act(g)*u epilogue
+    out           = gemv(W_down, a)
+
+Same values as the batched path to within one rounding per product (only the GEMMs' summation
+order differs; norms and activation round as their kernels do). ``ENABLED`` switches it off for
+A/B measurements (benchmarks/engine/ab_decode_step.py); it is on by default.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+ENABLED = True
+
+
+def _bias(lin) -> Optional[torch.Tensor]:
+    return lin.bias
+
+
+def applies(layer, x: torch.Tensor, residual: Optional[torch.Tensor]) -> bool:
+    """True when ``layer`` (a ``llama.DecoderLayer``) runs ``x`` [1, hidden] on the GEMV path."""
+    if not (ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] == 1):
+        return False
+    from kvfit.kernels.gemv import ACTIVATIONS, supports
+
+    attn, mlp = layer.self_attn, layer.mlp
+    return (supports(x, attn.qkv_proj.weight) and mlp.act_name in ACTIVATIONS
+            and attn.o_proj.weight.dtype == x.dtype
+            and mlp.gate_up_proj.weight.dtype == mlp.down_proj.weight.dtype == x.dtype
+            and layer.input_layernorm._fusable(x, residual)
+            and layer.post_attention_layernorm._fusable(x, residual))
+
+
+def layer_forward(layer, x: torch.Tensor, residual: Optional[torch.Tensor], positions, rotary,
+                  ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """``DecoderLayer.forward`` for one token: ``(mlp_out [1, hidden], residual [1, hidden])``.
+    Mutates the KV pool (this token's K/V) like the batched path."""
+    from kvfit.kernels.gemv import gemv
+
+    attn, mlp = layer.self_attn, layer.mlp
+    n_in, n_post = layer.input_layernorm, layer.post_attention_layernorm
+    qkv, residual = gemv(x, attn.qkv_proj.weight, _bias(attn.qkv_proj),
+                         norm=(n_in.weight, n_in.eps, n_in.offset), residual=residual)
+    o = attn.attend(qkv, positions, rotary, ctx)  # [1, q_size]
+    h = gemv(o, attn.o_proj.weight, _bias(attn.o_proj))
+    a, residual = gemv(h, mlp.gate_up_proj.weight, _bias(mlp.gate_up_proj),
+                       norm=(n_post.weight, n_post.eps, n_post.offset), residual=residual,
+                       gated_act=mlp.act_name)
+    return gemv(a, mlp.down_proj.weight, _bias(mlp.down_proj)), residual

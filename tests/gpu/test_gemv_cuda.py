@@ -1,0 +1,88 @@
+"""The batch-1 GEMV (kernels/gemv.py) and the one-token decoder path (models/one_token.py) on
+the GPU: against float64 products and the unfused kernels at Qwen3-1.7B's layer shapes, and a
+tiny Llama's batch-1 greedy decode (eager and CUDA graph) equal to the batched path's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvhelpers import DEV
+from test_cuda_graph import generate, make_backend, tiny_model
+
+pytestmark = pytest.mark.gpu
+ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}  # relative spacing, upper bound
+SHAPES = [(4096, 2048), (2048, 2048), (12288, 2048), (2048, 6144), (100, 72)]  # (N, K)
+
+
+def _within(y, ref, dtype, roundings):
+    tol = roundings * ULP[dtype] * ref.abs() + 1e-4 * ref.abs().max()
+    bad = (y.double() - ref).abs() > tol
+    assert not bad.any(), (int(bad.sum()), y[bad][:4], ref[bad][:4])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_gemv_matches_float64(dtype, n, k):
+    from kvfit.kernels.gemv import gemv
+
+    g = torch.Generator(device=DEV).manual_seed(n + k)
+    x = torch.randn(1, k, device=DEV, generator=g).to(dtype)
+    w = (torch.randn(n, k, device=DEV, generator=g) / k ** 0.5).to(dtype)
+    b = torch.randn(n, device=DEV, generator=g).to(dtype)
+    y = gemv(x, w, b)
+    _within(y, x.double() @ w.double().t() + b.double(), dtype, 1)
+    # and it agrees with cuBLAS to within cuBLAS's own rounding
+    _within(y, F.linear(x, w, b).double(), dtype, 2)
+
+
+@pytest.mark.parametrize("n,k,gated", [(4096, 2048, False), (12288, 2048, True),
+                                       (48, 72, True)])
+def test_fused_norm_and_act_match_unfused_kernels(n, k, gated):
+    from kvfit.kernels.fused_act import act_and_mul
+    from kvfit.kernels.fused_norm import fused_add_rms_norm
+    from kvfit.kernels.gemv import gemv
+
+    dtype = torch.bfloat16
+    g = torch.Generator(device=DEV).manual_seed(7)
+    x = torch.randn(1, k, device=DEV, generator=g).to(dtype)
+    r = torch.randn(1, k, device=DEV, generator=g).to(dtype)
+    nw = (1 + 0.1 * torch.randn(k, device=DEV, generator=g)).to(dtype)
+    w = (torch.randn(n, k, device=DEV, generator=g) / k ** 0.5).to(dtype)
+    y, s = gemv(x, w, norm=(nw, 1e-6, 0.0), residual=r, gated_act="silu" if gated else None)
+    h, s_ref = fused_add_rms_norm(x, r, nw, 1e-6)
+    assert torch.equal(s, s_ref)
+    ref = h.double() @ w.double().t()
+    if gated:
+        ref = act_and_mul(ref.to(dtype), "silu").double()
+    _within(y, ref, dtype, 3)
+    assert y.shape == (1, n // 2 if gated else n)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
+def test_one_token_path_decodes_like_the_batched_path(kv_dtype):
+    from kvfit.engine.cuda_graph import DecodeGraphs
+    from kvfit.models import one_token
+
+    torch.manual_seed(0)
+    cfg, model = tiny_model(128)
+    ps, num_pages = 16, 64
+    prompts = [torch.randint(0, 512, (23,)).tolist()]
+    tables = [list(range(3, 3 + 200 // ps + 1))]
+    try:
+        one_token.ENABLED = False
+        ctx = make_backend("triton", cfg, model, kv_dtype, num_pages, ps)
+        ref = generate(model, ctx, prompts, tables, 12)
+        one_token.ENABLED = True
+        ctx = make_backend("triton", cfg, model, kv_dtype, num_pages, ps)
+        x = torch.randn(1, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
+        assert one_token.applies(model.model.layers[0], x, None)
+        eager = generate(model, ctx, prompts, tables, 12)
+        ctx_g = make_backend("triton", cfg, model, kv_dtype, num_pages, ps)
+        graphs = DecodeGraphs(model, ctx_g, 1, 200 // ps + 1, DEV)
+        graphed = generate(model, ctx_g, prompts, tables, 12, graphs)
+    finally:
+        one_token.ENABLED = True
+    assert eager == ref
+    assert graphed == ref
