@@ -50,6 +50,8 @@ def test_plain_and_bias(dtype, k, block_k):
     _close(y, x.double() @ w.double().t(), dtype)
     yb = gemv(x, w, bias, config=(8, block_k, 4, 1))
     _close(yb, x.double() @ w.double().t() + bias.double(), dtype)
+    y32 = gemv(x, w, out_dtype=torch.float32, config=(8, block_k, 4, 1))  # LM-head logits
+    assert y32.dtype == torch.float32 and torch.equal(y32, y.float())
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -97,5 +99,7 @@ def test_refuses_what_it_cannot_run():
         gemv(x[:1], w.float())
     with pytest.raises(ValueError, match="even row count"):
         gemv(x[:1], w[:7], gated_act="silu")
+    with pytest.raises(ValueError, match="float32, not"):
+        gemv(x[:1], w, out_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="norm weight"):
         gemv(x[:1], w, norm=(torch.ones(8).half(), 1e-6, 0.0))

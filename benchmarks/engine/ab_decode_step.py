@@ -126,11 +126,15 @@ def main() -> None:
     p.add_argument("--trace-dir", default=None)
     p.add_argument("--one-token", choices=["on", "off"], default="on",
                    help="trees with kvfit.models.one_token: its batch-1 GEMV path on or off")
+    p.add_argument("--lm-head-gemv", choices=["on", "off", "default"], default="default",
+                   help="trees with kvfit.models.one_token: the one-row LM head as a GEMV")
     args = p.parse_args()
     try:
         from kvfit.models import one_token
 
         one_token.ENABLED = args.one_token == "on"
+        if args.lm_head_gemv != "default":
+            one_token.LM_HEAD = args.lm_head_gemv == "on"
     except ImportError:  # trees before the one-token path
         pass
     import kvfit

@@ -114,7 +114,7 @@ def build():
             else:
                 a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
             y = (a.to(ty).to(tl.float32) * u).to(ty)
-        tl.store(OUT + rows, y, mask=rmask)
+        tl.store(OUT + rows, y.to(OUT.dtype.element_ty), mask=rmask)  # rounded to ty first
 
     return _gemv_kernel
 
@@ -144,9 +144,12 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
          norm: Optional[tuple[torch.Tensor, float, float]] = None,
          residual: Optional[torch.Tensor] = None, gated_act: Optional[str] = None,
+         out_dtype: Optional[torch.dtype] = None,
          config: Optional[tuple[int, int, int, int]] = None):
     """One token's ``x [1, K]`` times ``weight [N, K]`` (+ ``bias [N]``) -> ``[1, N]``.
 
+    ``out_dtype=torch.float32`` returns the dtype-rounded values widened to float32 (what
+    ``F.linear(x, w).float()`` gives, in one launch: the LM head's logits).
     ``norm = (norm_weight [K], eps, offset)``: the input is ``RMSNorm(x)`` (or, with
     ``residual [1, K]``, ``RMSNorm(x + residual)``); returns ``(y, s)`` with the new residual
     ``s = x + residual`` (``s = x`` without ``residual``, no copy). ``gated_act`` ("silu", ...):
@@ -166,7 +169,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
                          f"{sorted(ACTIVATIONS)}, got {n} rows and {gated_act!r}")
     n_out = n // 2 if gated else n
     x = x.contiguous()
-    out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise ValueError(f"gemv writes x's dtype or float32, not {out_dtype}")
+    out = torch.empty((1, n_out), dtype=out_dtype or x.dtype, device=x.device)
     add = norm is not None and residual is not None
     if norm is None:
         nw, eps, offset = x, 0.0, 0.0

@@ -10,7 +10,8 @@ kernels, four cuBLAS GEMMs (one with a split-K reduce) and the activation kernel
 
 Same values as the batched path to within one rounding per product (only the GEMMs' summation
 order differs; norms and activation round as their kernels do). ``ENABLED`` switches it off for
-A/B measurements (benchmarks/engine/ab_decode_step.py); it is on by default.
+A/B measurements (benchmarks/engine/ab_decode_step.py); it is on by default. ``LM_HEAD``: the
+one-row LM head as a GEMV writing float32 logits (one launch instead of cuBLAS + a cast).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Optional
 import torch
 
 ENABLED = True
+LM_HEAD = False
 
 
 def _bias(lin) -> Optional[torch.Tensor]:
@@ -56,3 +58,13 @@ def layer_forward(layer, x: torch.Tensor, residual: Optional[torch.Tensor], posi
                        norm=(n_post.weight, n_post.eps, n_post.offset), residual=residual,
                        gated_act=mlp.act_name)
     return gemv(a, mlp.down_proj.weight, _bias(mlp.down_proj)), residual
+
+
+def logits(hidden: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """float32 logits ``[1, vocab]`` of one CUDA row through the GEMV, or None where the path
+    does not apply (the caller runs its matmul)."""
+    from kvfit.kernels.gemv import gemv, supports
+
+    if not (ENABLED and LM_HEAD and supports(hidden, weight)):
+        return None
+    return gemv(hidden, weight, out_dtype=torch.float32)
