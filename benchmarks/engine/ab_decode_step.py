@@ -14,7 +14,7 @@ Prints one line per figure and a JSON line prefixed ``RESULT`` (collected by the
 
 Usage: python3 ab_decode_step.py --label main --kv-dtypes bfloat16,fp8_e4m3
        [--points 1x1024,64x1024,1x16384] [--steps 32] [--repeats 3] [--trace-dir DIR]
-       [--one-token on|off]
+       [--one-token on|off] [--lm-head-gemv on|off] [--pdl on|off]
 """
 
 from __future__ import annotations
@@ -128,7 +128,13 @@ def main() -> None:
                    help="trees with kvfit.models.one_token: its batch-1 GEMV path on or off")
     p.add_argument("--lm-head-gemv", choices=["on", "off", "default"], default="default",
                    help="trees with kvfit.models.one_token: the one-row LM head as a GEMV")
+    p.add_argument("--pdl", choices=["on", "off", "default"], default="default",
+                   help="trees with kvfit.kernels.pdl: programmatic dependent launch")
     args = p.parse_args()
+    if args.pdl != "default":
+        from kvfit.kernels import pdl
+
+        pdl.ENABLED = args.pdl == "on"
     try:
         from kvfit.models import one_token
 

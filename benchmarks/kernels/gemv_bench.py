@@ -55,14 +55,20 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--copies", type=int, default=4)
-    p.add_argument("--configs", default="4,8,16:256,512,1024:4,8:1,3")
+    p.add_argument("--configs", default="4,8,16:256,512,1024:4,8:1",
+                   help="block_n list:block_k list:num_warps list:num_stages list (all products),"
+                        " or ';'-separated tiles bn,bk,warps,stages")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     h, i = args.hidden, args.inter
     shapes = {"qkv": (args.q + 2 * args.kv, h), "o": (h, args.q), "gate_up": (2 * i, h),
               "down": (h, i), "lm_head": (args.vocab, h)}
-    bns, bks, warps, stages = ([int(v) for v in part.split(",")] for part in
-                               args.configs.split(":"))
+    if ";" in args.configs or args.configs.count(":") == 0:
+        tiles = [tuple(int(v) for v in t.split(",")) for t in args.configs.split(";")]
+    else:
+        bns, bks, warps, stages = ([int(v) for v in part.split(",")] for part in
+                                   args.configs.split(":"))
+        tiles = list(itertools.product(bns, bks, warps, stages))
     dev = torch.device("cuda")
     rows = []
     for name, (n, k) in shapes.items():
@@ -75,11 +81,10 @@ def main() -> None:
         if name == "lm_head":  # the logits as compute_logits makes them: + a float32 cast
             t_cublas = timed(lambda c: F.linear(x, ws[c]).float(), copies, args.reps)
         ref = F.linear(x, ws[0]).float()
-        best = None
-        for bn, bk, nw, st in itertools.product(bns, bks, warps, stages):
-            if bk > k:
+        best, tried = None, []
+        for cfg in tiles:
+            if cfg[1] > k:
                 continue
-            cfg = (bn, bk, nw, st)
             try:
                 y = gemv(x, ws[0], config=cfg).float()
                 err = ((y - ref).abs().max() / ref.abs().max()).item()
@@ -89,6 +94,7 @@ def main() -> None:
             except Exception as e:  # a tile that does not compile (registers, smem)
                 print(f"  {name} {cfg}: {type(e).__name__}")
                 continue
+            tried.append((cfg, nbytes / t / 1e12))
             if best is None or t < best[1]:
                 best = (cfg, t, err)
         cfg, t, err = best
@@ -103,7 +109,9 @@ def main() -> None:
                                       gated_act=gated, config=cfg), copies, args.reps)
             row["fused_us"] = tf * 1e6
             row["fused_tbs"] = nbytes / tf / 1e12
+        row["tried"] = tried
         rows.append(row)
+        print(f"  {name}: " + "  ".join(f"{c}:{v:.2f}" for c, v in tried))
         print(f"{name:8s} [{n}x{k}] cuBLAS {row['cublas_us']:6.1f} us {row['cublas_tbs']:.2f} TB/s"
               f" | gemv {cfg} {row['gemv_us']:6.1f} us {row['gemv_tbs']:.2f} TB/s (err {err:.1e})"
               + (f" | fused {row['fused_us']:6.1f} us {row['fused_tbs']:.2f} TB/s"

@@ -26,6 +26,8 @@ from typing import Optional
 
 import torch
 
+from kvfit.kernels.pdl import launch_options
+
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -36,11 +38,19 @@ def build():
     import triton
     import triton.language as tl
 
+    from kvfit.kernels.pdl import gdc
+
+    gdc_wait, gdc_launch_dependents = gdc()
+
     @triton.jit
     def _gemv_kernel(X, R, RO, NW, W, B, OUT, K, N_OUT, stride_w, up_off, eps, offset,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                      ADD: tl.constexpr, HAS_OFFSET: tl.constexpr, GATED: tl.constexpr,
-                     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
+                     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                     PDL: tl.constexpr):
+        if PDL:  # programmatic dependent launch (kernels/pdl.py)
+            gdc_wait()
+            gdc_launch_dependents()
         pid = tl.program_id(0)
         ty = X.dtype.element_ty
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output rows
@@ -194,7 +204,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
                   n_out, weight.stride(0), n_out, float(eps), float(offset), BLOCK_N=bn,
                   BLOCK_K=bk, NORM=norm is not None, ADD=add, HAS_OFFSET=bool(offset),
                   GATED=gated, ACT=ACTIVATIONS.get(gated_act, 0), HAS_BIAS=bias is not None,
-                  EVEN_K=k % bk == 0, num_warps=warps, num_stages=stages)
+                  EVEN_K=k % bk == 0, num_warps=warps, num_stages=stages,
+                  **launch_options(x.device))
     if norm is None:
         return out
     return out, res_out
