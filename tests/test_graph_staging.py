@@ -25,7 +25,8 @@ class _Stager:
 
     def _stage(self, kv_lens, tables):
         gbs = min(s for s in self.sizes if s >= len(kv_lens))
-        width, n_pages = self.staging.stage(kv_lens, tables, gbs)
+        width, n_pages, kv_all = self.staging.stage(kv_lens, tables, gbs)
+        assert kv_all == list(kv_lens) + [1] * (gbs - len(kv_lens))
         st = self.staging
         return gbs, width, st.kv_lens[:gbs], st.block_table[:gbs], st.slot_mapping[:gbs], n_pages
 
@@ -72,7 +73,7 @@ def test_stage_matches_build_metadata(page_size):
         assert (table[bs:, :1] == 0).all()
         assert slots[:bs].tolist() == ref.slot_mapping.tolist()
         assert (slots[bs:] == -1).all()
-        assert n_pages[:bs].tolist() == ref.num_pages_cpu
+        assert n_pages[:bs] == ref.num_pages_cpu and n_pages[bs:] == [1] * (gbs - bs)
 
 
 def test_stage_rejects_a_short_page_list_and_a_too_wide_table():

@@ -109,13 +109,13 @@ class DecodeGraphs:
         host->device copy (pinned, non-blocking; ``DecodeStaging``) and no device->host sync."""
         bs = len(kv_lens_cpu)
         gbs = self._size_for(bs)
-        _, n_pages = self.staging.stage(kv_lens_cpu, page_tables, gbs)
+        _, n_pages, kv_all = self.staging.stage(kv_lens_cpu, page_tables, gbs)
         self.input_ids[:bs].copy_(input_ids)
         self.positions[:bs].copy_(positions)
         if gbs > bs:
             self.input_ids[bs:gbs].zero_()
             self.positions[bs:gbs].zero_()
-        meta = self._meta(gbs, list(kv_lens_cpu) + [1] * (gbs - bs), n_pages.tolist(), bs)
+        meta = self._meta(gbs, kv_all, n_pages, bs)
         self.backend.prepare_cuda_graph(meta)
         self.graphs[gbs].replay()
         return self.outputs[gbs][:bs]

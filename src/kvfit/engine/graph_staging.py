@@ -53,11 +53,18 @@ class DecodeStaging:
 
     def stage(self, kv_lens_cpu: list[int], page_tables: list[list[int]], gbs: int):
         """One decode step of ``bs = len(kv_lens_cpu)`` requests padded to ``gbs`` rows ->
-        ``(width, n_pages [gbs])``: the widest row's page count and each row's pages (padded
-        rows: 1). kv_lens_cpu[i] counts request i's tokens with this step's; page_tables[i]
-        lists its pages. Enqueues one non-blocking host->device copy."""
+        ``(width, n_pages, kv_all)``: the widest row's page count, each row's page count and kv
+        length (lists of ``gbs``; padded rows: 1 and 1). kv_lens_cpu[i] counts request i's
+        tokens with this step's; page_tables[i] lists its pages. Enqueues one non-blocking
+        host->device copy. Plain Python per row (a handful of list operations): cheaper than
+        numpy's per-call overhead at the small batches where the host time is exposed."""
         bs = len(kv_lens_cpu)
         mb, mp, ps = self.max_bs, self.max_pages, self.page_size
+        kv_all = list(kv_lens_cpu) + [1] * (gbs - bs)
+        n_pages = [(k + ps - 1) // ps for k in kv_all]
+        width = max(n_pages[:bs])
+        if width > mp:
+            raise ValueError(f"a request needs {width} pages, graphs were sized for {mp}")
         j = self._next
         self._next = (j + 1) % NUM_MIRRORS
         if self._used[j] and self._events[j] is not None:
@@ -65,23 +72,21 @@ class DecodeStaging:
         host = self._np[j]
         table = host[3 * mb:].reshape(mb, mp)  # [mb, mp] view
         rows, dev_rows = self._rows[j], self._dev_rows
-        kv = np.ones(gbs, dtype=np.int64)
-        kv[:bs] = kv_lens_cpu
-        n_pages = -(-kv // ps)  # [gbs]
-        width = int(n_pages[:bs].max())
-        if width > mp:
-            raise ValueError(f"a request needs {width} pages, graphs were sized for {mp}")
+        slots = [-1] * gbs  # padded rows store nothing
         last_dirty = -1
         for i, pages in enumerate(page_tables):
-            row = pages[: n_pages[i]]
-            if len(row) < n_pages[i]:
-                raise ValueError(f"request {i} has {len(pages)} pages for {kv[i]} tokens")
+            n = n_pages[i]
+            row = pages[:n]
+            if len(row) < n:
+                raise ValueError(f"request {i} has {len(pages)} pages for {kv_all[i]} tokens")
             if rows[i] != row:  # list compare: far cheaper than converting rows
-                table[i, : len(row)] = row
+                table[i, :n] = row
                 rows[i] = row
             if dev_rows[i] != row:
                 dev_rows[i] = row
                 last_dirty = i
+            last = kv_all[i] - 1  # position of the row's new token
+            slots[i] = row[last // ps] * ps + last % ps
         for i in range(bs, gbs):
             if rows[i] != PAD:
                 table[i] = 0
@@ -89,14 +94,11 @@ class DecodeStaging:
             if dev_rows[i] != PAD:
                 dev_rows[i] = PAD
                 last_dirty = i
-        host[2 * mb:2 * mb + gbs] = kv
-        last = kv - 1  # position of each row's new token
-        slots = host[:2 * mb].view(np.int64)
-        slots[:gbs] = table[np.arange(gbs), last // ps].astype(np.int64) * ps + last % ps
-        slots[bs:gbs] = -1
+        host[2 * mb:2 * mb + gbs] = kv_all
+        host[:2 * mb].view(np.int64)[:gbs] = slots
         n = 3 * mb + (last_dirty + 1) * mp
         self._dev[:n].copy_(self._host[j][:n], non_blocking=True)
         if self._events[j] is not None:
             self._events[j].record()
         self._used[j] = True
-        return width, n_pages
+        return width, n_pages, kv_all

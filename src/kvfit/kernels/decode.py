@@ -11,6 +11,7 @@ Owns nothing; writes ``out`` (and scratch ``op``/``lse`` when splitting).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ class DecodeConfig:
     v_t: bool = False  # V pages are token-minor [H, D, P] (pool v_layout "HDN")
 
 
+@functools.lru_cache(maxsize=1024)  # a pure function of hashable arguments, called every step
 def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_kv_len: int,
                   cache_dtype: torch.dtype, q_dtype: torch.dtype, num_sms: int = 132,
                   use_dot: bool | None = None, block_n: int | None = None,
