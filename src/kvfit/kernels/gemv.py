@@ -47,7 +47,7 @@ def build():
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                      ADD: tl.constexpr, HAS_OFFSET: tl.constexpr, GATED: tl.constexpr,
                      ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                     PDL: tl.constexpr):
+                     STAGES: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # programmatic dependent launch (kernels/pdl.py)
             gdc_wait()
             gdc_launch_dependents()
@@ -70,10 +70,12 @@ def build():
                 sf = s.to(tl.float32)
                 ssq += sf * sf
             rstd = tl.rsqrt(tl.sum(ssq, axis=0) / K + eps)
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+        # element-wise partial sums, reduced once after the loop (no cross-lane reduction per
+        # tile); the loop is software-pipelined (STAGES tiles in flight through cp.async)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc2_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         w_ptr = W + rows.to(tl.int64)[:, None] * stride_w + ks[None, :]  # [BN, BK]
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             if EVEN_K:
                 xk = tl.load(X + k0 + ks)
             else:
@@ -100,14 +102,16 @@ def build():
                 w = tl.load(w_ptr + k0, mask=rmask[:, None], other=0.0)
             else:
                 w = tl.load(w_ptr + k0, mask=rmask[:, None] & km[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * xf, axis=1)
+            acc2 += w.to(tl.float32) * xf
             if GATED:
                 if EVEN_K:
                     wu = tl.load(w_ptr + up_off * stride_w + k0, mask=rmask[:, None], other=0.0)
                 else:
                     wu = tl.load(w_ptr + up_off * stride_w + k0,
                                  mask=rmask[:, None] & km[None, :], other=0.0)
-                acc_up += tl.sum(wu.to(tl.float32) * xf, axis=1)
+                acc2_up += wu.to(tl.float32) * xf
+        acc = tl.sum(acc2, axis=1)  # [BN]
+        acc_up = tl.sum(acc2_up, axis=1)
         if HAS_BIAS:
             acc += tl.load(B + rows, mask=rmask, other=0.0).to(tl.float32)
             if GATED:
@@ -204,7 +208,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
                   n_out, weight.stride(0), n_out, float(eps), float(offset), BLOCK_N=bn,
                   BLOCK_K=bk, NORM=norm is not None, ADD=add, HAS_OFFSET=bool(offset),
                   GATED=gated, ACT=ACTIVATIONS.get(gated_act, 0), HAS_BIAS=bias is not None,
-                  EVEN_K=k % bk == 0, num_warps=warps, num_stages=stages,
+                  EVEN_K=k % bk == 0, STAGES=stages, num_warps=warps, num_stages=stages,
                   **launch_options(x.device))
     if norm is None:
         return out
