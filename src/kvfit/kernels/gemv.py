@@ -133,14 +133,22 @@ def build():
     return _gemv_kernel
 
 
-# (block_n, block_k, num_warps, num_stages) per output-row count class; chosen on the H200
-# (benchmarks/kernels/gemv_bench.py) for the Qwen3-1.7B/Llama shapes, any shape runs with them
-GEMV_CONFIG = {"default": (8, 512, 4, 3)}
+# (block_n, block_k, num_warps, num_stages) measured best on the H200 for (n_out, k, gated)
+# (benchmarks/kernels/gemv_bench.py); other shapes take the rule in gemv_config
+GEMV_CONFIG: dict = {}
+MIN_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): enough tiles in flight
 
 
 def gemv_config(n_out: int, k: int, gated: bool) -> tuple[int, int, int, int]:
-    """The tile for an output of ``n_out`` rows over ``k`` inputs (gated: two weight rows each)."""
-    return GEMV_CONFIG.get((n_out, k, gated), GEMV_CONFIG["default"])
+    """The tile for an output of ``n_out`` rows over ``k`` inputs (gated: two weight rows each):
+    the measured one, else the widest row block that still gives ``MIN_PROGRAMS`` programs (at
+    most 8 gated rows: each reads two weight tiles)."""
+    if (n_out, k, gated) in GEMV_CONFIG:
+        return GEMV_CONFIG[(n_out, k, gated)]
+    for bn in ((8,) if gated else (16, 8)):
+        if n_out // bn >= MIN_PROGRAMS:
+            return (bn, 512, 4, 3)
+    return (4, 512, 4, 3)
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
