@@ -61,8 +61,12 @@ def test_fused_norm_and_act_match_unfused_kernels(n, k, gated):
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
-def test_one_token_path_decodes_like_the_batched_path(kv_dtype):
+@pytest.mark.parametrize("pdl_on", [False, True])
+def test_one_token_path_decodes_like_the_batched_path(kv_dtype, pdl_on):
+    """Greedy tokens of one request: batched path (one_token off, PDL off) == one-token path,
+    eager and graphed, with programmatic dependent launch off and on."""
     from kvfit.engine.cuda_graph import DecodeGraphs
+    from kvfit.kernels import pdl
     from kvfit.models import one_token
 
     torch.manual_seed(0)
@@ -70,11 +74,12 @@ def test_one_token_path_decodes_like_the_batched_path(kv_dtype):
     ps, num_pages = 16, 64
     prompts = [torch.randint(0, 512, (23,)).tolist()]
     tables = [list(range(3, 3 + 200 // ps + 1))]
+    defaults = one_token.ENABLED, pdl.ENABLED
     try:
-        one_token.ENABLED = False
+        one_token.ENABLED, pdl.ENABLED = False, False
         ctx = make_backend("triton", cfg, model, kv_dtype, num_pages, ps)
         ref = generate(model, ctx, prompts, tables, 12)
-        one_token.ENABLED = True
+        one_token.ENABLED, pdl.ENABLED = True, pdl_on
         ctx = make_backend("triton", cfg, model, kv_dtype, num_pages, ps)
         x = torch.randn(1, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
         assert one_token.applies(model.model.layers[0], x, None)
@@ -83,6 +88,6 @@ def test_one_token_path_decodes_like_the_batched_path(kv_dtype):
         graphs = DecodeGraphs(model, ctx_g, 1, 200 // ps + 1, DEV)
         graphed = generate(model, ctx_g, prompts, tables, 12, graphs)
     finally:
-        one_token.ENABLED = True
+        one_token.ENABLED, pdl.ENABLED = defaults
     assert eager == ref
     assert graphed == ref
