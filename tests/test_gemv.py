@@ -103,3 +103,56 @@ def test_refuses_what_it_cannot_run():
         gemv(x[:1], w, out_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="norm weight"):
         gemv(x[:1], w, norm=(torch.ones(8).half(), 1e-6, 0.0))
+
+
+def test_one_token_layer_path_equals_the_batched_path(monkeypatch):
+    """models/one_token.py wired into a tiny float16 Llama on the CPU (the GEMVs interpreted,
+    the torch attention backend): a decode step through the one-token path gives the hidden
+    state of the batched path to within a few roundings, and both store the same K/V."""
+    from transformers import LlamaConfig
+
+    from kvfit.attention.meta_builder import build_metadata
+    from kvfit.attention.torch_ref import TorchRefBackend
+    from kvfit.engine.context import Context
+    from kvfit.kernels import gemv as gemv_mod
+    from kvfit.kvcache.dtypes import kv_format
+    from kvfit.kvcache.pool import MHAKVCache
+    from kvfit.models import one_token
+    from kvfit.models.llama import LlamaForCausalLM
+    from kvfit.models.weights import init_dummy
+
+    dtype = torch.float16
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=97,
+                      max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg, 64).to(dtype).eval()
+    with torch.no_grad():
+        init_dummy(model, 0)
+        for layer in model.model.layers:  # non-trivial norm weights
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.normal_(1.0, 0.2)
+
+    def run(one_token_on: bool):
+        pool = MHAKVCache(model.kv_layer_specs(cfg), 8, 4, kv_format("float16"), "cpu")
+        ctx = Context(TorchRefBackend(pool, dtype, model.sm_scale(cfg)), pool, dtype)
+        prompt = torch.tensor([5, 17, 3, 44, 9, 60])
+        table = [[2, 5]]
+        with torch.inference_mode():
+            ctx.backend.prepare(build_metadata([6], [6], table, 4, "cpu"))
+            model(prompt, torch.arange(6), ctx)
+            with monkeypatch.context() as m:
+                if one_token_on:  # the GPU path's dispatch, on the CPU under the interpreter
+                    m.setattr(gemv_mod, "supports", gemv_mod._fits)
+                assert one_token.applies(model.model.layers[0],
+                                         torch.zeros(1, 64, dtype=dtype),
+                                         torch.zeros(1, 64, dtype=dtype)) == one_token_on
+                ctx.backend.prepare(build_metadata([1], [7], table, 4, "cpu"))
+                hidden = model(torch.tensor([11]), torch.tensor([6]), ctx)
+        return hidden.double(), pool.k_caches[0][5, :, 2].double()
+
+    h_ref, k_ref = run(False)
+    h, k = run(True)
+    scale = h_ref.abs().max()
+    assert (h - h_ref).abs().max() <= 8 * ULP[dtype] * scale
+    assert (k - k_ref).abs().max() <= 8 * ULP[dtype] * k_ref.abs().max()

@@ -30,12 +30,12 @@ def _bias(lin) -> Optional[torch.Tensor]:
 
 def applies(layer, x: torch.Tensor, residual: Optional[torch.Tensor]) -> bool:
     """True when ``layer`` (a ``llama.DecoderLayer``) runs ``x`` [1, hidden] on the GEMV path."""
-    if not (ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] == 1):
+    if not (ENABLED and x.dim() == 2 and x.shape[0] == 1):
         return False
     from kvfit.kernels.gemv import ACTIVATIONS, supports
 
     attn, mlp = layer.self_attn, layer.mlp
-    return (supports(x, attn.qkv_proj.weight) and mlp.act_name in ACTIVATIONS
+    return (supports(x, attn.qkv_proj.weight) and mlp.act_name in ACTIVATIONS  # CUDA only
             and attn.o_proj.weight.dtype == x.dtype
             and mlp.gate_up_proj.weight.dtype == mlp.down_proj.weight.dtype == x.dtype
             and layer.input_layernorm._fusable(x, residual)
