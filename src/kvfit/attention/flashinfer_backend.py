@@ -25,7 +25,6 @@ from typing import Optional
 import torch
 
 from kvfit.attention.base import AttentionBackend, AttentionMetadata, KVStoreTarget
-from kvfit.transfer import to_device
 
 WORKSPACE_BYTES = 256 << 20
 
@@ -72,24 +71,18 @@ class FlashInferBackend(AttentionBackend):
         return self.num_q_heads // self.pool.layers[0].num_kv_heads >= 4
 
     def _page_lists(self, meta: AttentionMetadata):
-        """(indptr host, indices device, last_page_len host) from the metadata, no device sync:
-        the host tensors are pinned on CUDA (FlashInfer's plan copies them to its buffers with
-        non_blocking, which from pageable memory would wait for the GPU: the overlap engine
-        prepares step N+1 while step N runs)."""
+        """(indptr cpu, indices device, last_page_len cpu) from the metadata, no device sync."""
         ps = self.pool.page_size
         n = meta.num_pages_cpu
         width = meta.block_table.shape[1]
-        dev = meta.block_table.device
-        counts = torch.tensor(n, dtype=torch.int32)
         indptr = torch.zeros(len(n) + 1, dtype=torch.int32)
-        indptr[1:] = torch.cumsum(counts, 0)
-        used = torch.arange(width)[None, :] < counts[:, None]  # [B, width] host
-        gather = to_device(used.reshape(-1).nonzero().squeeze(1), dev)
+        indptr[1:] = torch.cumsum(torch.tensor(n, dtype=torch.int32), 0)
+        used = torch.arange(width)[None, :] < torch.tensor(n)[:, None]  # [B, width] host
+        gather = used.reshape(-1).nonzero().squeeze(1).to(meta.block_table.device,
+                                                          non_blocking=True)
         indices = meta.block_table.reshape(-1)[gather]
         last = torch.tensor([kv - (k - 1) * ps if k else 0 for kv, k in zip(meta.kv_lens_cpu, n)],
                             dtype=torch.int32)
-        if dev.type == "cuda":
-            indptr, last = indptr.pin_memory(), last.pin_memory()
         return indptr, indices, last
 
     def _prepare_now(self, meta: AttentionMetadata, wrapper=None) -> None:

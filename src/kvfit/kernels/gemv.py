@@ -5,14 +5,18 @@ row-major as ``nn.Linear`` stores it), each program computing ``BLOCK_N`` output
 K (no split-K: no reduce kernel, and every output is summed in one fixed order, so an output does
 not depend on N or on the launch grid). Optional parts, each replacing one launch of the unfused
 step:
-* ``norm`` prologue (``residual``-add + RMSNorm, ``models.layers.RMSNorm``'s roundings): every
-  program recomputes the norm of the 2-8 KB input row (it is in L2) instead of a separate norm
-  kernel writing it; program 0 writes the new residual ``s = x + residual``;
+* ``norm`` (``residual``-add + RMSNorm): every program reads the 2-8 KB input row (it is in L2)
+  in the same pass as its weights, ``s = x + residual`` rounded like torch's add (program 0
+  writes it: the new residual), accumulates ``sum(w_norm * s * W)`` and ``sum(s^2)`` together
+  and scales by ``1/rms(s)`` at the end: no norm kernel and no second pass over the row. The
+  normed input is not rounded to the dtype before the product (the unfused path rounds it
+  twice), so outputs agree with the unfused kernels to within about one rounding of the input;
 * ``gated`` epilogue: W holds ``[gate; up]`` (``[2I, K]``, ``GatedMLP.gate_up_proj``) and the
   output is ``act(gate) * up`` ``[1, I]`` with ``fused_act``'s roundings (activation in float32
   rounded to the dtype, then the product rounded once).
-The dot products accumulate in float32 and round once to the dtype, like a cuBLAS GEMM; only the
-summation order differs, so outputs agree with ``F.linear`` to within one rounding.
+The dot products accumulate in float32 and round once to the dtype, like a cuBLAS GEMM; without
+``norm`` only the summation order differs, so outputs agree with ``F.linear`` to within one
+rounding.
 
 At batch 1 a decode step is a chain of such GEMVs: reading the weights at the copy bandwidth is
 the whole cost, and a cuBLAS GEMM of M = 1 reads them at 2.7-3.2 TB/s on the H200 with a split-K
@@ -56,24 +60,12 @@ def build():
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output rows
         rmask = rows < N_OUT
         ks = tl.arange(0, BLOCK_K)
-        rstd = 1.0
-        if NORM:  # pass 1 over the row: s = x (+ residual), rounded; its mean square
-            ssq = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                km = (k0 + ks) < K
-                s = tl.load(X + k0 + ks, mask=km, other=0.0)
-                if ADD:
-                    r = tl.load(R + k0 + ks, mask=km, other=0.0)
-                    s = (s.to(tl.float32) + r.to(tl.float32)).to(ty)  # rounded like torch's add
-                    if pid == 0:
-                        tl.store(RO + k0 + ks, s, mask=km)
-                sf = s.to(tl.float32)
-                ssq += sf * sf
-            rstd = tl.rsqrt(tl.sum(ssq, axis=0) / K + eps)
         # element-wise partial sums, reduced once after the loop (no cross-lane reduction per
-        # tile); the loop is software-pipelined (STAGES tiles in flight through cp.async)
+        # tile); the loop is software-pipelined (STAGES tiles in flight through cp.async). With
+        # NORM the mean square accumulates in the same pass and scales the sums at the end.
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc2_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        ssq = tl.zeros([BLOCK_K], dtype=tl.float32)
         w_ptr = W + rows.to(tl.int64)[:, None] * stride_w + ks[None, :]  # [BN, BK]
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             if EVEN_K:
@@ -82,22 +74,29 @@ def build():
                 km = (k0 + ks) < K
                 xk = tl.load(X + k0 + ks, mask=km, other=0.0)
             if NORM:
-                if ADD:
+                if ADD:  # s = x + residual, rounded like torch's add: the new residual
                     if EVEN_K:
                         rk = tl.load(R + k0 + ks)
                     else:
                         rk = tl.load(R + k0 + ks, mask=km, other=0.0)
                     xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(ty)
+                    if pid == 0:
+                        if EVEN_K:
+                            tl.store(RO + k0 + ks, xk)
+                        else:
+                            tl.store(RO + k0 + ks, xk, mask=km)
                 if EVEN_K:
                     nw = tl.load(NW + k0 + ks).to(tl.float32)
                 else:
                     nw = tl.load(NW + k0 + ks, mask=km, other=0.0).to(tl.float32)
-                normed = xk.to(tl.float32) * rstd
+                sf = xk.to(tl.float32)
+                ssq += sf * sf
                 if HAS_OFFSET:
-                    xk = (normed * (offset + nw)).to(ty)
+                    xf = (sf * (offset + nw))[None, :]
                 else:
-                    xk = (normed.to(ty).to(tl.float32) * nw).to(ty)
-            xf = xk.to(tl.float32)[None, :]
+                    xf = (sf * nw)[None, :]
+            else:
+                xf = xk.to(tl.float32)[None, :]
             if EVEN_K:
                 w = tl.load(w_ptr + k0, mask=rmask[:, None], other=0.0)
             else:
@@ -112,6 +111,10 @@ def build():
                 acc2_up += wu.to(tl.float32) * xf
         acc = tl.sum(acc2, axis=1)  # [BN]
         acc_up = tl.sum(acc2_up, axis=1)
+        if NORM:  # RMSNorm's 1/rms, a scalar of the row: applied to the finished sums
+            rstd = tl.rsqrt(tl.sum(ssq, axis=0) / K + eps)
+            acc = acc * rstd
+            acc_up = acc_up * rstd
         if HAS_BIAS:
             acc += tl.load(B + rows, mask=rmask, other=0.0).to(tl.float32)
             if GATED:
@@ -134,8 +137,12 @@ def build():
 
 
 # (block_n, block_k, num_warps, num_stages) measured best on the H200 for (n_out, k, gated)
-# (benchmarks/kernels/gemv_bench.py); other shapes take the rule in gemv_config
-GEMV_CONFIG: dict = {}
+# (benchmarks/kernels/gemv_bench.py, GPU round A of 2026-12-01, Qwen3-1.7B's shapes: TB/s of
+# weights read, best tile against cuBLAS): qkv 2.75 vs 2.43, o 2.74 vs 1.65, gate_up 3.60 vs
+# 3.30, down 3.07 vs 2.29, LM head 4.46 vs 4.04 (with its float32 cast); other shapes take the
+# rule in gemv_config (which picks the first and third of these too)
+GEMV_CONFIG: dict = {(2048, 2048, False): (8, 256, 4, 4), (2048, 6144, False): (4, 512, 4, 4),
+                     (151936, 2048, False): (8, 512, 4, 3)}
 MIN_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): enough tiles in flight
 
 
@@ -173,7 +180,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     ``out_dtype=torch.float32`` returns the dtype-rounded values widened to float32 (what
     ``F.linear(x, w).float()`` gives, in one launch: the LM head's logits).
     ``norm = (norm_weight [K], eps, offset)``: the input is ``RMSNorm(x)`` (or, with
-    ``residual [1, K]``, ``RMSNorm(x + residual)``); returns ``(y, s)`` with the new residual
+    ``residual [1, K]``, ``RMSNorm(x + residual)``), not rounded before the product; returns
+    ``(y, s)`` with the new residual
     ``s = x + residual`` (``s = x`` without ``residual``, no copy). ``gated_act`` ("silu", ...):
     ``weight`` is ``[2I, K]`` = [gate; up] and ``y = act(gate) * up`` ``[1, I]``.
     Never writes its inputs.

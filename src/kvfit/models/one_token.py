@@ -11,7 +11,8 @@ kernels, four cuBLAS GEMMs (one with a split-K reduce) and the activation kernel
 Same values as the batched path to within one rounding per product (only the GEMMs' summation
 order differs; norms and activation round as their kernels do). ``ENABLED`` switches it off for
 A/B measurements (benchmarks/engine/ab_decode_step.py); it is on by default. ``LM_HEAD``: the
-one-row LM head as a GEMV writing float32 logits (one launch instead of cuBLAS + a cast).
+one-row LM head as a GEMV writing float32 logits (one launch instead of cuBLAS + a cast; 139.6
+against 154.1 us on the H200 at Qwen3-1.7B's 151,936 x 2,048).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Optional
 import torch
 
 ENABLED = True
-LM_HEAD = False
+LM_HEAD = True
 
 
 def _bias(lin) -> Optional[torch.Tensor]:
