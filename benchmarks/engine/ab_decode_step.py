@@ -4,7 +4,8 @@ Run once per tree (PYTHONPATH=<tree>/src) in one GPU job; every tree gets the sa
 same timing code (``kvfit.bench.seed.decode_point``, what ``kvfit bench seed`` times) and the same
 pool. Per KV dtype it builds one ModelRunner (Qwen3-1.7B shape, random weights, graphs to 64,
 default backend and page size) and reports:
-- seed decode tok/s at (batch, context) points, median of ``--repeats`` runs of ``--steps`` steps;
+- seed decode tok/s at (batch, context) points, median of ``--repeats`` runs of ``--steps`` steps
+  (and with ``--overlapped`` the same steps with no host sync between them);
 - the host time of one ``graphs.run`` call (staging + prepare + replay launch) and of the LM head
   + argmax launch, measured from an idle GPU (so nothing waits on the device), median of 50;
 - the GPU time of one graph replay alone (CUDA events, replays back to back: no host in between);
@@ -14,7 +15,7 @@ Prints one line per figure and a JSON line prefixed ``RESULT`` (collected by the
 
 Usage: python3 ab_decode_step.py --label main --kv-dtypes bfloat16,fp8_e4m3
        [--points 1x1024,64x1024,1x16384] [--steps 32] [--repeats 3] [--trace-dir DIR]
-       [--one-token on|off] [--lm-head-gemv on|off] [--pdl on|off]
+       [--one-token on|off] [--lm-head-gemv on|off] [--pdl on|off] [--overlapped]
 """
 
 from __future__ import annotations
@@ -44,6 +45,37 @@ def build_runner(kvd: str, tokens: int, max_len: int, max_bs: int, model: str):
                       num_tokens=tokens, max_model_len=max_len, max_num_seqs=max_bs,
                       cuda_graph_max_bs=max_bs, max_num_batched_tokens=1024)
     return ModelRunner(cfg)
+
+
+def decode_overlapped(runner, batch: int, ctx: int, steps: int) -> float:
+    """tok/s of ``steps`` graph decode steps with no host sync between them: positions advance on
+    the device (``kvfit bench seed``'s ``decode_point`` makes them with a pageable copy, which
+    waits for the GPU every step), so the host stages step N+1 while the GPU runs step N, as the
+    engine's overlap scheduling does. Same pages, tables and graphs as ``decode_point``."""
+    ps = runner.pool.page_size
+    per = -(-(ctx + steps + 4) // ps)
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
+    toks = torch.randint(0, runner.hf_config.vocab_size, (batch,), device="cuda")
+    pos = torch.full((batch,), ctx - 1, device="cuda")
+    lens = [ctx] * batch
+
+    def step():
+        nonlocal toks, pos
+        for i in range(batch):
+            lens[i] += 1
+        pos = pos + 1
+        hidden = runner.graphs.run(toks, pos, lens, tables)
+        toks = runner.model.compute_logits(hidden).argmax(-1)
+
+    with torch.inference_mode():
+        for _ in range(3):
+            step()
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _sync()
+    return batch * steps / (time.perf_counter() - t0)
 
 
 def host_and_gpu_times(runner, ctx: int, reps: int = 50) -> dict:
@@ -128,6 +160,8 @@ def main() -> None:
                    help="trees with kvfit.models.one_token: its batch-1 GEMV path on or off")
     p.add_argument("--lm-head-gemv", choices=["on", "off", "default"], default="default",
                    help="trees with kvfit.models.one_token: the one-row LM head as a GEMV")
+    p.add_argument("--overlapped", action="store_true",
+                   help="also time each point with no host sync between steps")
     p.add_argument("--pdl", choices=["on", "off", "default"], default="default",
                    help="trees with kvfit.kernels.pdl: programmatic dependent launch")
     args = p.parse_args()
@@ -175,6 +209,13 @@ def main() -> None:
                   f"(runs {', '.join(f'{r:.0f}' for r in runs)})"
                   + (f" {pt['pct']:.1f}% of {pt['roofline_tok_s']:.0f}" if b == 1 else ""),
                   flush=True)
+            if args.overlapped and runner.graphs is not None and runner.graphs.can_run(b):
+                ov = [decode_overlapped(runner, b, ctx, args.steps) for _ in range(args.repeats)]
+                pt["overlapped_tok_s"] = statistics.median(ov)
+                print(f"[{args.label}] {kvd} b={b} ctx={ctx}: {pt['overlapped_tok_s']:.1f} tok/s "
+                      f"without a sync per step"
+                      + (f" ({100 * pt['overlapped_tok_s'] / pt['roofline_tok_s']:.1f}%)"
+                         if b == 1 else ""), flush=True)
         rec.update(host_and_gpu_times(runner, 1024))
         print(f"[{args.label}] {kvd} host graphs.run {rec['host_graphs_run_us']:.0f} us, "
               f"host head+argmax {rec['host_head_argmax_us']:.0f} us, "
