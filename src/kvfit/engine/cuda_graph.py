@@ -54,7 +54,9 @@ class DecodeGraphs:
         self.kv_lens = self.staging.kv_lens
         self.block_table = self.staging.block_table
         self.slot_mapping = self.staging.slot_mapping
-        self.backend.num_q_heads = model.config.num_attention_heads  # known before any forward
+        # known before any forward; a tensor-parallel rank runs its share of the heads
+        self.backend.num_q_heads = getattr(model, "num_q_heads_per_rank",
+                                           model.config.num_attention_heads)
         self.backend.init_cuda_graph(max_bs, self.max_pages)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}

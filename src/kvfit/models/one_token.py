@@ -8,8 +8,9 @@ kernels, four cuBLAS GEMMs (one with a split-K reduce) and the activation kernel
     a, residual   = gemv(W_gate_up, RMSNorm_post(h + residual)) # norm prologue, act(g)*u epilogue
     out           = gemv(W_down, a)
 
-Same values as the batched path to within one rounding per product (only the GEMMs' summation
-order differs; norms and activation round as their kernels do). ``ENABLED`` switches it off for
+One rank only (``tp_group().size == 1``): under tensor parallelism the batched path runs, with
+its all-reduces. Same values as the batched path to within about one rounding per product (the
+GEMMs' summation order differs, and the normed input is not rounded before its product). ``ENABLED`` switches it off for
 A/B measurements (benchmarks/engine/ab_decode_step.py); it is on by default. ``LM_HEAD``: the
 one-row LM head as a GEMV writing float32 logits (one launch instead of cuBLAS + a cast; 139.6
 against 154.1 us on the H200 at Qwen3-1.7B's 151,936 x 2,048).
@@ -21,6 +22,8 @@ from typing import Optional
 
 import torch
 
+from kvfit.parallel.state import tp_group
+
 ENABLED = True
 LM_HEAD = True
 
@@ -31,8 +34,8 @@ def _bias(lin) -> Optional[torch.Tensor]:
 
 def applies(layer, x: torch.Tensor, residual: Optional[torch.Tensor]) -> bool:
     """True when ``layer`` (a ``llama.DecoderLayer``) runs ``x`` [1, hidden] on the GEMV path."""
-    if not (ENABLED and x.dim() == 2 and x.shape[0] == 1):
-        return False
+    if not (ENABLED and x.dim() == 2 and x.shape[0] == 1) or tp_group().size > 1:
+        return False  # tensor parallel: o_proj/down_proj all-reduce, the batched path does it
     from kvfit.kernels.gemv import ACTIVATIONS, supports
 
     attn, mlp = layer.self_attn, layer.mlp
@@ -66,6 +69,6 @@ def logits(hidden: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]
     does not apply (the caller runs its matmul)."""
     from kvfit.kernels.gemv import gemv, supports
 
-    if not (ENABLED and LM_HEAD and supports(hidden, weight)):
+    if not (ENABLED and LM_HEAD and supports(hidden, weight)) or tp_group().size > 1:
         return None
     return gemv(hidden, weight, out_dtype=torch.float32)
