@@ -13,11 +13,10 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import torch
 
 from kvfit.attention.base import AttentionMetadata
-from kvfit.transfer import to_device
+from kvfit.engine.graph_staging import DecodeStaging
 
 log = logging.getLogger("kvfit")
 
@@ -50,12 +49,11 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
         self.positions = torch.zeros(max_bs, dtype=torch.long, device=dev)
         self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
-        self.kv_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
-        self.block_table = torch.zeros((max_bs, self.max_pages), dtype=torch.int32, device=dev)
-        # host mirror of the block table; rows are rewritten only when a request's pages change
-        self._host_table = np.zeros((max_bs, self.max_pages), dtype=np.int32)
-        self._host_rows: list = [None] * max_bs
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
+        # kv_lens, block_table, slot_mapping: views of the staging buffer, one copy per step
+        self.staging = DecodeStaging(max_bs, self.max_pages, self.page_size, dev)
+        self.kv_lens = self.staging.kv_lens
+        self.block_table = self.staging.block_table
+        self.slot_mapping = self.staging.slot_mapping
         # known before any forward; a tensor-parallel rank runs its share of the heads
         self.backend.num_q_heads = getattr(model, "num_q_heads_per_rank",
                                            model.config.num_attention_heads)
@@ -103,60 +101,23 @@ class DecodeGraphs:
                 return s
         raise ValueError(f"decode batch {bs} exceeds the largest captured size {self.max_bs}")
 
-    def _stage(self, kv_lens_cpu: list[int], page_tables: list[list[int]]):
-        """Host side of a replay: (graph batch, table width, int32 [kv_lens | block table rows],
-        int64 slots), all for ``gbs`` rows (padded rows: kv_len 1, page 0, slot -1). Only rows
-        whose page list changed are rewritten in the host mirror of the block table."""
-        bs = len(kv_lens_cpu)
-        gbs = self._size_for(bs)
-        ps = self.page_size
-        kv = np.ones(gbs, dtype=np.int64)
-        kv[:bs] = kv_lens_cpu
-        n_pages = -(-kv // ps)  # [gbs]
-        width = int(n_pages[:bs].max())
-        if width > self.max_pages:
-            raise ValueError(f"a request needs {width} pages, graphs were sized for "
-                             f"{self.max_pages}")
-        table = self._host_table  # [max_bs, max_pages] int32
-        for i, pages in enumerate(page_tables):
-            row = pages[: n_pages[i]]
-            if len(row) < n_pages[i]:
-                raise ValueError(f"request {i} has {len(pages)} pages for {kv[i]} tokens")
-            if self._host_rows[i] != row:  # list compare: far cheaper than converting rows
-                table[i, : len(row)] = row
-                self._host_rows[i] = row
-        for i in range(bs, gbs):
-            if self._host_rows[i] != "pad":
-                table[i] = 0
-                self._host_rows[i] = "pad"
-        ints = np.empty(gbs + gbs * width, dtype=np.int32)  # kv_lens | table[:gbs, :width]
-        ints[:gbs] = kv
-        ints[gbs:].reshape(gbs, width)[:] = table[:gbs, :width]
-        last = kv - 1  # position of each row's new token
-        slots = table[np.arange(gbs), last // ps].astype(np.int64) * ps + last % ps
-        slots[bs:] = -1
-        return gbs, width, ints, slots, n_pages
-
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_lens_cpu: list[int],
             page_tables: list[list[int]]) -> torch.Tensor:
         """One decode step of ``bs = len(kv_lens_cpu)`` requests -> hidden ``[bs, hidden]``.
 
         kv_lens_cpu[i] counts request i's tokens after this step (its new token included);
-        page_tables[i] lists its pages. Mutates the static buffers and the KV pool. Two
-        host->device copies (pinned, non-blocking) and no device->host sync."""
+        page_tables[i] lists its pages. Mutates the static buffers and the KV pool. One
+        host->device copy (pinned, non-blocking; ``DecodeStaging``) and no device->host sync."""
         bs = len(kv_lens_cpu)
-        gbs, width, ints, slots, n_pages = self._stage(kv_lens_cpu, page_tables)
+        gbs = self._size_for(bs)
+        _, n_pages, kv_all = self.staging.stage(kv_lens_cpu, page_tables, gbs)
         self.input_ids[:bs].copy_(input_ids)
         self.positions[:bs].copy_(positions)
         if gbs > bs:
             self.input_ids[bs:gbs].zero_()
             self.positions[bs:gbs].zero_()
-        dev_ints = to_device(ints, self.device)
-        self.kv_lens[:gbs].copy_(dev_ints[:gbs])
-        self.block_table[:gbs, :width].copy_(dev_ints[gbs:].view(gbs, width))
-        self.slot_mapping[:gbs].copy_(to_device(slots, self.device))
-        meta = self._meta(gbs, list(kv_lens_cpu) + [1] * (gbs - bs), n_pages.tolist(), bs)
+        meta = self._meta(gbs, kv_all, n_pages, bs)
         self.backend.prepare_cuda_graph(meta)
         self.graphs[gbs].replay()
         return self.outputs[gbs][:bs]

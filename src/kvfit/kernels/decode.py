@@ -11,12 +11,14 @@ Owns nothing; writes ``out`` (and scratch ``op``/``lse`` when splitting).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
 from kvfit.kernels import decode_kernels
+from kvfit.kernels.pdl import launch_options
 
 LOG2E = 1.4426950408889634
 
@@ -34,6 +36,7 @@ class DecodeConfig:
     v_t: bool = False  # V pages are token-minor [H, D, P] (pool v_layout "HDN")
 
 
+@functools.lru_cache(maxsize=1024)  # a pure function of hashable arguments, called every step
 def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_kv_len: int,
                   cache_dtype: torch.dtype, q_dtype: torch.dtype, num_sms: int = 132,
                   use_dot: bool | None = None, block_n: int | None = None,
@@ -102,7 +105,8 @@ def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_sc
             k_cache.stride(0), k_cache.stride(1), block_table.stride(0), s)
     opts = dict(G=group, G_PAD=g_pad, D=d, PAGE=k_cache.shape[2], BLOCK_N=cfg.block_n,
                 V_T=cfg.v_t, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-                SINGLE=s == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                SINGLE=s == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **launch_options(q.device))
     if cfg.maxnreg:
         opts["maxnreg"] = cfg.maxnreg
     if cfg.use_dot:
@@ -146,7 +150,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         s = cfg.num_splits
         merge_k = decode_kernels.build()[1]
         merge_k[(b, hq)](op, lse, out, float(v_scale), out.stride(0), out.stride(1), s, hq,
-                         D=d, S_PAD=triton.next_power_of_2(s), num_warps=4 if d >= 128 else 2)
+                         D=d, S_PAD=triton.next_power_of_2(s), num_warps=4 if d >= 128 else 2,
+                         **launch_options(q.device))
     return out
 
 

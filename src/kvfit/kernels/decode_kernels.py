@@ -36,7 +36,10 @@ def build():
 
     from kvfit.kernels.tile_math import build as build_tile_math
 
+    from kvfit.kernels.pdl import gdc
+
     shared = build_tile_math()
+    gdc_wait, gdc_launch_dependents = gdc()
     softcap_logits, tile_logits, softmax_pv = (shared.softcap_logits, shared.tile_logits,
                                                shared.softmax_pv)
 
@@ -137,7 +140,11 @@ def build():
                       num_splits,
                       G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                       BLOCK_N: tl.constexpr, F16: tl.constexpr, V_T: tl.constexpr,
-                      HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, SINGLE: tl.constexpr):
+                      HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, SINGLE: tl.constexpr,
+                      PDL: tl.constexpr):
+        if PDL:  # programmatic dependent launch (kernels/pdl.py)
+            gdc_wait()
+            gdc_launch_dependents()
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -182,7 +189,10 @@ def build():
 
     @triton.jit
     def _decode_merge(OP, LSE, OUT, v_scale, stride_ot, stride_oh, num_splits, HQ,
-                      D: tl.constexpr, S_PAD: tl.constexpr):
+                      D: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # programmatic dependent launch (kernels/pdl.py)
+            gdc_wait()
+            gdc_launch_dependents()
         b = tl.program_id(0)
         hq = tl.program_id(1)
         sp = tl.arange(0, S_PAD)
@@ -208,7 +218,10 @@ def build():
                           G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                           PAGE: tl.constexpr, BLOCK_N: tl.constexpr, V_T: tl.constexpr,
                           HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                          SINGLE: tl.constexpr):
+                          SINGLE: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # programmatic dependent launch (kernels/pdl.py)
+            gdc_wait()
+            gdc_launch_dependents()
         # CUDA-core path for small groups: only the G real query rows are computed. Partial
         # sums stay per (row, token slot, d) across tiles and are reduced once at the end, and
         # the running max is only moved when it grows by more than 2^8 (exact: the final

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from kvfit.kernels.outputs import check_out
+from kvfit.kernels.pdl import launch_options
 
 
 @functools.cache
@@ -33,7 +34,10 @@ def build():
 
     from kvfit.kernels.store import build as build_store
 
+    from kvfit.kernels.pdl import gdc
+
     quant = build_store()[2]  # the pool's element function, shared with the store kernels
+    gdc_wait, gdc_launch_dependents = gdc()
 
     @triton.jit
     def _store_rows(C, base, stride_ch, heads, cols, col_stride, x, mask, inv, max_finite,
@@ -50,7 +54,10 @@ def build():
                      BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
                      NORM: tl.constexpr, HAS_OFFSET: tl.constexpr, STORE: tl.constexpr,
                      PAGE: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
-                     SCALED: tl.constexpr, V_T: tl.constexpr):
+                     SCALED: tl.constexpr, V_T: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # programmatic dependent launch (kernels/pdl.py)
+            gdc_wait()
+            gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         hb = tl.program_id(1)  # head blocks of q, then of k (then of v, with STORE)
         NQB: tl.constexpr = (HQ + BLOCK_H - 1) // BLOCK_H
@@ -205,7 +212,8 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
                   k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), float(eps),
                   float(offset), *store_args, HQ=hq, HK=hk, D=d, HALF=half, BLOCK_H=bh,
                   BLOCK_HALF=bhalf, BLOCK_P=bp, NORM=qk_norm is not None,
-                  HAS_OFFSET=bool(offset), num_warps=num_warps, **store_kw)
+                  HAS_OFFSET=bool(offset), num_warps=num_warps, **store_kw,
+                  **launch_options(q.device))
     return qo, ko
 
 
