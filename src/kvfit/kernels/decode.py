@@ -19,6 +19,8 @@ import torch
 from kvfit.kernels import decode_kernels
 
 LOG2E = 1.4426950408889634
+# 8-bit page dtypes: converted to float16 tiles for the MMAs (exact for int8)
+EIGHT_BIT = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
     fp8 over token-minor V: 64-token tiles, 5 pipeline stages (two tiles in flight) and a
     128-register cap, i.e. 4 programs per SM (2.9-3.05 TB/s against 2.5-2.7 for the HND tile).
     """
-    fp8 = cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    fp8 = cache_dtype in EIGHT_BIT  # int8 pages take the fp8 tiles (same bytes per element)
     if use_dot is None:
         use_dot = q_dtype in (torch.bfloat16, torch.float16) and cache_dtype != torch.float32
     small = head_dim <= 128
@@ -86,7 +88,7 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
 
 def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_scale: float,
                   cfg: DecodeConfig, k_scale: float, v_scale: float, softcap: float | None,
-                  window: int | None):
+                  window: int | None, scale_caches=None):
     """(jitted split kernel, grid, positional args, launch options) of one decode call."""
     import triton
 
@@ -96,19 +98,40 @@ def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_sc
     group = hq // hkv
     g_pad = max(triton.next_power_of_2(group), 16 if cfg.use_dot else 1)
     s = cfg.num_splits
-    args = (q, k_cache, v_cache, block_table, kv_lens, out, op, lse,
+    ks, vs, ssp, ssh = scale_cache_args(k_cache, scale_caches)
+    rows = k_cache.dtype == torch.int8
+    if rows:
+        k_scale = v_scale = 1.0  # the per-token scales replace the per-tensor ones
+    args = (q, k_cache, v_cache, ks, vs, block_table, kv_lens, out, op, lse,
             float(sm_scale * k_scale * LOG2E), float(softcap or 0.0), int(window or 0),
             float(v_scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), block_table.stride(0), s)
+            k_cache.stride(0), k_cache.stride(1), ssp, ssh, block_table.stride(0), s)
     opts = dict(G=group, G_PAD=g_pad, D=d, PAGE=k_cache.shape[2], BLOCK_N=cfg.block_n,
                 V_T=cfg.v_t, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-                SINGLE=s == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                SINGLE=s == 1, ROWS=rows, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.maxnreg:
         opts["maxnreg"] = cfg.maxnreg
     if cfg.use_dot:
-        opts["F16"] = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        opts["F16"] = k_cache.dtype in EIGHT_BIT
         return split_k, (b, hkv, s), args, opts
     return split_fma, (b, hkv, s), args, opts
+
+
+def scale_cache_args(k_cache: torch.Tensor, scale_caches):
+    """(KS, VS, page stride, head stride) of the int8 scale caches ``[pages, Hkv, P]`` float16;
+    the K cache as an unused placeholder for other dtypes."""
+    if k_cache.dtype != torch.int8:
+        return k_cache, k_cache, 0, 0
+    if scale_caches is None:
+        raise ValueError("int8 KV pages need their scale caches (k_scale_cache, v_scale_cache: "
+                         "float16 [pages, kv heads, page size])")
+    ks, vs = scale_caches
+    want = tuple(k_cache.shape[:3])
+    for sc in (ks, vs):
+        if tuple(sc.shape) != want or sc.dtype != torch.float16 or not sc.is_contiguous():
+            raise ValueError(f"int8 scale caches must be contiguous float16 {want}, got "
+                             f"{sc.dtype} {tuple(sc.shape)}")
+    return ks, vs, ks.stride(0), ks.stride(1)
 
 
 def _scratch(q, cfg: DecodeConfig, scratch):
@@ -125,9 +148,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_table: torch.Tensor, kv_lens: torch.Tensor, out: torch.Tensor,
                  sm_scale: float, cfg: DecodeConfig, k_scale: float = 1.0, v_scale: float = 1.0,
                  softcap: float | None = None, window: int | None = None,
-                 scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 k_scale_cache: torch.Tensor | None = None,
+                 v_scale_cache: torch.Tensor | None = None) -> torch.Tensor:
     """q ``[B, Hq, D]`` (one token per request) over paged K ``[pages, Hkv, P, D]`` and V (the
     same, or ``[pages, Hkv, D, P]`` when ``cfg.v_t``) -> ``out [B, Hq, D]`` (written).
+
+    int8 pages need ``k_scale_cache``/``v_scale_cache`` (float16 ``[pages, Hkv, P]``, one scale
+    per token and head): key j's logits are multiplied by its K scale, P's column j by its V
+    scale before P@V (``k_scale``/``v_scale`` are then unused).
 
     ``scratch`` = (op ``[>= B*Hq*S, D]`` f32, lse ``[>= B*Hq*S]`` f32) lets CUDA-graph callers pass
     static buffers; otherwise they are allocated here when ``cfg.num_splits > 1``.
@@ -139,21 +168,27 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if single:
         op = lse = out  # unused by the single-split kernel
     kern, grid, args, opts = _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op,
-                                           lse, sm_scale, cfg, k_scale, v_scale, softcap, window)
+                                           lse, sm_scale, cfg, k_scale, v_scale, softcap, window,
+                                           _pair(k_scale_cache, v_scale_cache))
     kern[grid](*args, **opts)
     if not single:
         b, hq, d = q.shape
         s = cfg.num_splits
         merge_k = decode_kernels.build()[1]
-        merge_k[(b, hq)](op, lse, out, float(v_scale), out.stride(0), out.stride(1), s, hq,
+        v_out = 1.0 if k_cache.dtype == torch.int8 else float(v_scale)
+        merge_k[(b, hq)](op, lse, out, v_out, out.stride(0), out.stride(1), s, hq,
                          D=d, S_PAD=triton.next_power_of_2(s), num_warps=4 if d >= 128 else 2)
     return out
+
+
+def _pair(k_scale_cache, v_scale_cache):
+    return None if k_scale_cache is None else (k_scale_cache, v_scale_cache)
 
 
 def compiled_split_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_table: torch.Tensor, kv_lens: torch.Tensor, out: torch.Tensor,
                           sm_scale: float, cfg: DecodeConfig, softcap: float | None = None,
-                          window: int | None = None):
+                          window: int | None = None, scale_caches=None):
     """The compiled split kernel that ``paged_decode`` launches for these arguments (Triton's
     ``CompiledKernel``: ``n_regs``, ``metadata.shared``), compiled or looked up without a launch.
 
@@ -163,5 +198,6 @@ def compiled_split_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if op is None:
         op = lse = out
     kern, grid, args, opts = _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op,
-                                           lse, sm_scale, cfg, 1.0, 1.0, softcap, window)
+                                           lse, sm_scale, cfg, 1.0, 1.0, softcap, window,
+                                           scale_caches)
     return kern.warmup(*args, grid=grid, **opts)

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from kvfit.kernels.interpret import expose_for_interpreter
 from kvfit.kernels.outputs import check_out
 
 
@@ -140,6 +141,7 @@ def build():
                         _store_rows(KC, kb, stride_ch, heads, 2 * HALF + p, 1, xp.to(ty), pm,
                                     k_inv, max_finite, QUANT, SCALED)
 
+    expose_for_interpreter(globals(), locals())
     return _rope_kernel
 
 

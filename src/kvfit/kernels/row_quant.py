@@ -1,0 +1,53 @@
+"""int8 KV rows in Triton: one symmetric scale per (token, KV head), as the format contract says.
+
+``quant_rows_i8(x)`` takes float32 rows ``x [R, C]`` (one row = one token's head, C >= head_dim
+with zero padding) and returns ``(q int8 [R, C], scale float16 [R])`` with
+
+    amax  = max |x|                                    (float32)
+    scale = float16(min(max(amax / 127, 2**-14), 65504))   (IEEE division, round-to-nearest-even)
+    q     = clamp(round_half_even(x / float32(scale)), -127, 127)
+
+the same bytes as the torch reference (``tests/int8_reference.py`` here; the pool's quantize in
+kvcache once merged). The 65504 cap only matters for |x| > 8.3e6 (where float16 would give an
+infinite scale and a NaN on dequantization). Owns nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+from kvfit.kernels.interpret import expose_for_interpreter
+
+# float16 scale bounds: the smallest normal (never zero, never subnormal) and the largest finite
+SCALE_MIN = 2.0 ** -14
+SCALE_MAX = 65504.0
+INT8_MAX = 127.0
+
+
+@functools.cache
+def build() -> types.SimpleNamespace:
+    """The jitted helpers ``round_half_even`` and ``quant_rows_i8`` (compiled into callers)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def round_half_even(x):
+        # exact round-to-nearest-even of float32 |x| < 2**22: adding 1.5 * 2**23 leaves no
+        # fraction bits, the add rounds to even, the subtraction is exact (no libdevice call, so
+        # the Triton interpreter runs it too)
+        return (x + 12582912.0) - 12582912.0
+
+    @triton.jit
+    def quant_rows_i8(x):
+        # x float32 [R, C] -> (int8 [R, C], float16 scales [R]); padded columns must hold 0
+        amax = tl.max(tl.abs(x), axis=1)
+        s = tl.math.div_rn(amax, 127.0)
+        s = tl.minimum(tl.maximum(s, 6.103515625e-05), 65504.0)
+        s16 = s.to(tl.float16)
+        y = tl.math.div_rn(x, s16.to(tl.float32)[:, None])
+        y = tl.minimum(tl.maximum(round_half_even(y), -127.0), 127.0)
+        return y.to(tl.int8), s16
+
+    expose_for_interpreter(globals(), locals())
+    return types.SimpleNamespace(round_half_even=round_half_even, quant_rows_i8=quant_rows_i8)
