@@ -68,7 +68,11 @@ class AttentionMetadata:
 class KVStoreTarget:
     """Where one layer's new K/V go in a slot-mapped store: the pool's caches of that layer,
     the step's slots, the pool's format, scales and V layout. A model may write K/V there
-    itself (fused into its RoPE kernel) and then call the backend with ``kv_stored=True``."""
+    itself (fused into its RoPE kernel) and then call the backend with ``kv_stored=True``.
+
+    int8 pools add their float16 scale caches ``[pages, Hkv, P]`` (one scale per token and
+    head); ``k_mean`` ``[Hkv, D]`` float32 (K centering) is subtracted from k before it is
+    quantized."""
 
     k_cache: torch.Tensor
     v_cache: torch.Tensor
@@ -77,13 +81,17 @@ class KVStoreTarget:
     k_scale: float
     v_scale: float
     v_layout: str
+    k_scale_cache: Optional[torch.Tensor] = None
+    v_scale_cache: Optional[torch.Tensor] = None
+    k_mean: Optional[torch.Tensor] = None
 
     def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """The unfused store (``kernels.store.store_kv``): mutates the caches."""
         from kvfit.kernels.store import store_kv
 
         store_kv(k, v, self.k_cache, self.v_cache, self.slot_mapping, self.fmt, self.k_scale,
-                 self.v_scale, self.v_layout)
+                 self.v_scale, self.v_layout, k_scale_cache=self.k_scale_cache,
+                 v_scale_cache=self.v_scale_cache, k_mean=self.k_mean)
 
 
 class AttentionBackend:

@@ -9,8 +9,15 @@ batch included as q_len 1 requests). CUDA graphs: ``init_cuda_graph`` allocates 
 scratch once for the largest batch, ``prepare_cuda_graph`` fixes the split count per batch size
 from the largest context a request can have, so a captured grid never changes.
 
-fp8 pools are asked for token-minor V pages (``v_layout`` "HDN", docs/kernels.md): the kernels
-read either layout, whichever the pool has.
+8-bit pools (fp8, int8) with heads of >= 128 are asked for token-minor V pages (``v_layout``
+"HDN", docs/kernels.md): the kernels read either layout, whichever the pool has.
+
+int8 pools keep one float16 scale per (token, KV head) in ``pool.k_scale_caches[layer]`` /
+``pool.v_scale_caches[layer]`` ``[pages, Hkv, P]``; the stores write them, the attention kernels
+fold them into the logits and P. The pool's ``kv_transform`` (K centering ``k_mean[layer]``
+``[Hkv, D]`` float32, and for int8 an orthonormal Hadamard rotation of q and k per head) is
+applied here: the mean is subtracted inside the store kernels (no extra launch; also inside the
+fused RoPE + store), the rotation by ``kv_transform.transform_qk`` before an unfused store.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     devices = frozenset({"cuda"})
     pools = frozenset({"MHAKVCache"})
-    kv_dtypes = frozenset({"float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"})
+    kv_dtypes = frozenset({"float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8"})
     page_sizes = None  # any (powers of two are fastest)
     head_dims = frozenset({64, 128, 256})
     supports_cuda_graph = True
@@ -44,20 +51,22 @@ class TritonBackend(AttentionBackend):
         self._graph_max_len: Optional[int] = None
         self._scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._v_t = pool.v_layout == "HDN"
+        self._k_means: dict[int, Optional[torch.Tensor]] = {}
 
     @classmethod
     def v_layout(cls, kv_dtype: str, page_size: int, head_dim: int) -> str:
-        """Token-minor V for fp8 with heads of >= 128 (no 8-bit transpose in the P@V operand:
-        2.9-3.06 TB/s against 2.2-2.3 for HND on the H200); HND for 16/32-bit pools and 64-d fp8
-        heads, where the HND tile measured as fast or faster (docs/kernels.md)."""
+        """Token-minor V for 8-bit pools with heads of >= 128 (no 8-bit transpose in the P@V
+        operand: 2.9-3.06 TB/s against 2.2-2.3 for HND on the H200 with fp8); HND for 16/32-bit
+        pools and 64-d heads, where the HND tile measured as fast or faster (docs/kernels.md)."""
         pow2 = page_size > 0 and page_size & (page_size - 1) == 0
-        return "HDN" if kv_dtype.startswith("fp8") and pow2 and head_dim >= 128 else "HND"
+        return "HDN" if _eight_bit(kv_dtype) and pow2 and head_dim >= 128 else "HND"
 
     @classmethod
     def default_page_size(cls, kv_dtype: str, head_dim: int) -> int:
-        """32 for fp8 with heads of >= 128: a token-minor V row of a page is then a whole 32-byte
-        L2 sector (3.7-4.07 TB/s decode on the H200 against 2.9-3.0 at pages of 16)."""
-        return 32 if kv_dtype.startswith("fp8") and head_dim >= 128 else 16
+        """32 for 8-bit pools with heads of >= 128: a token-minor V row of a page is then a whole
+        32-byte L2 sector (3.7-4.07 TB/s fp8 decode on the H200 against 2.9-3.0 at pages of
+        16)."""
+        return 32 if _eight_bit(kv_dtype) and head_dim >= 128 else 16
 
     @classmethod
     def is_available(cls) -> Optional[str]:
@@ -106,28 +115,71 @@ class TritonBackend(AttentionBackend):
         return self._blocks[group]
 
     # -- per layer ------------------------------------------------------------------------
+    # -- the KV transform and the int8 scale caches ---------------------------------------
+    def _rotates(self) -> bool:
+        tr = getattr(self.pool, "kv_transform", None)
+        return bool(tr is not None and getattr(tr, "rotate", False))
+
+    def _k_mean(self, layer_id: int) -> Optional[torch.Tensor]:
+        """The layer's K mean ``[Hkv, D]`` float32 on the pool's device (copied once if the
+        transform keeps it elsewhere), or None when K centering is off."""
+        if layer_id not in self._k_means:
+            tr = getattr(self.pool, "kv_transform", None)
+            means = None if tr is None else getattr(tr, "k_mean", None)
+            mu = None if means is None else means[layer_id]
+            if mu is not None:
+                mu = mu.to(device=self.pool.device, dtype=torch.float32).contiguous()
+            self._k_means[layer_id] = mu
+        return self._k_means[layer_id]
+
+    def _scale_caches(self, layer_id: int):
+        """(k, v) float16 scale caches ``[pages, Hkv, P]`` of an int8 pool's layer, else
+        (None, None)."""
+        if self.pool.dtype != torch.int8:
+            return None, None
+        return self.pool.k_scale_caches[layer_id], self.pool.v_scale_caches[layer_id]
+
     def kv_store_target(self, layer_id: int) -> Optional[KVStoreTarget]:
         """The slot-mapped store (decode steps, and prefill into HND pages) may be fused into
-        the caller's RoPE kernel; prefill into token-minor V pages stores by page-row chunks."""
-        if self._v_t and not self.meta.is_decode:
+        the caller's RoPE kernel (K centering included); prefill into token-minor V pages stores
+        by page-row chunks, and a rotating transform stores after ``transform_qk``."""
+        if (self._v_t and not self.meta.is_decode) or self._rotates():
             return None
         pool = self.pool
+        ksc, vsc = self._scale_caches(layer_id)
         return KVStoreTarget(pool.k_caches[layer_id], pool.v_caches[layer_id],
                              self.meta.slot_mapping, pool.fmt, pool.k_scales[layer_id],
-                             pool.v_scales[layer_id], pool.v_layout)
+                             pool.v_scales[layer_id], pool.v_layout, k_scale_cache=ksc,
+                             v_scale_cache=vsc, k_mean=self._k_mean(layer_id))
 
     def forward(self, q, k, v, layer_id, kv_stored: bool = False):
+        """Stores k/v (quantize, K centering) unless ``kv_stored``, then attends. With a
+        rotating transform q and k are rotated first (``kv_transform.transform_qk``, which
+        also centers k); ``kv_stored`` callers got no store target then, so q is never
+        rotated twice."""
         meta = self.meta
         pool = self.pool
         kc, vc = pool.k_caches[layer_id], pool.v_caches[layer_id]
         ks, vs = pool.k_scales[layer_id], pool.v_scales[layer_id]
+        ksc, vsc = self._scale_caches(layer_id)
+        k_mean = self._k_mean(layer_id)
+        if self._rotates() and not kv_stored:
+            q_dtype = q.dtype
+            q, k = pool.kv_transform.transform_qk(layer_id, q, k)  # k - mu, then @ H
+            q = q.to(q_dtype)  # k stays as returned (quantized from it in float32)
+            k_mean = None
+        if self.logit_softcap is not None and self._k_mean(layer_id) is not None:
+            raise ValueError("K centering with attention logit soft-capping is not supported by "
+                             "the triton backend: turn K centering off for this model")
         if kv_stored:
             pass  # the caller stored k/v at kv_store_target(layer_id)
         elif self._v_t and not meta.is_decode:
             store_kv_chunks(k, v, kc, vc, self._store_chunks, meta.cu_seqlens_q, meta.kv_lens,
-                            meta.block_table, pool.fmt, ks, vs)
+                            meta.block_table, pool.fmt, ks, vs, k_scale_cache=ksc,
+                            v_scale_cache=vsc, k_mean=k_mean)
         else:
-            store_kv(k, v, kc, vc, meta.slot_mapping, pool.fmt, ks, vs, pool.v_layout)
+            store_kv(k, v, kc, vc, meta.slot_mapping, pool.fmt, ks, vs, pool.v_layout,
+                     k_scale_cache=ksc, v_scale_cache=vsc, k_mean=k_mean)
         spec = pool.layers[layer_id]
         window = spec.window if spec.kind == "sliding" else None
         out = torch.empty_like(q)
@@ -140,12 +192,13 @@ class TritonBackend(AttentionBackend):
             if self._scratch is not None and cfg.num_splits > 1 and n <= self._scratch[1].shape[0]:
                 scratch = (self._scratch[0][:n], self._scratch[1][:n])
             paged_decode(q, kc, vc, meta.block_table, meta.kv_lens, out, self.sm_scale, cfg,
-                         ks, vs, self.logit_softcap, window, scratch)
+                         ks, vs, self.logit_softcap, window, scratch, ksc, vsc)
         else:
             group = q.shape[1] // kc.shape[1]
             paged_prefill(q, kc, vc, meta.block_table, meta.cu_seqlens_q, meta.kv_lens,
                           self._prefill_blocks(group), self._prefill_cfg, out, self.sm_scale,
-                          ks, vs, self.logit_softcap, window, v_t=self._v_t)
+                          ks, vs, self.logit_softcap, window, v_t=self._v_t, k_scale_cache=ksc,
+                          v_scale_cache=vsc)
         return out
 
     # -- CUDA graphs ------------------------------------------------------------------------
@@ -171,3 +224,7 @@ class TritonBackend(AttentionBackend):
         self.meta = meta
         self._blocks = None
         self._prepare_decode(meta, self._graph_max_len)
+
+
+def _eight_bit(kv_dtype: str) -> bool:
+    return kv_dtype.startswith("fp8") or kv_dtype == "int8"

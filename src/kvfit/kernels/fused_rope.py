@@ -34,7 +34,11 @@ def build():
 
     from kvfit.kernels.store import build as build_store
 
+    from kvfit.kernels.row_quant import build as build_row_quant
+
     quant = build_store()[2]  # the pool's element function, shared with the store kernels
+    rq = build_row_quant()
+    scale_i8, apply_i8, quant_rows_i8 = rq.scale_i8, rq.apply_i8, rq.quant_rows_i8
 
     @triton.jit
     def _store_rows(C, base, stride_ch, heads, cols, col_stride, x, mask, inv, max_finite,
@@ -46,12 +50,14 @@ def build():
 
     @triton.jit
     def _rope_kernel(Q, K, QO, KO, POS, COS, SIN, QW, KW, sq0, sq1, sk0, sk1, sc, ss, eps, offset,
-                     V, KC, VC, SLOT, sv0, sv1, stride_cp, stride_ch, k_inv, v_inv, max_finite,
+                     V, KC, VC, KS, VS, KM, SLOT, sv0, sv1, stride_cp, stride_ch, stride_sp,
+                     stride_sh, k_inv, v_inv, max_finite,
                      HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
                      NORM: tl.constexpr, HAS_OFFSET: tl.constexpr, STORE: tl.constexpr,
                      PAGE: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
-                     SCALED: tl.constexpr, V_T: tl.constexpr):
+                     SCALED: tl.constexpr, V_T: tl.constexpr, ROWS: tl.constexpr,
+                     HAS_KMEAN: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         hb = tl.program_id(1)  # head blocks of q, then of k (then of v, with STORE)
         NQB: tl.constexpr = (HQ + BLOCK_H - 1) // BLOCK_H
@@ -65,13 +71,18 @@ def build():
                     vh = (hb - NQB - NKB) * BLOCK_H + tl.arange(0, BLOCK_H)
                     dd = tl.arange(0, BLOCK_D)
                     vm = (vh < HK)[:, None] & (dd < D)[None, :]
-                    v = tl.load(V + t * sv0 + vh[:, None] * sv1 + dd[None, :], mask=vm)
+                    v = tl.load(V + t * sv0 + vh[:, None] * sv1 + dd[None, :], mask=vm,
+                                other=0.0)
+                    if ROWS:  # int8: the row's scale, then the row as int8
+                        v, vsc = quant_rows_i8(v.to(tl.float32))
+                        tl.store(VS + (slot // PAGE) * stride_sp + vh * stride_sh + off, vsc,
+                                 mask=vh < HK)
                     if V_T:  # token-minor V pages [H, D, P]
                         _store_rows(VC, page_base + off, stride_ch, vh, dd, PAGE, v, vm, v_inv,
-                                    max_finite, QUANT, SCALED)
+                                    max_finite, QUANT and not ROWS, SCALED)
                     else:
                         _store_rows(VC, page_base + off * D, stride_ch, vh, dd, 1, v, vm, v_inv,
-                                    max_finite, QUANT, SCALED)
+                                    max_finite, QUANT and not ROWS, SCALED)
                 return
         pos = tl.load(POS + t).to(tl.int64)
         j = tl.arange(0, BLOCK_HALF)
@@ -133,13 +144,38 @@ def build():
             if hb >= NQB:  # k: the rotated values, as store_kv would read them back
                 if slot >= 0:
                     kb = page_base + off * D
-                    _store_rows(KC, kb, stride_ch, heads, j, 1, r1, m, k_inv, max_finite,
-                                QUANT, SCALED)
-                    _store_rows(KC, kb, stride_ch, heads, HALF + j, 1, r2, m, k_inv,
-                                max_finite, QUANT, SCALED)
+                    k1 = r1
+                    k2 = r2
                     if BLOCK_P > 0:
-                        _store_rows(KC, kb, stride_ch, heads, 2 * HALF + p, 1, xp.to(ty), pm,
-                                    k_inv, max_finite, QUANT, SCALED)
+                        kp = xp.to(ty)
+                    if HAS_KMEAN:  # K centering: k - mu[head] in float32
+                        mrow = KM + heads[:, None] * D
+                        k1 = r1.to(tl.float32) - tl.load(mrow + j[None, :], mask=m, other=0.0)
+                        k2 = r2.to(tl.float32) - tl.load(mrow + HALF + j[None, :], mask=m,
+                                                         other=0.0)
+                        if BLOCK_P > 0:
+                            kp = kp.to(tl.float32) - tl.load(mrow + poff, mask=pm, other=0.0)
+                    if ROWS:  # int8: one scale over the whole row (both halves, the tail)
+                        k1 = tl.where(m, k1.to(tl.float32), 0.0)
+                        k2 = tl.where(m, k2.to(tl.float32), 0.0)
+                        amax = tl.maximum(tl.max(tl.abs(k1), axis=1), tl.max(tl.abs(k2), axis=1))
+                        if BLOCK_P > 0:
+                            kp = tl.where(pm, kp.to(tl.float32), 0.0)
+                            amax = tl.maximum(amax, tl.max(tl.abs(kp), axis=1))
+                        ksc = scale_i8(amax)
+                        tl.store(KS + (slot // PAGE) * stride_sp + heads * stride_sh + off, ksc,
+                                 mask=hm)
+                        k1 = apply_i8(k1, ksc)
+                        k2 = apply_i8(k2, ksc)
+                        if BLOCK_P > 0:
+                            kp = apply_i8(kp, ksc)
+                    _store_rows(KC, kb, stride_ch, heads, j, 1, k1, m, k_inv, max_finite,
+                                QUANT and not ROWS, SCALED)
+                    _store_rows(KC, kb, stride_ch, heads, HALF + j, 1, k2, m, k_inv,
+                                max_finite, QUANT and not ROWS, SCALED)
+                    if BLOCK_P > 0:
+                        _store_rows(KC, kb, stride_ch, heads, 2 * HALF + p, 1, kp, pm,
+                                    k_inv, max_finite, QUANT and not ROWS, SCALED)
 
     expose_for_interpreter(globals(), locals())
     return _rope_kernel
@@ -198,8 +234,9 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
             raise ValueError(f"q/k norm weights of shapes {tuple(qw.shape)}, {tuple(kw.shape)} "
                              f"do not match head_dim {d}")
     if kv_store is None:
-        store_args, store_kw = (q, q, q, positions, 0, 0, 0, 0, 1.0, 1.0, 0.0), dict(
-            STORE=False, PAGE=1, BLOCK_D=1, QUANT=False, SCALED=False, V_T=False)
+        store_args, store_kw = (q, q, q, q, q, q, positions, 0, 0, 0, 0, 0, 0, 1.0, 1.0,
+                                0.0), dict(STORE=False, PAGE=1, BLOCK_D=1, QUANT=False,
+                                           SCALED=False, V_T=False, ROWS=False, HAS_KMEAN=False)
     else:
         store_args, store_kw = _store_arguments(kv_store, k, t, hk, d)
         grid = (t, grid[1] + triton.cdiv(hk, bh))  # + the v head blocks
@@ -216,7 +253,7 @@ def _store_arguments(kv_store, k: torch.Tensor, t: int, hk: int, d: int):
     ``store_kv`` checks its inputs (same cache layout rules, same scale arithmetic)."""
     import triton
 
-    from kvfit.kernels.store import _checked
+    from kvfit.kernels.store import _checked, row_scale_args
 
     v, target = kv_store
     if v.shape != (t, hk, d) or v.dtype != k.dtype:
@@ -226,8 +263,12 @@ def _store_arguments(kv_store, k: torch.Tensor, t: int, hk: int, d: int):
     _, v, (quant, scaled, k_inv, v_inv, max_finite) = _checked(
         k, v, kc, vc, target.fmt, target.k_scale, target.v_scale, target.v_layout,
         "apply_rope(kv_store=...)")
-    args = (v, kc, vc, target.slot_mapping, v.stride(0), v.stride(1), kc.stride(0),
-            kc.stride(1), k_inv, v_inv, max_finite)
+    rows, ks, vs, km, ssp, ssh, has_mean = row_scale_args(
+        kc, getattr(target, "k_scale_cache", None), getattr(target, "v_scale_cache", None),
+        getattr(target, "k_mean", None), d, "apply_rope(kv_store=...)")
+    args = (v, kc, vc, ks, vs, km, target.slot_mapping, v.stride(0), v.stride(1), kc.stride(0),
+            kc.stride(1), ssp, ssh, k_inv, v_inv, max_finite)
     kw = dict(STORE=True, PAGE=kc.shape[2], BLOCK_D=triton.next_power_of_2(d), QUANT=quant,
-              SCALED=scaled, V_T=target.v_layout == "HDN")
+              SCALED=scaled and not rows, V_T=target.v_layout == "HDN", ROWS=rows,
+              HAS_KMEAN=has_mean)
     return args, kw

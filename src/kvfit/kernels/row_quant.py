@@ -27,7 +27,9 @@ INT8_MAX = 127.0
 
 @functools.cache
 def build() -> types.SimpleNamespace:
-    """The jitted helpers ``round_half_even`` and ``quant_rows_i8`` (compiled into callers)."""
+    """The jitted helpers ``round_half_even``, ``scale_i8`` (row amax -> float16 scale),
+    ``apply_i8`` (rows / their scales -> int8) and ``quant_rows_i8`` (both), compiled into
+    callers."""
     import triton
     import triton.language as tl
 
@@ -39,15 +41,23 @@ def build() -> types.SimpleNamespace:
         return (x + 12582912.0) - 12582912.0
 
     @triton.jit
+    def scale_i8(amax):
+        # float32 max |x| of rows [R] -> their float16 scales [R]
+        s = tl.math.div_rn(amax, 127.0)
+        return tl.minimum(tl.maximum(s, 6.103515625e-05), 65504.0).to(tl.float16)
+
+    @triton.jit
+    def apply_i8(x, s16):
+        # float32 x [R, C] with the rows' float16 scales [R] -> int8 [R, C]
+        y = tl.math.div_rn(x, s16.to(tl.float32)[:, None])
+        return tl.minimum(tl.maximum(round_half_even(y), -127.0), 127.0).to(tl.int8)
+
+    @triton.jit
     def quant_rows_i8(x):
         # x float32 [R, C] -> (int8 [R, C], float16 scales [R]); padded columns must hold 0
-        amax = tl.max(tl.abs(x), axis=1)
-        s = tl.math.div_rn(amax, 127.0)
-        s = tl.minimum(tl.maximum(s, 6.103515625e-05), 65504.0)
-        s16 = s.to(tl.float16)
-        y = tl.math.div_rn(x, s16.to(tl.float32)[:, None])
-        y = tl.minimum(tl.maximum(round_half_even(y), -127.0), 127.0)
-        return y.to(tl.int8), s16
+        s16 = scale_i8(tl.max(tl.abs(x), axis=1))
+        return apply_i8(x, s16), s16
 
     expose_for_interpreter(globals(), locals())
-    return types.SimpleNamespace(round_half_even=round_half_even, quant_rows_i8=quant_rows_i8)
+    return types.SimpleNamespace(round_half_even=round_half_even, scale_i8=scale_i8,
+                                 apply_i8=apply_i8, quant_rows_i8=quant_rows_i8)
