@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfit.kernels import decode_kernels
+from kvfit.kernels.interpret import interpreting
 
 LOG2E = 1.4426950408889634
 # 8-bit page dtypes: converted to float16 tiles for the MMAs (exact for int8)
@@ -34,6 +35,8 @@ class DecodeConfig:
     num_stages: int
     maxnreg: int | None = None  # register cap per thread (more programs per SM)
     v_t: bool = False  # V pages are token-minor [H, D, P] (pool v_layout "HDN")
+    # int8 tiles -> float16: "asm" (four per inline-asm prmt/sub, GPU) or "cast" (I2F per value)
+    i8_cvt: str = "asm"
 
 
 def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_kv_len: int,
@@ -113,6 +116,7 @@ def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_sc
         opts["maxnreg"] = cfg.maxnreg
     if cfg.use_dot:
         opts["F16"] = k_cache.dtype in EIGHT_BIT
+        opts["I8_ASM"] = rows and cfg.i8_cvt == "asm" and not interpreting()
         return split_k, (b, hkv, s), args, opts
     return split_fma, (b, hkv, s), args, opts
 

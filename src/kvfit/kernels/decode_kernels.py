@@ -38,12 +38,17 @@ def build():
 
     from kvfit.kernels.tile_math import build as build_tile_math
 
+    from kvfit.kernels.row_quant import build as build_row_quant
+
+    i8_to_f16 = build_row_quant().i8_to_f16
     shared = build_tile_math()
     softcap_logits, tile_logits, softmax_pv = (shared.softcap_logits, shared.tile_logits,
                                                shared.softmax_pv)
 
     @triton.jit
-    def _to_mma(k, v, q, F16: tl.constexpr):
+    def _to_mma(k, v, q, F16: tl.constexpr, I8_ASM: tl.constexpr):
+        if I8_ASM:  # int8 tiles: four values per asm (no I2F)
+            return i8_to_f16(k), i8_to_f16(v)
         if F16:
             return k.to(tl.float16), v.to(tl.float16)
         return k.to(q.dtype), v.to(q.dtype)
@@ -52,7 +57,7 @@ def build():
     def _tile_hnd(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off, s_head, stride_cp,
                   stride_sp, n0, lo, hi, qk_scale, softcap, D: tl.constexpr, PAGE: tl.constexpr,
                   BLOCK_N: tl.constexpr, F16: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                  ROWS: tl.constexpr):
+                  ROWS: tl.constexpr, I8_ASM: tl.constexpr):
         # tokens [max(n0, lo), min(n0 + BLOCK_N, hi)) of HND pages, one address per token
         d = tl.arange(0, D)
         n = n0 + tl.arange(0, BLOCK_N)
@@ -67,7 +72,7 @@ def build():
             soff = page * stride_sp + s_head + n % PAGE
             ks = tl.load(KS + soff, mask=live, other=0.0).to(tl.float32)
             vs = tl.load(VS + soff, mask=live, other=0.0).to(tl.float32)
-        k, v = _to_mma(k, v, q, F16)
+        k, v = _to_mma(k, v, q, F16, I8_ASM)
         qk = tile_logits(q, k, ks, qk_scale, softcap, HAS_SOFTCAP, ROWS, "tf32")  # [G_PAD, N]
         return softmax_pv(qk, v, vs, acc, m_i, l_i, live[None, :], True, ROWS, "tf32")
 
@@ -75,7 +80,7 @@ def build():
     def _tile_vt(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off, s_head, stride_cp,
                  stride_sp, n0, lo, hi, qk_scale, softcap, D: tl.constexpr, PAGE: tl.constexpr,
                  BLOCK_N: tl.constexpr, F16: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 ROWS: tl.constexpr, MASKED: tl.constexpr):
+                 ROWS: tl.constexpr, I8_ASM: tl.constexpr, MASKED: tl.constexpr):
         # the BLOCK_N tokens from n0 (a multiple of BLOCK_N); K HND, V token-minor [H, D, P]
         PP: tl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
         NP: tl.constexpr = BLOCK_N // PP
@@ -114,7 +119,7 @@ def build():
                 vs = tl.load(vsptr)
             ks = tl.reshape(ks, (BLOCK_N,)).to(tl.float32)
             vs = tl.reshape(vs, (BLOCK_N,)).to(tl.float32)
-        k, v = _to_mma(k, v, q, F16)
+        k, v = _to_mma(k, v, q, F16, I8_ASM)
         qk = tile_logits(q, k, ks, qk_scale, softcap, HAS_SOFTCAP, ROWS, "tf32")  # [G_PAD, N]
         return softmax_pv(qk, v, vs, acc, m_i, l_i, tl.reshape(live, (BLOCK_N,))[None, :], MASKED,
                           ROWS, "tf32")
@@ -160,7 +165,7 @@ def build():
                       G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                       BLOCK_N: tl.constexpr, F16: tl.constexpr, V_T: tl.constexpr,
                       HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, SINGLE: tl.constexpr,
-                      ROWS: tl.constexpr):
+                      ROWS: tl.constexpr, I8_ASM: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -186,23 +191,25 @@ def build():
                     acc, m_i, l_i = _tile_vt(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row,
                                              head_off, s_head, stride_cp, stride_sp, n0, lo, hi,
                                              qk_scale, softcap, D, PAGE, BLOCK_N, F16,
-                                             HAS_SOFTCAP, ROWS, True)
+                                             HAS_SOFTCAP, ROWS, I8_ASM, True)
                     n0 += BLOCK_N
             full_end = hi // BLOCK_N * BLOCK_N
             for t0 in range(n0, full_end, BLOCK_N):
                 acc, m_i, l_i = _tile_vt(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off,
                                          s_head, stride_cp, stride_sp, t0, lo, hi, qk_scale,
-                                         softcap, D, PAGE, BLOCK_N, F16, HAS_SOFTCAP, ROWS, False)
+                                         softcap, D, PAGE, BLOCK_N, F16, HAS_SOFTCAP, ROWS,
+                                         I8_ASM, False)
             if (full_end < hi) & (full_end >= n0):
                 acc, m_i, l_i = _tile_vt(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off,
                                          s_head, stride_cp, stride_sp, full_end, lo, hi,
                                          qk_scale, softcap, D, PAGE, BLOCK_N, F16, HAS_SOFTCAP,
-                                         ROWS, True)
+                                         ROWS, I8_ASM, True)
         else:
             for t0 in range(lo, hi, BLOCK_N):
                 acc, m_i, l_i = _tile_hnd(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off,
                                           s_head, stride_cp, stride_sp, t0, lo, hi, qk_scale,
-                                          softcap, D, PAGE, BLOCK_N, F16, HAS_SOFTCAP, ROWS)
+                                          softcap, D, PAGE, BLOCK_N, F16, HAS_SOFTCAP, ROWS,
+                                          I8_ASM)
         _store_split(OUT, OP, LSE, acc, m_i, l_i, b, h, s, num_splits, v_scale, stride_ot,
                      stride_oh, G, G_PAD, D, SINGLE)
 
