@@ -108,6 +108,28 @@ def check_stores():
         raise AssertionError("apply_rope(kv_store=...) changed the rotated q/k")
     for a, b in zip(caches, ref):
         _same(a, b, "fused RoPE + int8 store")
+    # a rotating target: (k - mu) @ H by butterflies in registers == torch's butterflies (q is
+    # checked on the GPU only: the interpreter's float32 -> bfloat16 cast does not round to
+    # nearest even)
+    from kvfit.kernels.hadamard import fwht
+
+    emb_full = torch.outer(torch.arange(128).float(), 1.0 / (10000 ** (
+        torch.arange(0, d, 2).float() / d)))
+    emb_full = torch.cat((emb_full, emb_full), -1)
+    caches = make_int8_caches(npg, hk, ps, d, "cpu", "HND")
+    ref = [c.clone() for c in caches]
+    rq, rk = apply_rope(q, k, emb_full.cos(), emb_full.sin(), pos)
+    store_ref(fwht(rk.float() - mu), v, *ref, slots, "HND")
+    target = KVStoreTarget(caches[0], caches[1], slots, fmt, 1.0, 1.0, "HND",
+                           k_scale_cache=caches[2], v_scale_cache=caches[3], k_mean=mu,
+                           rotate=True)
+    fq, fk = apply_rope(q, k, emb_full.cos(), emb_full.sin(), pos, kv_store=(v, target))
+    if not torch.equal(fk, rk):
+        raise AssertionError("a rotating apply_rope changed the returned k")
+    if not ((fq.float() - fwht(rq)).norm() / fwht(rq).norm()) < 1e-2:
+        raise AssertionError("a rotating apply_rope did not return q @ H")
+    for a, b in zip(caches, ref):
+        _same(a, b, "fused RoPE + rotated int8 store")
 
 
 def check_attention():

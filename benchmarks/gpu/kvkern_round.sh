@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One GPU job of the int8/K-centering kernels (issue 14): GPU tests in parallel groups (Triton
 # compiles on the host's cores in parallel), then the 8-bit decode timing table.
-# Usage: OUT_DIR=dir bash benchmarks/gpu/kvkern_round.sh [test-seconds] [bench-seconds]
+# Usage: OUT_DIR=dir bash benchmarks/gpu/kvkern_round.sh [test-s] [decode-bench-s] [store-bench-s]
 set -u
 OUT_DIR=${OUT_DIR:-/tmp/kvkern}
 mkdir -p "$OUT_DIR"
 T_TESTS=${1:-95}
 T_BENCH=${2:-45}
+T_STORE=${3:-20}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 I8=tests/gpu/test_int8_kernels.py
@@ -31,3 +32,5 @@ for f in "$OUT_DIR"/pytest_*.txt; do
 done
 echo "== 8-bit decode (CUDA-graph replay)"
 timeout "$T_BENCH" python3 benchmarks/kernels/int8_decode.py --quick 2>&1 | tee "$OUT_DIR/int8_decode.txt"
+echo "== RoPE + rotated int8 store: fused vs unfused (CUDA-graph replay)"
+timeout "$T_STORE" python3 benchmarks/kernels/rotation_store.py 2>&1 | tee "$OUT_DIR/rotation_store.txt"

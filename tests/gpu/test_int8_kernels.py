@@ -157,6 +157,50 @@ def test_fused_rope_store_int8_and_centering(kv_dtype, shape, norm):
         assert _equal_bytes(x, y)
 
 
+@pytest.mark.parametrize("shape", [(16, 8, 128, 128, 32, "HDN"), (9, 3, 64, 64, 16, "HND"),
+                                   (8, 4, 256, 256, 16, "HND"), (8, 4, 128, 64, 16, "HND")])
+@pytest.mark.parametrize("centered", [False, True])
+def test_fused_rope_store_rotated(shape, centered):
+    """A rotating store target: the RoPE kernel returns q @ H and stores int8 rows of
+    (k - mu) @ H, the same bits as RoPE, then the torch butterflies (kernels.hadamard.fwht)
+    and the reference store; partial rotary (64 of 128 dims) takes the unfused route."""
+    from kvfit.attention.base import KVStoreTarget
+    from kvfit.kernels.fused_rope import apply_rope
+    from kvfit.kernels.hadamard import fwht
+
+    from int8helpers import hadamard
+
+    hq, hk, d, rot, ps, v_layout = shape
+    g = torch.Generator(device=DEV).manual_seed(d + rot + centered)
+    t, num_pages = 29, 40
+    q = torch.randn(t, hq, d, device=DEV, dtype=torch.bfloat16, generator=g) * 2
+    k = torch.randn(t, hk, d, device=DEV, dtype=torch.bfloat16, generator=g) * 2 + 5
+    v = torch.randn(t, hk, d, device=DEV, dtype=torch.bfloat16, generator=g)
+    positions = torch.randint(0, 4000, (t,), device=DEV, generator=g)
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, device=DEV).float() / rot))
+    emb = torch.outer(torch.arange(4096, device=DEV).float(), inv)
+    emb = torch.cat((emb, emb), -1)
+    slots = torch.randperm(num_pages * ps, device=DEV, generator=g)[:t]
+    slots[::4] = -1
+    mu = torch.randn(hk, d, device=DEV, generator=g) * 5 if centered else None
+    rq, rk = apply_rope(q, k, emb.cos(), emb.sin(), positions)
+    caches = make_int8_caches(num_pages, hk, ps, d, DEV, v_layout)
+    ref = [x.clone() for x in caches]
+    kt = rk.float() if mu is None else rk.float() - mu
+    store_ref(fwht(kt), v, *ref, slots, v_layout)
+    target = KVStoreTarget(caches[0], caches[1], slots, int8_format(), 1.0, 1.0, v_layout,
+                           k_scale_cache=caches[2], v_scale_cache=caches[3], k_mean=mu,
+                           rotate=True)
+    fq, fk = apply_rope(q, k, emb.cos(), emb.sin(), positions, kv_store=(v, target))
+    assert torch.equal(fk, rk)
+    assert torch.equal(fq, fwht(rq).to(torch.bfloat16))
+    assert rel_err(fq, rq.float() @ hadamard(d).to(DEV)) < 5e-3  # the rotation, in bf16
+    for x, y in zip(caches, ref):
+        assert _equal_bytes(x, y)
+    with pytest.raises(ValueError, match="rotates q"):
+        target.store(k, v)
+
+
 DECODE_LENS = [[1, 17, 300, 1000, 5], [4097], [33] * 40]
 
 
@@ -297,9 +341,16 @@ def test_backend_steps_with_transform(kv_dtype, rotate, d):
         k = k + mu[0].to(torch.bfloat16)  # a large per-channel offset, as real keys have
         be.prepare(meta)
         target = be.kv_store_target(0)
-        if target is not None and step % 2:  # the fused-store path of the models
-            target.store(k, v)
-            out = be.forward(q, k, v, 0, kv_stored=True)
+        if target is not None and step % 2:
+            # the models' path: RoPE (identity tables here) with the store fused, which
+            # returns q rotated when the transform rotates
+            from kvfit.kernels.fused_rope import apply_rope
+
+            ones = torch.ones(8, d, device=DEV)
+            qx, _ = apply_rope(q, k, ones, torch.zeros_like(ones),
+                               torch.zeros(t, dtype=torch.int64, device=DEV),
+                               kv_store=(v, target))
+            out = be.forward(qx, k, v, 0, kv_stored=True)
         else:
             out = be.forward(q, k, v, 0)
         qt, kt = tr.transform_qk(0, q, k)

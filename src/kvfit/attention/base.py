@@ -72,7 +72,8 @@ class KVStoreTarget:
 
     int8 pools add their float16 scale caches ``[pages, Hkv, P]`` (one scale per token and
     head); ``k_mean`` ``[Hkv, D]`` float32 (K centering) is subtracted from k before it is
-    quantized."""
+    quantized. ``rotate``: the KV transform's Hadamard rotation, which q needs too, so only
+    ``apply_rope(kv_store=...)`` can fill such a target (it returns q rotated)."""
 
     k_cache: torch.Tensor
     v_cache: torch.Tensor
@@ -84,10 +85,15 @@ class KVStoreTarget:
     k_scale_cache: Optional[torch.Tensor] = None
     v_scale_cache: Optional[torch.Tensor] = None
     k_mean: Optional[torch.Tensor] = None
+    rotate: bool = False
 
     def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """The unfused store (``kernels.store.store_kv``): mutates the caches."""
         from kvfit.kernels.store import store_kv
+
+        if self.rotate:
+            raise ValueError("a rotating KV store target rotates q as well: fill it with "
+                             "kvfit.kernels.fused_rope.apply_rope(kv_store=...), not store()")
 
         store_kv(k, v, self.k_cache, self.v_cache, self.slot_mapping, self.fmt, self.k_scale,
                  self.v_scale, self.v_layout, k_scale_cache=self.k_scale_cache,

@@ -141,22 +141,22 @@ class TritonBackend(AttentionBackend):
 
     def kv_store_target(self, layer_id: int) -> Optional[KVStoreTarget]:
         """The slot-mapped store (decode steps, and prefill into HND pages) may be fused into
-        the caller's RoPE kernel (K centering included); prefill into token-minor V pages stores
-        by page-row chunks, and a rotating transform stores after ``transform_qk``."""
-        if (self._v_t and not self.meta.is_decode) or self._rotates():
+        the caller's RoPE kernel, K centering and the rotation included (the RoPE kernel then
+        returns q rotated); prefill into token-minor V pages stores by page-row chunks."""
+        if self._v_t and not self.meta.is_decode:
             return None
         pool = self.pool
         ksc, vsc = self._scale_caches(layer_id)
         return KVStoreTarget(pool.k_caches[layer_id], pool.v_caches[layer_id],
                              self.meta.slot_mapping, pool.fmt, pool.k_scales[layer_id],
                              pool.v_scales[layer_id], pool.v_layout, k_scale_cache=ksc,
-                             v_scale_cache=vsc, k_mean=self._k_mean(layer_id))
+                             v_scale_cache=vsc, k_mean=self._k_mean(layer_id),
+                             rotate=self._rotates())
 
     def forward(self, q, k, v, layer_id, kv_stored: bool = False):
         """Stores k/v (quantize, K centering) unless ``kv_stored``, then attends. With a
-        rotating transform q and k are rotated first (``kv_transform.transform_qk``, which
-        also centers k); ``kv_stored`` callers got no store target then, so q is never
-        rotated twice."""
+        rotating transform q and k are rotated first here (``kv_transform.transform_qk``, which
+        also centers k), unless ``kv_stored``: the fused RoPE store rotated q already."""
         meta = self.meta
         pool = self.pool
         kc, vc = pool.k_caches[layer_id], pool.v_caches[layer_id]
