@@ -53,11 +53,16 @@ def graph_us(fns, iters=10):
     return sorted(times)[len(times) // 2]
 
 
-def variants(kvd: str):
-    """(label, config changes) per format: int8 with each conversion."""
-    if kvd == "int8":
-        return [("int8-asm", {"i8_cvt": "asm"}), ("int8-cast", {"i8_cvt": "cast"})]
-    return [(kvd, {})]
+def variants(kvd: str, d: int, group: int):
+    """(label, config changes) per format: int8 with each conversion; 64-d heads with groups of
+    <= 4 also packed (4 sub-splits in the MMA rows, kernels/decode_packed.py)."""
+    out = [("int8-asm", {"i8_cvt": "asm"}), ("int8-cast", {"i8_cvt": "cast"})] \
+        if kvd == "int8" else [(kvd, {})]
+    if d <= 64 and group <= 4:
+        name = "int8" if kvd == "int8" else kvd
+        out += [(f"{name}-pk4-{bn}", {"pack": 4, "block_n": bn, "v_t": False})
+                for bn in (64, 128)]
+    return out
 
 
 def main():
@@ -68,28 +73,30 @@ def main():
     for layout, b, ctx in points:
         hq, hkv, d = LAYOUTS[layout]
         fp8_us = None
-        for kvd in ("fp8_e4m3", "int8"):
+        for kvd in ("fp8_e4m3", "int8") + (("bfloat16",) if d <= 64 else ()):
             kv = KVSet(hkv, d, kvd, b, ctx, TritonBackend.default_page_size(kvd, d), "cuda")
             vt = ours_v_layout(kv) == "HDN"
             base = choose_config(b, hkv, hq // hkv, d, ctx, kv.dtype, torch.bfloat16, v_t=vt)
             vcs = ours_v_caches(kv)
+            hnd = [c[1] for c in kv.caches]
             qs = [torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16) for _ in kv.caches]
             outs = [torch.empty_like(x) for x in qs]
-            for label, change in variants(kvd):
+            for label, change in variants(kvd, d, hq // hkv):
                 cfg = dataclasses.replace(base, **change)
-                fns = [lambda i=i: paged_decode(qs[i], kv.caches[i][0], vcs[i], kv.block_table,
+                vv = hnd if not cfg.v_t else vcs
+                fns = [lambda i=i: paged_decode(qs[i], kv.caches[i][0], vv[i], kv.block_table,
                                                 kv.kv_lens, outs[i], d ** -0.5, cfg,
                                                 **scale_kwargs(kv, i))
                        for i in range(kv.reps)]
                 us = graph_us(fns)
-                fp8_us = us if kvd == "fp8_e4m3" else fp8_us
+                fp8_us = us if label == "fp8_e4m3" else fp8_us
                 rec = dict(layout=layout, batch=b, ctx=ctx, page=kv.page_size, format=label,
                            v_layout=ours_v_layout(kv), cfg=str(cfg), bytes=kv.bytes, us=us,
                            tbps=kv.bytes / us / 1e6, time_vs_fp8=us / fp8_us)
                 res.append(rec)
                 print(f"{layout:>12} {b:>4}x{ctx:<6} {kv.page_size:>4} {label:>10} {us:8.1f} "
                       f"{rec['tbps']:6.2f} {rec['time_vs_fp8']:7.3f}", flush=True)
-            del kv, qs, outs, vcs
+            del kv, qs, outs, vcs, hnd
             torch.cuda.empty_cache()
     out = os.environ.get("OUT_DIR", os.environ.get("OUT", "/tmp"))
     with open(os.path.join(out, "int8_decode.json"), "w") as f:

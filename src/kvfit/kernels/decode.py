@@ -37,6 +37,8 @@ class DecodeConfig:
     v_t: bool = False  # V pages are token-minor [H, D, P] (pool v_layout "HDN")
     # int8 tiles -> float16: "asm" (four per inline-asm prmt/sub, GPU) or "cast" (I2F per value)
     i8_cvt: str = "asm"
+    # > 1: R sub-splits packed into the 16 MMA rows (kernels/decode_packed.py; HND, G <= 16/R)
+    pack: int = 1
 
 
 def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_kv_len: int,
@@ -99,6 +101,8 @@ def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_sc
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
+    if cfg.pack > 1:
+        _check_pack(cfg, group, k_cache.shape[2])
     g_pad = max(triton.next_power_of_2(group), 16 if cfg.use_dot else 1)
     s = cfg.num_splits
     ks, vs, ssp, ssh = scale_cache_args(k_cache, scale_caches)
@@ -117,8 +121,25 @@ def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_sc
     if cfg.use_dot:
         opts["F16"] = k_cache.dtype in EIGHT_BIT
         opts["I8_ASM"] = rows and cfg.i8_cvt == "asm" and not interpreting()
+        if cfg.pack > 1:
+            from kvfit.kernels import decode_packed
+
+            del opts["G_PAD"], opts["V_T"]
+            opts.update(GP=16 // cfg.pack, R=cfg.pack)
+            return decode_packed.build(), (b, hkv, s), args, opts
         return split_k, (b, hkv, s), args, opts
     return split_fma, (b, hkv, s), args, opts
+
+
+def _check_pack(cfg: DecodeConfig, group: int, page_size: int) -> None:
+    """A packed launch needs the tensor-core path, HND V pages, the query group within 16/R rows,
+    R consecutive tokens within a page, and >= 16 tile rows."""
+    r = cfg.pack
+    if (not cfg.use_dot or cfg.v_t or 16 % r or group > 16 // r or page_size % r
+            or cfg.block_n % r or cfg.block_n // r < 16):
+        raise ValueError(f"decode pack={r} does not fit this launch (use_dot={cfg.use_dot}, "
+                         f"v_t={cfg.v_t}, group {group}, page size {page_size}, block_n "
+                         f"{cfg.block_n}); use pack=1")
 
 
 def scale_cache_args(k_cache: torch.Tensor, scale_caches):

@@ -38,20 +38,13 @@ def build():
 
     from kvfit.kernels.tile_math import build as build_tile_math
 
-    from kvfit.kernels.row_quant import build as build_row_quant
+    from kvfit.kernels.decode_common import build as build_decode_common
 
-    i8_to_f16 = build_row_quant().i8_to_f16
+    common = build_decode_common()
+    _to_mma, _split_range, _store_split = common.to_mma, common.split_range, common.store_split
     shared = build_tile_math()
     softcap_logits, tile_logits, softmax_pv = (shared.softcap_logits, shared.tile_logits,
                                                shared.softmax_pv)
-
-    @triton.jit
-    def _to_mma(k, v, q, F16: tl.constexpr, I8_ASM: tl.constexpr):
-        if I8_ASM:  # int8 tiles: four values per asm (no I2F)
-            return i8_to_f16(k), i8_to_f16(v)
-        if F16:
-            return k.to(tl.float16), v.to(tl.float16)
-        return k.to(q.dtype), v.to(q.dtype)
 
     @triton.jit
     def _tile_hnd(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off, s_head, stride_cp,
@@ -123,38 +116,6 @@ def build():
         qk = tile_logits(q, k, ks, qk_scale, softcap, HAS_SOFTCAP, ROWS, "tf32")  # [G_PAD, N]
         return softmax_pv(qk, v, vs, acc, m_i, l_i, tl.reshape(live, (BLOCK_N,))[None, :], MASKED,
                           ROWS, "tf32")
-
-    @triton.jit
-    def _split_range(KVLEN, b, s, num_splits, window, BLOCK_N: tl.constexpr,
-                     HAS_WINDOW: tl.constexpr):
-        # tokens [lo, hi) of split s of request b; splits start at multiples of BLOCK_N
-        kv_len = tl.load(KVLEN + b)
-        per = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-        lo = s * per
-        hi = tl.minimum(lo + per, kv_len)
-        if HAS_WINDOW:
-            lo = tl.maximum(lo, kv_len - window)
-        return lo, hi
-
-    @triton.jit
-    def _store_split(OUT, OP, LSE, acc, m_i, l_i, b, h, s, num_splits, v_scale,
-                     stride_ot, stride_oh, G: tl.constexpr, G_PAD: tl.constexpr,
-                     D: tl.constexpr, SINGLE: tl.constexpr):
-        # normalise; one split: the output (V scale applied), else the partial + its log-sum-exp
-        g = tl.arange(0, G_PAD)
-        d = tl.arange(0, D)
-        gmask = g < G
-        safe_l = tl.where(l_i > 0, l_i, 1.0)
-        o = acc / safe_l[:, None]
-        hq = h * G + g
-        if SINGLE:
-            tl.store(OUT + b * stride_ot + hq[:, None] * stride_oh + d[None, :],
-                     (o * v_scale).to(OUT.dtype.element_ty), mask=gmask[:, None])
-        else:
-            lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
-            row = (b * (tl.num_programs(1) * G) + hq) * num_splits + s  # [G_PAD]
-            tl.store(OP + row[:, None] * D + d[None, :], o, mask=gmask[:, None])
-            tl.store(LSE + row, lse, mask=gmask)
 
     @triton.jit
     def _decode_split(Q, KC, VC, KS, VS, BT, KVLEN, OUT, OP, LSE,
