@@ -309,10 +309,17 @@ def test_int8_window_and_softcap(window, softcap):
 @pytest.mark.parametrize("kv_dtype,rotate", [("int8", True), ("int8", False),
                                              ("fp8_e4m3", False)])
 @pytest.mark.parametrize("d", [64, 128])
-def test_backend_steps_with_transform(kv_dtype, rotate, d):
+@pytest.mark.parametrize("softcap", [None, 20.0])
+def test_backend_steps_with_transform(kv_dtype, rotate, d, softcap):
     """TritonBackend: a prefill step then decode steps, with K centering (and the rotation for
-    int8), against float32 attention of the transformed q over the reference-stored pages."""
+    int8), against float32 attention of the transformed q over the reference-stored pages.
+    With a soft-cap the logits must be those of the uncentered keys: the reference attends
+    over the stored keys plus the (rotated) mean."""
     from kvfit.attention.triton_backend import TritonBackend
+    from kvfit.attention.torch_attend import attend
+    from kvfit.kernels.hadamard import fwht
+
+    from int8helpers import gather_pool
 
     torch.manual_seed(d + rotate)
     hq, hkv = HEADS[d]
@@ -329,7 +336,8 @@ def test_backend_steps_with_transform(kv_dtype, rotate, d):
         pool.kv_transform = tr
         ref_pool = make_pool(kv_dtype, ps, hkv, d, num_pages, 0.5, 1.5, v_layout=v_layout)
     tables = random_tables([200, 150, 90], ps, num_pages)
-    be = TritonBackend(pool, torch.bfloat16, d ** -0.5)
+    be = TritonBackend(pool, torch.bfloat16, d ** -0.5, logit_softcap=softcap)
+    mu_seen = fwht(mu[0]) if rotate else mu[0]  # the mean in the space the kernels see
     lens = [180, 3, 90]
     for step in range(4):
         q_lens = lens if step == 0 else [1, 1, 1]
@@ -356,12 +364,22 @@ def test_backend_steps_with_transform(kv_dtype, rotate, d):
         qt, kt = tr.transform_qk(0, q, k)
         if kv_dtype == "int8":
             store_pool_ref(ref_pool, kt, v, meta.slot_mapping)
-            ref = reference_attention(ref_pool, qt, meta, d ** -0.5)
         else:
-            from kvhelpers import reference
-
             ref_pool.store_kv(0, kt, v, meta.slot_mapping)
-            ref = reference(ref_pool, qt.to(torch.bfloat16), meta, d ** -0.5)
+            qt = qt.to(torch.bfloat16).float()  # what the kernels see (no rotation here)
+        ref = torch.empty_like(qt)
+        start = 0
+        for i, (ql, kv) in enumerate(zip(q_lens, kv_lens)):
+            pages = meta.block_table[i, :meta.num_pages_cpu[i]]
+            if kv_dtype == "int8":
+                kk, vv = gather_pool(ref_pool, pages, kv)
+            else:
+                kk, vv = ref_pool.gather_kv(0, pages, kv, torch.float32)
+            if softcap is not None:
+                kk = kk + mu_seen  # [kv, Hkv, D]: the uncentered keys
+            ref[start:start + ql] = attend(qt[start:start + ql], kk, vv, d ** -0.5,
+                                           softcap=softcap)
+            start += ql
         # identical stored bytes without rotation; one int8 step apart at most with it (the
         # float32 product order of the rotation differs between torch calls)
         err = rel_err(out, ref)

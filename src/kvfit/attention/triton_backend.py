@@ -132,6 +132,23 @@ class TritonBackend(AttentionBackend):
             self._k_means[layer_id] = mu
         return self._k_means[layer_id]
 
+    def _q_bias(self, layer_id: int, q: torch.Tensor) -> Optional[torch.Tensor]:
+        """q . k_mean per token and query head ``[T, Hq]`` float32, which a centered K cache
+        takes off every logit of a row: softmax ignores it, a soft-cap does not, so layers with
+        one get it added back (q here is what the kernels see: rotated when the transform
+        rotates, and then so is the mean, q' . mu' = q . mu)."""
+        mu = self._k_mean(layer_id)
+        if self.logit_softcap is None or mu is None:
+            return None
+        if self._rotates():
+            from kvfit.kernels.hadamard import fwht
+
+            mu = fwht(mu)
+        t, hq, d = q.shape
+        hkv = mu.shape[0]
+        qg = q.float().view(t, hkv, hq // hkv, d)  # [T, Hq, D] -> [T, Hkv, G, D]
+        return (qg * mu[None, :, None, :]).sum(-1).view(t, hq)
+
     def _scale_caches(self, layer_id: int):
         """(k, v) float16 scale caches ``[pages, Hkv, P]`` of an int8 pool's layer, else
         (None, None)."""
@@ -168,9 +185,7 @@ class TritonBackend(AttentionBackend):
             q, k = pool.kv_transform.transform_qk(layer_id, q, k)  # k - mu, then @ H
             q = q.to(q_dtype)  # k stays as returned (quantized from it in float32)
             k_mean = None
-        if self.logit_softcap is not None and self._k_mean(layer_id) is not None:
-            raise ValueError("K centering with attention logit soft-capping is not supported by "
-                             "the triton backend: turn K centering off for this model")
+        q_bias = self._q_bias(layer_id, q)
         if kv_stored:
             pass  # the caller stored k/v at kv_store_target(layer_id)
         elif self._v_t and not meta.is_decode:
@@ -192,13 +207,13 @@ class TritonBackend(AttentionBackend):
             if self._scratch is not None and cfg.num_splits > 1 and n <= self._scratch[1].shape[0]:
                 scratch = (self._scratch[0][:n], self._scratch[1][:n])
             paged_decode(q, kc, vc, meta.block_table, meta.kv_lens, out, self.sm_scale, cfg,
-                         ks, vs, self.logit_softcap, window, scratch, ksc, vsc)
+                         ks, vs, self.logit_softcap, window, scratch, ksc, vsc, q_bias)
         else:
             group = q.shape[1] // kc.shape[1]
             paged_prefill(q, kc, vc, meta.block_table, meta.cu_seqlens_q, meta.kv_lens,
                           self._prefill_blocks(group), self._prefill_cfg, out, self.sm_scale,
                           ks, vs, self.logit_softcap, window, v_t=self._v_t, k_scale_cache=ksc,
-                          v_scale_cache=vsc)
+                          v_scale_cache=vsc, q_bias=q_bias)
         return out
 
     # -- CUDA graphs ------------------------------------------------------------------------

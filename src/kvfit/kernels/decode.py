@@ -93,7 +93,7 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
 
 def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_scale: float,
                   cfg: DecodeConfig, k_scale: float, v_scale: float, softcap: float | None,
-                  window: int | None, scale_caches=None):
+                  window: int | None, scale_caches=None, q_bias=None):
     """(jitted split kernel, grid, positional args, launch options) of one decode call."""
     import triton
 
@@ -109,13 +109,16 @@ def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_sc
     rows = k_cache.dtype == torch.int8
     if rows:
         k_scale = v_scale = 1.0  # the per-token scales replace the per-tensor ones
-    args = (q, k_cache, v_cache, ks, vs, block_table, kv_lens, out, op, lse,
-            float(sm_scale * k_scale * LOG2E), float(softcap or 0.0), int(window or 0),
+    qb = _checked_bias(q_bias, q, k_scale, softcap)
+    args = (q, k_cache, v_cache, ks, vs, q if qb is None else qb, block_table, kv_lens, out, op,
+            lse, float(sm_scale * k_scale * LOG2E), float(softcap or 0.0), int(window or 0),
             float(v_scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), ssp, ssh, block_table.stride(0), s)
+            k_cache.stride(0), k_cache.stride(1), ssp, ssh, block_table.stride(0),
+            0 if qb is None else qb.stride(0), s)
     opts = dict(G=group, G_PAD=g_pad, D=d, PAGE=k_cache.shape[2], BLOCK_N=cfg.block_n,
                 V_T=cfg.v_t, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-                SINGLE=s == 1, ROWS=rows, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                SINGLE=s == 1, ROWS=rows, HAS_QBIAS=qb is not None, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
     if cfg.maxnreg:
         opts["maxnreg"] = cfg.maxnreg
     if cfg.use_dot:
@@ -129,6 +132,19 @@ def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_sc
             return decode_packed.build(), (b, hkv, s), args, opts
         return split_k, (b, hkv, s), args, opts
     return split_fma, (b, hkv, s), args, opts
+
+
+def _checked_bias(q_bias, q: torch.Tensor, k_scale: float, softcap):
+    """``q_bias`` ``[T, Hq]`` float32 (q . k_mean: what a centered K cache takes off every
+    logit of a row), divided by the per-tensor K scale (the kernels add it to the raw q . k of
+    the stored keys); None unless soft-capping makes it matter."""
+    if q_bias is None or softcap is None:
+        return None
+    if tuple(q_bias.shape) != tuple(q.shape[:2]) or q_bias.dtype != torch.float32:
+        raise ValueError(f"q_bias must be float32 {tuple(q.shape[:2])}, got {q_bias.dtype} "
+                         f"{tuple(q_bias.shape)}")
+    qb = q_bias if k_scale == 1.0 else q_bias / k_scale
+    return qb if qb.stride(1) == 1 else qb.contiguous()
 
 
 def _check_pack(cfg: DecodeConfig, group: int, page_size: int) -> None:
@@ -175,13 +191,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  softcap: float | None = None, window: int | None = None,
                  scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
                  k_scale_cache: torch.Tensor | None = None,
-                 v_scale_cache: torch.Tensor | None = None) -> torch.Tensor:
+                 v_scale_cache: torch.Tensor | None = None,
+                 q_bias: torch.Tensor | None = None) -> torch.Tensor:
     """q ``[B, Hq, D]`` (one token per request) over paged K ``[pages, Hkv, P, D]`` and V (the
     same, or ``[pages, Hkv, D, P]`` when ``cfg.v_t``) -> ``out [B, Hq, D]`` (written).
 
     int8 pages need ``k_scale_cache``/``v_scale_cache`` (float16 ``[pages, Hkv, P]``, one scale
     per token and head): key j's logits are multiplied by its K scale, P's column j by its V
-    scale before P@V (``k_scale``/``v_scale`` are then unused).
+    scale before P@V (``k_scale``/``v_scale`` are then unused). ``q_bias`` ``[B, Hq]`` float32
+    (q . k_mean of a centered K cache) is added back to every logit before the soft-cap.
 
     ``scratch`` = (op ``[>= B*Hq*S, D]`` f32, lse ``[>= B*Hq*S]`` f32) lets CUDA-graph callers pass
     static buffers; otherwise they are allocated here when ``cfg.num_splits > 1``.
@@ -194,7 +212,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         op = lse = out  # unused by the single-split kernel
     kern, grid, args, opts = _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op,
                                            lse, sm_scale, cfg, k_scale, v_scale, softcap, window,
-                                           _pair(k_scale_cache, v_scale_cache))
+                                           _pair(k_scale_cache, v_scale_cache), q_bias)
     kern[grid](*args, **opts)
     if not single:
         b, hq, d = q.shape

@@ -48,7 +48,7 @@ def build():
 
     @triton.jit
     def _tile_hnd(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off, s_head, stride_cp,
-                  stride_sp, n0, lo, hi, qk_scale, softcap, D: tl.constexpr, PAGE: tl.constexpr,
+                  stride_sp, n0, lo, hi, qk_scale, softcap, qb, D: tl.constexpr, PAGE: tl.constexpr,
                   BLOCK_N: tl.constexpr, F16: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                   ROWS: tl.constexpr, I8_ASM: tl.constexpr):
         # tokens [max(n0, lo), min(n0 + BLOCK_N, hi)) of HND pages, one address per token
@@ -66,12 +66,12 @@ def build():
             ks = tl.load(KS + soff, mask=live, other=0.0).to(tl.float32)
             vs = tl.load(VS + soff, mask=live, other=0.0).to(tl.float32)
         k, v = _to_mma(k, v, q, F16, I8_ASM)
-        qk = tile_logits(q, k, ks, qk_scale, softcap, HAS_SOFTCAP, ROWS, "tf32")  # [G_PAD, N]
+        qk = tile_logits(q, k, ks, qb, qk_scale, softcap, HAS_SOFTCAP, ROWS, "tf32")  # [G_PAD, N]
         return softmax_pv(qk, v, vs, acc, m_i, l_i, live[None, :], True, ROWS, "tf32")
 
     @triton.jit
     def _tile_vt(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off, s_head, stride_cp,
-                 stride_sp, n0, lo, hi, qk_scale, softcap, D: tl.constexpr, PAGE: tl.constexpr,
+                 stride_sp, n0, lo, hi, qk_scale, softcap, qb, D: tl.constexpr, PAGE: tl.constexpr,
                  BLOCK_N: tl.constexpr, F16: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  ROWS: tl.constexpr, I8_ASM: tl.constexpr, MASKED: tl.constexpr):
         # the BLOCK_N tokens from n0 (a multiple of BLOCK_N); K HND, V token-minor [H, D, P]
@@ -113,20 +113,20 @@ def build():
             ks = tl.reshape(ks, (BLOCK_N,)).to(tl.float32)
             vs = tl.reshape(vs, (BLOCK_N,)).to(tl.float32)
         k, v = _to_mma(k, v, q, F16, I8_ASM)
-        qk = tile_logits(q, k, ks, qk_scale, softcap, HAS_SOFTCAP, ROWS, "tf32")  # [G_PAD, N]
+        qk = tile_logits(q, k, ks, qb, qk_scale, softcap, HAS_SOFTCAP, ROWS, "tf32")  # [G_PAD, N]
         return softmax_pv(qk, v, vs, acc, m_i, l_i, tl.reshape(live, (BLOCK_N,))[None, :], MASKED,
                           ROWS, "tf32")
 
     @triton.jit
-    def _decode_split(Q, KC, VC, KS, VS, BT, KVLEN, OUT, OP, LSE,
+    def _decode_split(Q, KC, VC, KS, VS, QB, BT, KVLEN, OUT, OP, LSE,
                       qk_scale, softcap, window, v_scale,
                       stride_qt, stride_qh, stride_ot, stride_oh,
-                      stride_cp, stride_ch, stride_sp, stride_sh, stride_bt,
+                      stride_cp, stride_ch, stride_sp, stride_sh, stride_bt, stride_qb,
                       num_splits,
                       G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                       BLOCK_N: tl.constexpr, F16: tl.constexpr, V_T: tl.constexpr,
                       HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, SINGLE: tl.constexpr,
-                      ROWS: tl.constexpr, I8_ASM: tl.constexpr):
+                      ROWS: tl.constexpr, I8_ASM: tl.constexpr, HAS_QBIAS: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -138,6 +138,9 @@ def build():
                     mask=gmask[:, None], other=0.0)
         if F16:
             q = q.to(tl.float16)
+        qb = 0.0  # q . k_mean per query row, added before the softcap (centered K caches)
+        if HAS_QBIAS:
+            qb = tl.load(QB + b * stride_qb + h * G + g, mask=gmask, other=0.0)[:, None]
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
@@ -151,25 +154,25 @@ def build():
                 if n0 < lo:
                     acc, m_i, l_i = _tile_vt(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row,
                                              head_off, s_head, stride_cp, stride_sp, n0, lo, hi,
-                                             qk_scale, softcap, D, PAGE, BLOCK_N, F16,
+                                             qk_scale, softcap, qb, D, PAGE, BLOCK_N, F16,
                                              HAS_SOFTCAP, ROWS, I8_ASM, True)
                     n0 += BLOCK_N
             full_end = hi // BLOCK_N * BLOCK_N
             for t0 in range(n0, full_end, BLOCK_N):
                 acc, m_i, l_i = _tile_vt(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off,
                                          s_head, stride_cp, stride_sp, t0, lo, hi, qk_scale,
-                                         softcap, D, PAGE, BLOCK_N, F16, HAS_SOFTCAP, ROWS,
+                                         softcap, qb, D, PAGE, BLOCK_N, F16, HAS_SOFTCAP, ROWS,
                                          I8_ASM, False)
             if (full_end < hi) & (full_end >= n0):
                 acc, m_i, l_i = _tile_vt(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off,
                                          s_head, stride_cp, stride_sp, full_end, lo, hi,
-                                         qk_scale, softcap, D, PAGE, BLOCK_N, F16, HAS_SOFTCAP,
+                                         qk_scale, softcap, qb, D, PAGE, BLOCK_N, F16, HAS_SOFTCAP,
                                          ROWS, I8_ASM, True)
         else:
             for t0 in range(lo, hi, BLOCK_N):
                 acc, m_i, l_i = _tile_hnd(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off,
                                           s_head, stride_cp, stride_sp, t0, lo, hi, qk_scale,
-                                          softcap, D, PAGE, BLOCK_N, F16, HAS_SOFTCAP, ROWS,
+                                          softcap, qb, D, PAGE, BLOCK_N, F16, HAS_SOFTCAP, ROWS,
                                           I8_ASM)
         _store_split(OUT, OP, LSE, acc, m_i, l_i, b, h, s, num_splits, v_scale, stride_ot,
                      stride_oh, G, G_PAD, D, SINGLE)
@@ -194,15 +197,15 @@ def build():
         tl.store(OUT + b * stride_ot + hq * stride_oh + d, (o * v_scale).to(OUT.dtype.element_ty))
 
     @triton.jit
-    def _decode_split_fma(Q, KC, VC, KS, VS, BT, KVLEN, OUT, OP, LSE,
+    def _decode_split_fma(Q, KC, VC, KS, VS, QB, BT, KVLEN, OUT, OP, LSE,
                           qk_scale, softcap, window, v_scale,
                           stride_qt, stride_qh, stride_ot, stride_oh,
-                          stride_cp, stride_ch, stride_sp, stride_sh, stride_bt,
+                          stride_cp, stride_ch, stride_sp, stride_sh, stride_bt, stride_qb,
                           num_splits,
                           G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                           PAGE: tl.constexpr, BLOCK_N: tl.constexpr, V_T: tl.constexpr,
                           HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                          SINGLE: tl.constexpr, ROWS: tl.constexpr):
+                          SINGLE: tl.constexpr, ROWS: tl.constexpr, HAS_QBIAS: tl.constexpr):
         # CUDA-core path for small groups: only the G real query rows are computed. Partial
         # sums stay per (row, token slot, d) across tiles and are reduced once at the end, and
         # the running max is only moved when it grows by more than 2^8 (exact: the final
@@ -218,6 +221,9 @@ def build():
                     mask=gmask[:, None], other=0.0).to(tl.float32)
         if not HAS_SOFTCAP:
             q = q * qk_scale
+        qb = 0.0
+        if HAS_QBIAS:
+            qb = tl.load(QB + b * stride_qb + h * G + g, mask=gmask, other=0.0)[:, None]
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l3 = tl.zeros([G_PAD, BLOCK_N], tl.float32)
         acc3 = tl.zeros([G_PAD, BLOCK_N, D], tl.float32)
@@ -242,7 +248,7 @@ def build():
                 vf = vf * tl.load(VS + soff, mask=nmask, other=0.0).to(tl.float32)[:, None]
             qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [G_PAD, N]
             if HAS_SOFTCAP:
-                qk = softcap_logits(qk, qk_scale, softcap)
+                qk = softcap_logits(qk + qb, qk_scale, softcap)
             qk = tl.where(nmask[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
             if tl.max(m_new - m_i, axis=0) > 8.0:

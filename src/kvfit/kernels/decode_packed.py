@@ -37,16 +37,16 @@ def build():
     softcap_logits = build_tile_math().softcap_logits
 
     @triton.jit
-    def _decode_split_packed(Q, KC, VC, KS, VS, BT, KVLEN, OUT, OP, LSE,
+    def _decode_split_packed(Q, KC, VC, KS, VS, QB, BT, KVLEN, OUT, OP, LSE,
                              qk_scale, softcap, window, v_scale,
                              stride_qt, stride_qh, stride_ot, stride_oh,
-                             stride_cp, stride_ch, stride_sp, stride_sh, stride_bt,
+                             stride_cp, stride_ch, stride_sp, stride_sh, stride_bt, stride_qb,
                              num_splits,
                              G: tl.constexpr, GP: tl.constexpr, R: tl.constexpr,
                              D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                              F16: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                              HAS_WINDOW: tl.constexpr, SINGLE: tl.constexpr, ROWS: tl.constexpr,
-                             I8_ASM: tl.constexpr):
+                             I8_ASM: tl.constexpr, HAS_QBIAS: tl.constexpr):
         M: tl.constexpr = R * GP  # MMA rows: sub-split i, query g -> row i * GP + g
         NR: tl.constexpr = BLOCK_N // R  # tile rows of R consecutive tokens
         W: tl.constexpr = R * D  # tile row width
@@ -65,6 +65,9 @@ def build():
                     mask=qmask, other=0.0)  # [M, W], block-diagonal
         if F16:
             q = q.to(tl.float16)
+        qb = 0.0  # q . k_mean of each row's query, added before the softcap
+        if HAS_QBIAS:
+            qb = tl.load(QB + b * stride_qb + h * G + g, mask=g < G, other=0.0)[:, None]
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, W], tl.float32)
@@ -87,7 +90,7 @@ def build():
                 soff = pg[None, :] * stride_sp + s_head + tok_r % PAGE
                 qk = qk * tl.load(KS + soff, mask=vis, other=0.0).to(tl.float32)
             if HAS_SOFTCAP:
-                qk = softcap_logits(qk, qk_scale, softcap)
+                qk = softcap_logits(qk + qb, qk_scale, softcap)
             else:
                 qk = qk * qk_scale
             qk = tl.where(vis, qk, float("-inf"))

@@ -44,7 +44,7 @@ def build():
 
     @triton.jit
     def _tile(acc, m_i, l_i, q, n0, hi, qpos, KC, VC, KS, VS, bt_row, head_off, s_head,
-              stride_cp, stride_sp, qk_scale, softcap, window,
+              stride_cp, stride_sp, qk_scale, softcap, qb, window,
               D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, V_T: tl.constexpr,
               HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
               ROWS: tl.constexpr, MASKED: tl.constexpr):
@@ -116,7 +116,7 @@ def build():
                     vs = tl.load(VS + soff).to(tl.float32)
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        qk = tile_logits(q, k, ks, qk_scale, softcap, HAS_SOFTCAP, ROWS, PREC)  # [M, BLOCK_N]
+        qk = tile_logits(q, k, ks, qb, qk_scale, softcap, HAS_SOFTCAP, ROWS, PREC)  # [M, BLOCK_N]
         vis = n[None, :] <= qpos[:, None]  # read only when MASKED
         if MASKED:
             vis = vis & nmask[None, :]
@@ -125,14 +125,14 @@ def build():
         return softmax_pv(qk, v, vs, acc, m_i, l_i, vis, MASKED, ROWS, PREC)
 
     @triton.jit
-    def _prefill(Q, KC, VC, KS, VS, BT, CU, KVLEN, BLK, OUT,
+    def _prefill(Q, KC, VC, KS, VS, QB, BT, CU, KVLEN, BLK, OUT,
                  qk_scale, softcap, window, v_scale,
                  stride_qt, stride_qh, stride_ot, stride_oh,
-                 stride_cp, stride_ch, stride_sp, stride_sh, stride_bt,
+                 stride_cp, stride_ch, stride_sp, stride_sh, stride_bt, stride_qb,
                  G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, HKV: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_T: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
-                 F16: tl.constexpr, ROWS: tl.constexpr):
+                 F16: tl.constexpr, ROWS: tl.constexpr, HAS_QBIAS: tl.constexpr):
         # one program per (listed block, KV head); heads vary fastest so the heaviest blocks
         # (listed first by order_prefill_blocks) start first on every head
         pid = tl.program_id(0)
@@ -152,6 +152,10 @@ def build():
         if F16:  # 8-bit pages: float16 MMAs (int8 -> f16 is exact; one packed cvt per two fp8
             # values, where bf16 needs two)
             q = q.to(tl.float16)
+        qb = 0.0  # q . k_mean per row, added before the softcap (centered K caches)
+        if HAS_QBIAS:
+            qb = tl.load(QB + (q_start + tok).to(tl.int64) * stride_qb + hq, mask=rmask,
+                         other=0.0)[:, None]
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -178,17 +182,17 @@ def build():
         for t in range(0, t_win):
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, lo + t * BLOCK_N, hi, qpos, KC, VC, KS, VS,
                                   bt_row, head_off, s_head, stride_cp, stride_sp, qk_scale,
-                                  softcap, window, D, PAGE, BLOCK_N, V_T, HAS_SOFTCAP,
+                                  softcap, qb, window, D, PAGE, BLOCK_N, V_T, HAS_SOFTCAP,
                                   HAS_WINDOW, PREC, ROWS, True)
         for t in range(t_win, t_diag):
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, lo + t * BLOCK_N, hi, qpos, KC, VC, KS, VS,
                                   bt_row, head_off, s_head, stride_cp, stride_sp, qk_scale,
-                                  softcap, window, D, PAGE, BLOCK_N, V_T, HAS_SOFTCAP,
+                                  softcap, qb, window, D, PAGE, BLOCK_N, V_T, HAS_SOFTCAP,
                                   HAS_WINDOW, PREC, ROWS, False)
         for t in range(t_diag, n_tiles):
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, lo + t * BLOCK_N, hi, qpos, KC, VC, KS, VS,
                                   bt_row, head_off, s_head, stride_cp, stride_sp, qk_scale,
-                                  softcap, window, D, PAGE, BLOCK_N, V_T, HAS_SOFTCAP,
+                                  softcap, qb, window, D, PAGE, BLOCK_N, V_T, HAS_SOFTCAP,
                                   HAS_WINDOW, PREC, ROWS, True)
         safe_l = tl.where(l_i > 0, l_i, 1.0)
         o = acc / safe_l[:, None] * v_scale
@@ -255,15 +259,17 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   k_scale: float = 1.0, v_scale: float = 1.0, softcap: float | None = None,
                   window: int | None = None, v_t: bool = False,
                   k_scale_cache: torch.Tensor | None = None,
-                  v_scale_cache: torch.Tensor | None = None) -> torch.Tensor:
+                  v_scale_cache: torch.Tensor | None = None,
+                  q_bias: torch.Tensor | None = None) -> torch.Tensor:
     """q ``[T, Hq, D]`` -> ``out [T, Hq, D]`` (written) for the programs listed in ``blocks``
     (``order_prefill_blocks`` with ``cfg.block_m`` rows).
 
     K pages ``[pages, Hkv, P, D]``; V the same, or token-minor ``[pages, Hkv, D, P]`` if ``v_t``.
     int8 pages need ``k_scale_cache``/``v_scale_cache`` (float16 ``[pages, Hkv, P]``), which
     replace ``k_scale``/``v_scale``: logits of key j times its K scale, P's column j times its V
-    scale before P@V."""
-    from kvfit.kernels.decode import EIGHT_BIT, scale_cache_args
+    scale before P@V. ``q_bias`` ``[T, Hq]`` float32 (q . k_mean of a centered K cache) is
+    added back to every logit before the soft-cap."""
+    from kvfit.kernels.decode import EIGHT_BIT, _checked_bias, scale_cache_args
 
     kern = build()
     nb = blocks.shape[0]
@@ -277,14 +283,17 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k_cache, None if k_scale_cache is None else (k_scale_cache, v_scale_cache))
     if rows:
         k_scale = v_scale = 1.0
+    qb = _checked_bias(q_bias, q, k_scale, softcap)
     kern[(nb * hkv,)](
-        q, k_cache, v_cache, ks, vs, block_table, cu_seqlens_q, kv_lens, blocks, out,
+        q, k_cache, v_cache, ks, vs, q if qb is None else qb, block_table, cu_seqlens_q,
+        kv_lens, blocks, out,
         float(sm_scale * k_scale * LOG2E), float(softcap or 0.0), int(window or 0), float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), ssp, ssh, block_table.stride(0),
-        G=hq // hkv, D=d, PAGE=k_cache.shape[2], HKV=hkv, BLOCK_M=cfg.block_m,
+        0 if qb is None else qb.stride(0), G=hq // hkv, D=d, PAGE=k_cache.shape[2], HKV=hkv,
+        BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, V_T=v_t, HAS_SOFTCAP=softcap is not None,
         HAS_WINDOW=window is not None, PREC="ieee" if fp32 else "tf32",
-        F16=k_cache.dtype in EIGHT_BIT and not fp32, ROWS=rows,
+        F16=k_cache.dtype in EIGHT_BIT and not fp32, ROWS=rows, HAS_QBIAS=qb is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

@@ -26,16 +26,17 @@ def build() -> types.SimpleNamespace:
         return th * (softcap * 1.4426950408889634)
 
     @triton.jit
-    def tile_logits(q, k, ks, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr, ROWS: tl.constexpr,
-                    PREC: tl.constexpr):
+    def tile_logits(q, k, ks, qb, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr,
+                    ROWS: tl.constexpr, PREC: tl.constexpr):
         # q [M, D], k [N, D] in the MMA dtype -> [M, N] f32 base-2 logits (qk_scale =
         # sm_scale * log2(e), softcap applied when HAS_SOFTCAP); ROWS: int8 keys, each column
-        # times its key's scale ks [N] (f32) before the softcap
+        # times its key's scale ks [N] (f32) before the softcap; qb ([M, 1] or 0.0) is added
+        # to the raw logits before the softcap (q . k_mean of a centered K cache)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)
         if ROWS:
             qk = qk * ks[None, :]
         if HAS_SOFTCAP:
-            return softcap_logits(qk, qk_scale, softcap)
+            return softcap_logits(qk + qb, qk_scale, softcap)
         return qk * qk_scale
 
     @triton.jit
