@@ -20,7 +20,7 @@ run i8store $I8 -k "store or rope"
 run i8dec_hnd $I8 -k "test_int8_decode and HND"
 run i8dec_hdn $I8 -k "test_int8_decode and HDN"
 run i8prefill $I8 -k "test_int8_prefill"
-run i8misc $I8 -k "window_and_softcap or backend_steps or graph_replay"
+run i8misc $I8 -k "window_and_softcap or backend_steps or graph"
 run packed tests/gpu/test_decode_packed.py
 run reg_store tests/gpu/test_kernels.py tests/gpu/test_rope_store.py -k "store or rope"
 run reg_decode tests/gpu/test_kernels.py -k "test_decode and fp8_e4m3"

@@ -51,16 +51,20 @@ class ContractTransform:
 
 
 def make_int8_pool(page_size: int, hkv: int, d: int, num_pages: int, device,
-                   v_layout: str = "HND", window=None, transform=None) -> MHAKVCache:
-    """An MHAKVCache of int8 pages plus float16 scale caches ``[pages, Hkv, P]``, every byte
-    poisoned (random int8 bytes, NaN scales)."""
+                   v_layout: str = "HND", window=None, transform=None,
+                   num_layers: int = 1) -> MHAKVCache:
+    """An MHAKVCache of int8 pages plus float16 scale caches ``[pages, Hkv, P]`` per layer,
+    every byte poisoned (random int8 bytes, NaN scales)."""
     spec = KVLayerSpec("sliding" if window else "full", hkv, d, window)
-    pool = MHAKVCache([spec], num_pages, page_size, int8_format(), device, v_layout=v_layout)
-    for c in (pool.k_caches[0], pool.v_caches[0]):
+    pool = MHAKVCache([spec] * num_layers, num_pages, page_size, int8_format(), device,
+                      v_layout=v_layout)
+    for c in (*pool.k_caches, *pool.v_caches):
         c.copy_(torch.randint(-127, 128, c.shape, device=device, dtype=torch.int8))
     shape = (num_pages, hkv, page_size)
-    pool.k_scale_caches = [torch.full(shape, float("nan"), dtype=torch.float16, device=device)]
-    pool.v_scale_caches = [torch.full(shape, float("nan"), dtype=torch.float16, device=device)]
+    pool.k_scale_caches = [torch.full(shape, float("nan"), dtype=torch.float16, device=device)
+                           for _ in range(num_layers)]
+    pool.v_scale_caches = [torch.full(shape, float("nan"), dtype=torch.float16, device=device)
+                           for _ in range(num_layers)]
     pool.kv_transform = transform
     return pool
 

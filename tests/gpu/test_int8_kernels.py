@@ -427,3 +427,44 @@ def test_int8_decode_cuda_graph_replay():
         assert torch.equal(got, eager)
         m2 = build_metadata([1] * b, lens, tables, ps, DEV)
         assert rel_err(got, reference_attention(pool, q, m2, d ** -0.5)) < BOUND[torch.bfloat16]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_model_graph_decode_equals_eager_int8(head_dim, rotate):
+    """A tiny random Llama on the triton backend over an int8 pool with K centering (and the
+    rotation): CUDA-graph decode (DecodeGraphs, fused RoPE + store, padded batch) gives the
+    eager tokens."""
+    from kvfit.attention.triton_backend import TritonBackend
+    from kvfit.engine.context import Context
+    from kvfit.engine.cuda_graph import DecodeGraphs
+
+    from test_cuda_graph import generate, tiny_model
+
+    torch.manual_seed(0)
+    cfg, model = tiny_model(head_dim)
+    layers = model.kv_layer_specs(cfg)
+    hkv = layers[0].num_kv_heads
+    ps = TritonBackend.default_page_size("int8", head_dim)
+    num_pages = 64 * 16 // ps
+    prompts = [torch.randint(0, 512, (n,)).tolist() for n in (5, 40, 17)]
+    tables = random_tables([200, 200, 200], ps, num_pages)
+
+    def ctx():
+        means = [torch.randn(hkv, head_dim, device=DEV) * 3 for _ in layers]
+        tr = ContractTransform(means, rotate, head_dim, DEV)
+        pool = make_int8_pool(ps, hkv, head_dim, num_pages, DEV,
+                              TritonBackend.v_layout("int8", ps, head_dim), transform=tr,
+                              num_layers=len(layers))
+        return Context(TritonBackend(pool, torch.bfloat16, model.sm_scale(cfg)), pool,
+                       torch.bfloat16)
+
+    torch.manual_seed(1)
+    ctx_e = ctx()
+    eager = generate(model, ctx_e, prompts, tables, 12)
+    torch.manual_seed(1)
+    ctx_g = ctx()
+    graphs = DecodeGraphs(model, ctx_g, 8, 200 // ps + 1, DEV)
+    graphed = generate(model, ctx_g, prompts, tables, 12, graphs)
+    assert graphed == eager
+

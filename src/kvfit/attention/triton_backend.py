@@ -221,6 +221,8 @@ class TritonBackend(AttentionBackend):
         """Allocate split-K scratch for ``max_bs`` decode rows at the most splits any batch size
         gets with contexts up to ``max_pages_per_req`` pages (static across replays)."""
         hkv, d = self._layer_shape()
+        for layer in range(self.pool.num_layers):  # K means on the device before any capture
+            self._k_mean(layer)
         self._graph_max_len = max_pages_per_req * self.pool.page_size
         most = 1
         for bs in range(1, max_bs + 1):
