@@ -51,8 +51,8 @@ class EngineConfig:
                               "from K before storing fp8 or int8 KV (exact for softmax; on "
                               "backends that apply it); off: --no-kv-k-centering")
     kv_calibration: Optional[str] = _f(None, "JSON file of the K means (written by python -m "
-                                       "kvfit.engine.kv_calibration); default: calibrate at start "
-                                       "on shipped text")
+                                       "kvfit.engine.write_kv_calibration); default: calibrate "
+                                       "at start on shipped text")
     device: Device = _f("auto", "cuda when available, else cpu")
     attention_backend: Backend = _f("auto", "attention backend; auto on CUDA = triton for fp8 KV "
                                     "with heads of >= 128, else fi when FlashInfer imports, "

@@ -5,7 +5,7 @@ Calibration runs the model once over shipped text (``CALIBRATION_TEXT`` of engin
 prose, code, a question and a recipe) into a throwaway pool in the compute dtype (no
 quantization), and averages the post-RoPE keys of every layer per KV head and channel (float64
 sums). Logged: the text, the token count, the seconds. ``--kv-calibration PATH`` loads a JSON
-file instead, written by ``python -m kvfit.engine.kv_calibration`` (docs/benchmarks.md measures
+file instead, written by ``python -m kvfit.engine.write_kv_calibration`` (docs/benchmarks.md measures
 how much the result depends on the text).
 
 Which formats get what (``resolve_kv_transform``): int8 is rotated (its ``KVFormat.rotate``) and
@@ -16,10 +16,8 @@ turns it off.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import math
 import os
 import time
 from typing import Optional, Sequence
@@ -132,6 +130,7 @@ def resolve_kv_transform(runner, tokenizer=None) -> Optional[KVTransform]:
             source = f"from {config.kv_calibration}"
         else:
             ids = calibration_ids(tokenizer, runner.hf_config.vocab_size, config.seed)
+            ids = ids[: runner.max_model_len]  # the model's RoPE tables end there
             k_mean = calibrate_k_mean(runner, ids)
             what = "shipped prose/code text" if tokenizer is not None else "random tokens"
             source = f"calibrated on {len(ids)} tokens of {what}"
@@ -141,38 +140,3 @@ def resolve_kv_transform(runner, tokenizer=None) -> Optional[KVTransform]:
     tf = KVTransform(k_mean, rotate, runner.device, source)
     log.info("KV transform for %s: %s", fmt.name, tf.describe())
     return tf
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """Write a K-mean file: ``python -m kvfit.engine.kv_calibration --model M --out F.json
-    [--text-file T] [--max-tokens N]``."""
-    p = argparse.ArgumentParser(prog="python -m kvfit.engine.kv_calibration",
-                                description=main.__doc__)
-    p.add_argument("--model", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--text-file", default=None, help="calibrate on this text (default: shipped)")
-    p.add_argument("--max-tokens", type=int, default=None, help="use only the first N tokens")
-    p.add_argument("--device", default="auto")
-    args = p.parse_args(argv)
-    from kvfit.config import EngineConfig
-    from kvfit.engine.runner import ModelRunner
-    from kvfit.models.registry import load_tokenizer, resolve_model
-
-    text = open(args.text_file).read() if args.text_file else None
-    tok = load_tokenizer(resolve_model(args.model), None)
-    ids = calibration_ids(tok, 0, 0, text)[: args.max_tokens]
-    runner = ModelRunner(EngineConfig(model=args.model, device=args.device,
-                                      num_tokens=len(ids) + 64, max_model_len=len(ids) + 64,
-                                      max_num_batched_tokens=max(len(ids), 16)), tok)
-    t0 = time.monotonic()
-    k_mean = calibrate_k_mean(runner, ids)
-    save_calibration(args.out, k_mean, {"model": args.model, "tokens": len(ids),
-                                        "text": args.text_file or "shipped"})
-    peak = max(float(m.abs().max()) for m in k_mean if m is not None)
-    print(f"wrote {args.out}: K means of {len(k_mean)} layers over {len(ids)} tokens in "
-          f"{time.monotonic() - t0:.1f} s (largest |mean| {peak:.1f})")
-    return 0 if math.isfinite(peak) else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
