@@ -83,7 +83,7 @@ def load_calibration(path: str, layers) -> list[Optional[torch.Tensor]]:
     (ValueError naming the mismatch and the fix)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--kv-calibration {path}: no such file (write one with python -m "
-                                f"kvfit.engine.kv_calibration --model M --out {path})")
+                                f"kvfit.engine.write_kv_calibration --model M --out {path})")
     with open(path) as f:
         d = json.load(f)
     means = d.get("k_mean") if isinstance(d, dict) else None
