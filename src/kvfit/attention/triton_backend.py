@@ -37,6 +37,9 @@ class TritonBackend(AttentionBackend):
     devices = frozenset({"cuda"})
     pools = frozenset({"MHAKVCache"})
     kv_dtypes = frozenset({"float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8"})
+    # K centering (subtracted in the store kernels; q . mu added back before a soft-cap) and
+    # the rotation (fused into the RoPE + store kernel, or transform_qk before the store)
+    kv_transforms = frozenset({"k_mean", "rotate"})
     page_sizes = None  # any (powers of two are fastest)
     head_dims = frozenset({64, 128, 256})
     supports_cuda_graph = True
