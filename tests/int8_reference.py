@@ -1,8 +1,9 @@
-"""torch reference of the int8 KV format (the contract of /docs: one symmetric float16 scale per
-(token, KV head)) for the kernel tests: quantize rows, store into paged caches, gather back.
+"""torch reference of the int8 KV format (one symmetric float16 scale per (token, KV head)) for
+the kernel tests: quantize rows, store into paged caches, gather back.
 
-The int8 pool of kvcache owns the engine's version; these helpers build caches directly so the
-kernel tests do not depend on the pool class."""
+``kvcache.quant.quantize_int8_rows`` is the engine's version; this one divides by a tensor, so
+it is the contract's IEEE division on CUDA too (torch's CUDA division by a Python scalar
+multiplies by the float32 reciprocal, which can move a scale by one float16 step)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = xf.abs().amax(dim=-1)
     # a full tensor divisor: torch's CUDA division by a Python scalar multiplies by its
     # float32 reciprocal, which is not the contract's IEEE division
-    scale = (amax / torch.full_like(amax, 127.0)).clamp(min=2.0 ** -14, max=65504.0).to(torch.float16)
-    q = torch.round(xf / scale.float().unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
-    return q, scale
+    scale = (amax / torch.full_like(amax, 127.0)).clamp(min=2.0 ** -14, max=65504.0)
+    scale = torch.nan_to_num(scale, nan=65504.0).to(torch.float16)  # a row holding a NaN
+    q = torch.round(xf / scale.float().unsqueeze(-1)).clamp(-127, 127)
+    return torch.nan_to_num(q, nan=0.0).to(torch.int8), scale
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:

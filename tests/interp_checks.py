@@ -62,6 +62,8 @@ def check_stores():
         v = torch.randn(t, h, d, generator=g, dtype=torch.float32).to(torch.bfloat16)
         k[2] *= 1e4
         v[3] = 0
+        k[5, 0, 7] = float("inf")  # non-finite rows: the engine's quantizer's answer
+        v[6, 1, 3] = float("nan")
         mu = torch.randn(h, d, generator=g) * 5
         slots = torch.randperm(npg * ps, generator=g)[:t]
         slots[4] = -1
@@ -70,6 +72,12 @@ def check_stores():
         store_ref(k, v, *ref, slots, v_layout, k_mean=mu)
         for a, b in zip(caches, ref):
             _same(a, b, f"store_kv {v_layout}")
+        from kvfit.kvcache.quant import quantize_int8_rows
+
+        live = slots >= 0
+        kq, kscale = quantize_int8_rows(k[live].float() - mu)  # the engine's (CPU) reference
+        _same(caches[0][slots[live] // ps, :, slots[live] % ps], kq, "vs quantize_int8_rows")
+        _same(caches[2][slots[live] // ps, :, slots[live] % ps], kscale, "scales vs the engine")
     # page-row chunks into token-minor V == the slot store
     h, d, ps = 2, 64, 16
     q_lens, kv_lens = [21, 1, 5], [21, 40, 37]

@@ -257,8 +257,8 @@ def test_guard_refuses_int8_where_it_cannot_run():
     with pytest.raises(UnsupportedCombinationError, match="FlashInfer reads only 16-bit and fp8.*"
                        "--attention-backend triton"):
         check_combination("fi", MHAKVCache, INT8, 16, "cuda", layers, assume_installed=True)
-    with pytest.raises(UnsupportedCombinationError, match="triton does not read int8"):
-        check_combination("triton", MHAKVCache, INT8, 16, "cuda", layers, assume_installed=True)
+    # the triton backend reads int8 (kernels/, issue 14) and applies both transforms
+    check_combination("triton", MHAKVCache, INT8, 16, "cuda", layers, assume_installed=True)
     check_combination("torch", MHAKVCache, INT8, 16, "cpu", layers)  # the reference reads it
     mla = [KVLayerSpec("mla", 1, 576)]
     with pytest.raises(UnsupportedCombinationError, match="MLAKVCache pool does not store int8.*"
@@ -270,7 +270,10 @@ def test_guard_refuses_int8_where_it_cannot_run():
 def test_int8_needs_a_backend_that_rotates():
     from kvfit.engine.guard import required_transforms
 
+    from kvfit.attention.triton_backend import TritonBackend
+
     assert required_transforms(INT8) == {"rotate"} <= TorchRefBackend.kv_transforms
+    assert TritonBackend.kv_transforms == {"k_mean", "rotate"}
     assert not required_transforms(kv_format("fp8_e4m3"))  # centering is optional for fp8
 
 

@@ -41,6 +41,7 @@ def build():
     quant = build_store()[2]  # the pool's element function, shared with the store kernels
     rq = build_row_quant()
     scale_i8, apply_i8, quant_rows_i8 = rq.scale_i8, rq.apply_i8, rq.quant_rows_i8
+    row_amax, max_nan = rq.row_amax, rq.max_nan
 
     @triton.jit
     def _store_rows(C, base, stride_ch, heads, cols, col_stride, x, mask, inv, max_finite,
@@ -203,10 +204,10 @@ def build():
                     if ROWS:  # int8: one scale over the whole row (both halves, the tail)
                         k1 = tl.where(m, k1.to(tl.float32), 0.0)
                         k2 = tl.where(m, k2.to(tl.float32), 0.0)
-                        amax = tl.maximum(tl.max(tl.abs(k1), axis=1), tl.max(tl.abs(k2), axis=1))
+                        amax = max_nan(row_amax(k1), row_amax(k2))
                         if BLOCK_P > 0:
                             kp = tl.where(pm, kp.to(tl.float32), 0.0)
-                            amax = tl.maximum(amax, tl.max(tl.abs(kp), axis=1))
+                            amax = max_nan(amax, row_amax(kp))
                         ksc = scale_i8(amax)
                         tl.store(KS + (slot // PAGE) * stride_sp + heads * stride_sh + off, ksc,
                                  mask=hm)

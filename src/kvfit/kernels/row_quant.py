@@ -7,9 +7,10 @@ with zero padding) and returns ``(q int8 [R, C], scale float16 [R])`` with
     scale = float16(min(max(amax / 127, 2**-14), 65504))   (IEEE division, round-to-nearest-even)
     q     = clamp(round_half_even(x / float32(scale)), -127, 127)
 
-the same bytes as the torch reference (``tests/int8_reference.py`` here; the pool's quantize in
-kvcache once merged). The 65504 cap only matters for |x| > 8.3e6 (where float16 would give an
-infinite scale and a NaN on dequantization). Owns nothing.
+the same bytes as ``kvcache.quant.quantize_int8_rows`` (and ``tests/int8_reference.py``). The
+65504 cap only matters for |x| > 8.3e6 (float16 would give an infinite scale, a NaN on
+dequantization); a row holding a NaN gets the largest scale and its NaNs store 0, as there.
+Owns nothing.
 """
 
 from __future__ import annotations
@@ -42,15 +43,23 @@ def build() -> types.SimpleNamespace:
 
     @triton.jit
     def scale_i8(amax):
-        # float32 max |x| of rows [R] -> their float16 scales [R]
+        # float32 max |x| of rows [R] (NaN for a row holding one) -> their float16 scales [R]
         s = tl.math.div_rn(amax, 127.0)
-        return tl.minimum(tl.maximum(s, 6.103515625e-05), 65504.0).to(tl.float16)
+        s = tl.minimum(tl.maximum(s, 6.103515625e-05), 65504.0)
+        return tl.where(amax == amax, s, 65504.0).to(tl.float16)
 
     @triton.jit
     def apply_i8(x, s16):
-        # float32 x [R, C] with the rows' float16 scales [R] -> int8 [R, C]
-        y = tl.math.div_rn(x, s16.to(tl.float32)[:, None])
-        return tl.minimum(tl.maximum(round_half_even(y), -127.0), 127.0).to(tl.int8)
+        # float32 x [R, C] with the rows' float16 scales [R] -> int8 [R, C] (NaN -> 0)
+        y = round_half_even(tl.math.div_rn(x, s16.to(tl.float32)[:, None]))
+        y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+        return tl.where(x == x, y, 0.0).to(tl.int8)
+
+    @triton.jit
+    def row_amax(x):
+        # max |x| of each row of x [R, C], NaN where the row holds a NaN (as torch's amax)
+        nan_row = tl.max((x != x).to(tl.int32), axis=1) > 0
+        return tl.where(nan_row, float("nan"), tl.max(tl.abs(x), axis=1))
 
     @triton.jit
     def i8_to_f16(x):
@@ -70,12 +79,18 @@ def build() -> types.SimpleNamespace:
             "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
 
     @triton.jit
+    def max_nan(a, b):
+        # elementwise max that keeps a NaN of either side (tl.maximum drops it)
+        return tl.where((a != a) | (b != b), float("nan"), tl.maximum(a, b))
+
+    @triton.jit
     def quant_rows_i8(x):
         # x float32 [R, C] -> (int8 [R, C], float16 scales [R]); padded columns must hold 0
-        s16 = scale_i8(tl.max(tl.abs(x), axis=1))
+        s16 = scale_i8(row_amax(x))
         return apply_i8(x, s16), s16
 
     expose_for_interpreter(globals(), locals())
     return types.SimpleNamespace(round_half_even=round_half_even, scale_i8=scale_i8,
-                                 apply_i8=apply_i8, quant_rows_i8=quant_rows_i8,
+                                 apply_i8=apply_i8, row_amax=row_amax, max_nan=max_nan,
+                                 quant_rows_i8=quant_rows_i8,
                                  i8_to_f16=i8_to_f16)
