@@ -21,7 +21,7 @@ run i8dec_hnd $I8 -k "test_int8_decode and HND"
 run i8dec_hdn $I8 -k "test_int8_decode and HDN"
 run i8prefill $I8 -k "test_int8_prefill"
 run i8misc $I8 -k "window_and_softcap or graph_replay"
-run i8backend $I8 -k "backend_steps"
+run i8backend $I8 -k "backend_steps or torch_reference"
 run i8model $I8 -k "model_graph"
 run packed tests/gpu/test_decode_packed.py
 run reg_store tests/gpu/test_kernels.py tests/gpu/test_rope_store.py -k "store or rope"
