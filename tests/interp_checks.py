@@ -176,12 +176,19 @@ def check_attention():
             for use_dot in (True, False):
                 cfg = choose_config(3, hkv, hq // hkv, d, max(kv_lens), torch.int8, q.dtype,
                                     use_dot=use_dot, v_t=v_layout == "HDN")
-                for splits in (1, 3):
+                for splits, cvt in ((1, "bias"), (3, "asm")):
                     out = torch.full_like(q, float("nan"))
+                    c = dataclasses.replace(cfg, num_splits=splits, i8_cvt=cvt)
                     paged_decode(q, caches[0], caches[1], meta.block_table, meta.kv_lens, out,
-                                 d ** -0.5, dataclasses.replace(cfg, num_splits=splits),
-                                 window=window, **scales)
+                                 d ** -0.5, c, window=window, **scales)
                     outs.append(out)
+            # packed: 2 sub-splits of the group of 2 in the 16 MMA rows
+            out = torch.full_like(q, float("nan"))
+            c = dataclasses.replace(cfg, use_dot=True, pack=8, block_n=128, num_splits=2,
+                                    i8_cvt="bias")
+            paged_decode(q, caches[0], caches[1], meta.block_table, meta.kv_lens, out,
+                         d ** -0.5, c, window=window, **scales)
+            outs.append(out)
         else:
             cfg = PrefillConfig(32, 32, 4, 1)
             blocks = order_prefill_blocks(q_lens, hq // hkv, cfg.block_m, "cpu", kv_lens)

@@ -56,8 +56,8 @@ def graph_us(fns, iters=10):
 def variants(kvd: str, d: int, group: int):
     """(label, config changes) per format: int8 with each conversion; 64-d heads with groups of
     <= 4 also packed (4 sub-splits in the MMA rows, kernels/decode_packed.py)."""
-    out = [("int8-asm", {"i8_cvt": "asm"}), ("int8-cast", {"i8_cvt": "cast"})] \
-        if kvd == "int8" else [(kvd, {})]
+    out = [("int8-asm", {"i8_cvt": "asm"}), ("int8-bias", {"i8_cvt": "bias"}),
+           ("int8-cast", {"i8_cvt": "cast"})] if kvd == "int8" else [(kvd, {})]
     if d <= 64 and group <= 4:
         name = "int8" if kvd == "int8" else kvd
         out += [(f"{name}-pk4-{bn}", {"pack": 4, "block_n": bn, "v_t": False})

@@ -61,9 +61,11 @@ def test_packed_decode(kv_dtype, layout, d, lens_idx):
     q = torch.randn(b, hq, d, device=DEV, dtype=cdt)
     ref = _ref(pool, q, meta, d ** -0.5)
     base = choose_config(b, hkv, hq // hkv, d, max(kv_lens), pool.dtype, cdt)
-    for block_n in [n for n in (64, 128, 256) if n >= 16 * pack]:
+    cvts = ["asm", "bias", "cast"] if kv_dtype == "int8" else ["asm"]
+    for block_n, i8_cvt in [(n, c) for n in (64, 128, 256) if n >= 16 * pack for c in cvts]:
         for splits in (1, 3):
-            cfg = dataclasses.replace(base, pack=pack, block_n=block_n, num_splits=splits)
+            cfg = dataclasses.replace(base, pack=pack, block_n=block_n, num_splits=splits,
+                                      i8_cvt=i8_cvt)
             out = poison_(torch.empty_like(q))
             paged_decode(q, pool.k_caches[0], pool.v_caches[0], meta.block_table, meta.kv_lens,
                          out, d ** -0.5, cfg, *scales, **kw)

@@ -224,7 +224,8 @@ def test_int8_decode(page_size, d, lens_idx, v_layout):
     ref = reference_attention(pool, q, meta, d ** -0.5)
     v_t = v_layout == "HDN"
     first = choose_config(b, hkv, hq // hkv, d, max(kv_lens), torch.int8, q.dtype, v_t=v_t)
-    configs = [first, dataclasses.replace(first, i8_cvt="cast"),  # both int8 conversions
+    configs = [first, dataclasses.replace(first, i8_cvt="cast"),  # each int8 conversion
+               dataclasses.replace(first, i8_cvt="bias"),
                choose_config(b, hkv, hq // hkv, d, max(kv_lens), torch.int8, q.dtype,
                              use_dot=not first.use_dot, v_t=v_t)]
     for cfg in configs:

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from kvfit.kernels import decode_kernels
-from kvfit.kernels.interpret import interpreting
 
 LOG2E = 1.4426950408889634
+I8_CVTS = {"cast": 0, "asm": 1, "bias": 2}  # DecodeConfig.i8_cvt -> the kernels' I8_CVT
 # 8-bit page dtypes: converted to float16 tiles for the MMAs (exact for int8)
 EIGHT_BIT = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 
@@ -35,7 +35,8 @@ class DecodeConfig:
     num_stages: int
     maxnreg: int | None = None  # register cap per thread (more programs per SM)
     v_t: bool = False  # V pages are token-minor [H, D, P] (pool v_layout "HDN")
-    # int8 tiles -> float16: "asm" (four per inline-asm prmt/sub, GPU) or "cast" (I2F per value)
+    # int8 tiles -> float16: "asm" (four per inline-asm prmt/sub, GPU), "bias" (the same without
+    # the subtraction: 1152 * sum(q) and 1152 * sum(P) corrected per tile) or "cast" (I2F each)
     i8_cvt: str = "asm"
     # > 1: R sub-splits packed into the 16 MMA rows (kernels/decode_packed.py; HND, G <= 16/R)
     pack: int = 1
@@ -123,7 +124,7 @@ def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_sc
         opts["maxnreg"] = cfg.maxnreg
     if cfg.use_dot:
         opts["F16"] = k_cache.dtype in EIGHT_BIT
-        opts["I8_ASM"] = rows and cfg.i8_cvt == "asm" and not interpreting()
+        opts["I8_CVT"] = I8_CVTS[cfg.i8_cvt] if rows else 0
         if cfg.pack > 1:
             from kvfit.kernels import decode_packed
 

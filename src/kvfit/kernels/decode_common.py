@@ -17,12 +17,17 @@ def build() -> types.SimpleNamespace:
 
     from kvfit.kernels.row_quant import build as build_row_quant
 
-    i8_to_f16 = build_row_quant().i8_to_f16
+    rq = build_row_quant()
+    i8_to_f16, i8_to_f16_biased = rq.i8_to_f16, rq.i8_to_f16_biased
 
     @triton.jit
-    def _to_mma(k, v, q, F16: tl.constexpr, I8_ASM: tl.constexpr):
-        if I8_ASM:  # int8 tiles: four values per asm (no I2F)
+    def _to_mma(k, v, q, F16: tl.constexpr, I8_CVT: tl.constexpr):
+        # I8_CVT (int8 tiles): 1 four values per asm (no I2F), 2 the same + 1152 (the caller
+        # corrects Q.K^T and P@V), 0 Triton's cast
+        if I8_CVT == 1:
             return i8_to_f16(k), i8_to_f16(v)
+        if I8_CVT == 2:
+            return i8_to_f16_biased(k), i8_to_f16_biased(v)
         if F16:
             return k.to(tl.float16), v.to(tl.float16)
         return k.to(q.dtype), v.to(q.dtype)

@@ -48,9 +48,10 @@ def build():
 
     @triton.jit
     def _tile_hnd(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off, s_head, stride_cp,
-                  stride_sp, n0, lo, hi, qk_scale, softcap, qb, D: tl.constexpr, PAGE: tl.constexpr,
+                  stride_sp, n0, lo, hi, qk_scale, softcap, qb, qoff, D: tl.constexpr,
+                  PAGE: tl.constexpr,
                   BLOCK_N: tl.constexpr, F16: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                  ROWS: tl.constexpr, I8_ASM: tl.constexpr):
+                  ROWS: tl.constexpr, I8_CVT: tl.constexpr):
         # tokens [max(n0, lo), min(n0 + BLOCK_N, hi)) of HND pages, one address per token
         d = tl.arange(0, D)
         n = n0 + tl.arange(0, BLOCK_N)
@@ -65,15 +66,18 @@ def build():
             soff = page * stride_sp + s_head + n % PAGE
             ks = tl.load(KS + soff, mask=live, other=0.0).to(tl.float32)
             vs = tl.load(VS + soff, mask=live, other=0.0).to(tl.float32)
-        k, v = _to_mma(k, v, q, F16, I8_ASM)
-        qk = tile_logits(q, k, ks, qb, qk_scale, softcap, HAS_SOFTCAP, ROWS, "tf32")  # [G_PAD, N]
-        return softmax_pv(qk, v, vs, acc, m_i, l_i, live[None, :], True, ROWS, "tf32")
+        k, v = _to_mma(k, v, q, F16, I8_CVT)
+        # [G_PAD, N] logits
+        qk = tile_logits(q, k, ks, qb, qoff, qk_scale, softcap, HAS_SOFTCAP, ROWS, "tf32")
+        return softmax_pv(qk, v, vs, acc, m_i, l_i, live[None, :], True, ROWS, "tf32",
+                          I8_CVT == 2)
 
     @triton.jit
     def _tile_vt(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off, s_head, stride_cp,
-                 stride_sp, n0, lo, hi, qk_scale, softcap, qb, D: tl.constexpr, PAGE: tl.constexpr,
+                 stride_sp, n0, lo, hi, qk_scale, softcap, qb, qoff, D: tl.constexpr,
+                 PAGE: tl.constexpr,
                  BLOCK_N: tl.constexpr, F16: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 ROWS: tl.constexpr, I8_ASM: tl.constexpr, MASKED: tl.constexpr):
+                 ROWS: tl.constexpr, I8_CVT: tl.constexpr, MASKED: tl.constexpr):
         # the BLOCK_N tokens from n0 (a multiple of BLOCK_N); K HND, V token-minor [H, D, P]
         PP: tl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
         NP: tl.constexpr = BLOCK_N // PP
@@ -112,10 +116,11 @@ def build():
                 vs = tl.load(vsptr)
             ks = tl.reshape(ks, (BLOCK_N,)).to(tl.float32)
             vs = tl.reshape(vs, (BLOCK_N,)).to(tl.float32)
-        k, v = _to_mma(k, v, q, F16, I8_ASM)
-        qk = tile_logits(q, k, ks, qb, qk_scale, softcap, HAS_SOFTCAP, ROWS, "tf32")  # [G_PAD, N]
+        k, v = _to_mma(k, v, q, F16, I8_CVT)
+        # [G_PAD, N] logits
+        qk = tile_logits(q, k, ks, qb, qoff, qk_scale, softcap, HAS_SOFTCAP, ROWS, "tf32")
         return softmax_pv(qk, v, vs, acc, m_i, l_i, tl.reshape(live, (BLOCK_N,))[None, :], MASKED,
-                          ROWS, "tf32")
+                          ROWS, "tf32", I8_CVT == 2)
 
     @triton.jit
     def _decode_split(Q, KC, VC, KS, VS, QB, BT, KVLEN, OUT, OP, LSE,
@@ -126,7 +131,7 @@ def build():
                       G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                       BLOCK_N: tl.constexpr, F16: tl.constexpr, V_T: tl.constexpr,
                       HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, SINGLE: tl.constexpr,
-                      ROWS: tl.constexpr, I8_ASM: tl.constexpr, HAS_QBIAS: tl.constexpr):
+                      ROWS: tl.constexpr, I8_CVT: tl.constexpr, HAS_QBIAS: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -141,6 +146,9 @@ def build():
         qb = 0.0  # q . k_mean per query row, added before the softcap (centered K caches)
         if HAS_QBIAS:
             qb = tl.load(QB + b * stride_qb + h * G + g, mask=gmask, other=0.0)[:, None]
+        qoff = 0.0  # biased int8 tiles hold k + 1152: q . k = dot - 1152 * sum(q)
+        if I8_CVT == 2:
+            qoff = 1152.0 * tl.sum(q.to(tl.float32), axis=1)[:, None]
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
@@ -154,26 +162,26 @@ def build():
                 if n0 < lo:
                     acc, m_i, l_i = _tile_vt(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row,
                                              head_off, s_head, stride_cp, stride_sp, n0, lo, hi,
-                                             qk_scale, softcap, qb, D, PAGE, BLOCK_N, F16,
-                                             HAS_SOFTCAP, ROWS, I8_ASM, True)
+                                             qk_scale, softcap, qb, qoff, D, PAGE, BLOCK_N, F16,
+                                             HAS_SOFTCAP, ROWS, I8_CVT, True)
                     n0 += BLOCK_N
             full_end = hi // BLOCK_N * BLOCK_N
             for t0 in range(n0, full_end, BLOCK_N):
                 acc, m_i, l_i = _tile_vt(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off,
                                          s_head, stride_cp, stride_sp, t0, lo, hi, qk_scale,
-                                         softcap, qb, D, PAGE, BLOCK_N, F16, HAS_SOFTCAP, ROWS,
-                                         I8_ASM, False)
+                                         softcap, qb, qoff, D, PAGE, BLOCK_N, F16, HAS_SOFTCAP,
+                                         ROWS, I8_CVT, False)
             if (full_end < hi) & (full_end >= n0):
                 acc, m_i, l_i = _tile_vt(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off,
                                          s_head, stride_cp, stride_sp, full_end, lo, hi,
-                                         qk_scale, softcap, qb, D, PAGE, BLOCK_N, F16, HAS_SOFTCAP,
-                                         ROWS, I8_ASM, True)
+                                         qk_scale, softcap, qb, qoff, D, PAGE, BLOCK_N, F16,
+                                         HAS_SOFTCAP, ROWS, I8_CVT, True)
         else:
             for t0 in range(lo, hi, BLOCK_N):
                 acc, m_i, l_i = _tile_hnd(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off,
                                           s_head, stride_cp, stride_sp, t0, lo, hi, qk_scale,
-                                          softcap, qb, D, PAGE, BLOCK_N, F16, HAS_SOFTCAP, ROWS,
-                                          I8_ASM)
+                                          softcap, qb, qoff, D, PAGE, BLOCK_N, F16, HAS_SOFTCAP,
+                                          ROWS, I8_CVT)
         _store_split(OUT, OP, LSE, acc, m_i, l_i, b, h, s, num_splits, v_scale, stride_ot,
                      stride_oh, G, G_PAD, D, SINGLE)
 

@@ -46,7 +46,7 @@ def build():
                              D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                              F16: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                              HAS_WINDOW: tl.constexpr, SINGLE: tl.constexpr, ROWS: tl.constexpr,
-                             I8_ASM: tl.constexpr, HAS_QBIAS: tl.constexpr):
+                             I8_CVT: tl.constexpr, HAS_QBIAS: tl.constexpr):
         M: tl.constexpr = R * GP  # MMA rows: sub-split i, query g -> row i * GP + g
         NR: tl.constexpr = BLOCK_N // R  # tile rows of R consecutive tokens
         W: tl.constexpr = R * D  # tile row width
@@ -68,6 +68,9 @@ def build():
         qb = 0.0  # q . k_mean of each row's query, added before the softcap
         if HAS_QBIAS:
             qb = tl.load(QB + b * stride_qb + h * G + g, mask=g < G, other=0.0)[:, None]
+        qoff = 0.0  # biased int8 tiles hold k + 1152: q . k = dot - 1152 * sum(q)
+        if I8_CVT == 2:
+            qoff = 1152.0 * tl.sum(q.to(tl.float32), axis=1)[:, None]
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, W], tl.float32)
@@ -82,8 +85,8 @@ def build():
             live_c = (tok_c >= lo) & (tok_c < hi)
             k = tl.load(KC + off[:, None] + c[None, :], mask=live_c, other=0.0)
             v = tl.load(VC + off[:, None] + c[None, :], mask=live_c, other=0.0)
-            k, v = _to_mma(k, v, q, F16, I8_ASM)
-            qk = tl.dot(q, tl.trans(k), input_precision="tf32")  # [M, NR]
+            k, v = _to_mma(k, v, q, F16, I8_CVT)
+            qk = tl.dot(q, tl.trans(k), input_precision="tf32") - qoff  # [M, NR]
             tok_r = tok_a[None, :] + blk_r[:, None]  # the token of each logit, [M, NR]
             vis = (tok_r >= lo) & (tok_r < hi)
             if ROWS:  # int8: each logit's key scale, each P entry's value scale
@@ -101,7 +104,10 @@ def build():
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if ROWS:
                 p = p * tl.load(VS + soff, mask=vis, other=0.0).to(tl.float32)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="tf32")
+            p = p.to(v.dtype)
+            acc = tl.dot(p, v, acc * alpha[:, None], input_precision="tf32")
+            if I8_CVT == 2:  # v tiles hold v + 1152
+                acc -= 1152.0 * tl.sum(p.to(tl.float32), axis=1)[:, None]
             m_i = m_new
         # merge the R sub-splits of each query: diagonal blocks of acc, weighted by exp2(m)
         acc4 = tl.reshape(acc, (R, GP, R, D))  # [sub-split, g, column block, d]

@@ -116,13 +116,13 @@ def build():
                     vs = tl.load(VS + soff).to(tl.float32)
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        qk = tile_logits(q, k, ks, qb, qk_scale, softcap, HAS_SOFTCAP, ROWS, PREC)  # [M, BLOCK_N]
+        qk = tile_logits(q, k, ks, qb, 0.0, qk_scale, softcap, HAS_SOFTCAP, ROWS, PREC)  # [M, N]
         vis = n[None, :] <= qpos[:, None]  # read only when MASKED
         if MASKED:
             vis = vis & nmask[None, :]
             if HAS_WINDOW:
                 vis = vis & (n[None, :] > qpos[:, None] - window)
-        return softmax_pv(qk, v, vs, acc, m_i, l_i, vis, MASKED, ROWS, PREC)
+        return softmax_pv(qk, v, vs, acc, m_i, l_i, vis, MASKED, ROWS, PREC, False)
 
     @triton.jit
     def _prefill(Q, KC, VC, KS, VS, QB, BT, CU, KVLEN, BLK, OUT,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import types
 
-from kvfit.kernels.interpret import expose_for_interpreter
+from kvfit.kernels.interpret import expose_for_interpreter, interpreting
 
 # float16 scale bounds: the smallest normal (never zero, never subnormal) and the largest finite
 SCALE_MIN = 2.0 ** -14
@@ -61,22 +61,44 @@ def build() -> types.SimpleNamespace:
         nan_row = tl.max((x != x).to(tl.int32), axis=1) > 0
         return tl.where(nan_row, float("nan"), tl.max(tl.abs(x), axis=1))
 
-    @triton.jit
-    def i8_to_f16(x):
-        # int8 -> float16, four values per asm (no I2F, a quarter-rate unit on Hopper): bias each
-        # byte by 128 (xor), place it under the float16 exponent of 1024 (prmt: 0x64XX = 1024 +
-        # XX exactly) and subtract 1152 = 1024 + 128 (two packed subtractions)
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 a, lo, hi, c;
-            xor.b32 a, $2, 0x80808080;
-            prmt.b32 lo, a, 0x64646464, 0x4140;
-            prmt.b32 hi, a, 0x64646464, 0x4342;
-            mov.b32 c, 0x64806480;
-            sub.f16x2 $0, lo, c;
-            sub.f16x2 $1, hi, c;
-            }""",
-            "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+    if interpreting():  # no inline asm under the interpreter: the same values by casts
+        @triton.jit
+        def i8_to_f16(x):
+            return x.to(tl.float16)
+
+        @triton.jit
+        def i8_to_f16_biased(x):
+            return (x.to(tl.float32) + 1152.0).to(tl.float16)
+    else:
+        @triton.jit
+        def i8_to_f16(x):
+            # int8 -> float16, four values per asm (no I2F, a quarter-rate unit on Hopper):
+            # bias each byte by 128 (xor), place it under the float16 exponent of 1024 (prmt:
+            # 0x64XX = 1024 + XX exactly), subtract 1152 = 1024 + 128 (two packed subtractions)
+            return tl.inline_asm_elementwise(
+                """{
+                .reg .b32 a, lo, hi, c;
+                xor.b32 a, $2, 0x80808080;
+                prmt.b32 lo, a, 0x64646464, 0x4140;
+                prmt.b32 hi, a, 0x64646464, 0x4342;
+                mov.b32 c, 0x64806480;
+                sub.f16x2 $0, lo, c;
+                sub.f16x2 $1, hi, c;
+                }""",
+                "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+
+        @triton.jit
+        def i8_to_f16_biased(x):
+            # int8 x -> float16 x + 1152, four values per asm (xor, two prmt): the caller takes
+            # 1152 * sum(q) off Q.K^T and 1152 * sum(P) off P@V, no subtraction per value
+            return tl.inline_asm_elementwise(
+                """{
+                .reg .b32 a;
+                xor.b32 a, $2, 0x80808080;
+                prmt.b32 $0, a, 0x64646464, 0x4140;
+                prmt.b32 $1, a, 0x64646464, 0x4342;
+                }""",
+                "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
 
     @triton.jit
     def max_nan(a, b):
@@ -93,4 +115,4 @@ def build() -> types.SimpleNamespace:
     return types.SimpleNamespace(round_half_even=round_half_even, scale_i8=scale_i8,
                                  apply_i8=apply_i8, row_amax=row_amax, max_nan=max_nan,
                                  quant_rows_i8=quant_rows_i8,
-                                 i8_to_f16=i8_to_f16)
+                                 i8_to_f16=i8_to_f16, i8_to_f16_biased=i8_to_f16_biased)

@@ -26,13 +26,14 @@ def build() -> types.SimpleNamespace:
         return th * (softcap * 1.4426950408889634)
 
     @triton.jit
-    def tile_logits(q, k, ks, qb, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr,
+    def tile_logits(q, k, ks, qb, qoff, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr,
                     ROWS: tl.constexpr, PREC: tl.constexpr):
         # q [M, D], k [N, D] in the MMA dtype -> [M, N] f32 base-2 logits (qk_scale =
         # sm_scale * log2(e), softcap applied when HAS_SOFTCAP); ROWS: int8 keys, each column
         # times its key's scale ks [N] (f32) before the softcap; qb ([M, 1] or 0.0) is added
-        # to the raw logits before the softcap (q . k_mean of a centered K cache)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        # to the raw logits before the softcap (q . k_mean of a centered K cache); qoff ([M, 1]
+        # or 0.0) is taken off the raw dot first (biased int8 tiles: 1152 * sum(q))
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) - qoff
         if ROWS:
             qk = qk * ks[None, :]
         if HAS_SOFTCAP:
@@ -41,7 +42,7 @@ def build() -> types.SimpleNamespace:
 
     @triton.jit
     def softmax_pv(qk, v, vs, acc, m_i, l_i, visible, MASKED: tl.constexpr, ROWS: tl.constexpr,
-                   PREC: tl.constexpr):
+                   PREC: tl.constexpr, VBIAS: tl.constexpr):
         # One tile of logits qk [M, N] into a running softmax: v [N, D] in the MMA dtype, acc
         # [M, D] f32, m_i/l_i [M] (base-2 running max and sum); visible (broadcastable to
         # [M, N]) is read only when MASKED; ROWS: int8 values, P's column j times vs[j] (f32)
@@ -58,7 +59,10 @@ def build() -> types.SimpleNamespace:
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if ROWS:
             p = p * vs[None, :]
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+        p = p.to(v.dtype)
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PREC)
+        if VBIAS:  # v tiles hold v + 1152 (biased int8 conversion)
+            acc -= 1152.0 * tl.sum(p.to(tl.float32), axis=1)[:, None]
         return acc, m_new, l_i
 
     @triton.jit
