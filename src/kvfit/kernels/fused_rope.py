@@ -54,8 +54,9 @@ def build():
     @triton.jit
     def _halves(r1, r2, BLOCK_H: tl.constexpr, D: tl.constexpr):
         # two halves [BLOCK_H, D/2] -> one float32 row [BLOCK_H, D] (r1 first)
-        x = tl.join(r1.to(tl.float32), r2.to(tl.float32))  # [BLOCK_H, D/2, 2]
-        return tl.reshape(tl.permute(x, (0, 2, 1)), (BLOCK_H, D))  # [BLOCK_H, 2, D/2] -> rows
+        first = (tl.arange(0, 2) == 0)[None, :, None]
+        x = tl.where(first, r1.to(tl.float32)[:, None, :], r2.to(tl.float32)[:, None, :])
+        return tl.reshape(x, (BLOCK_H, D))  # [BLOCK_H, 2, D/2] -> rows
 
     @triton.jit
     def _store_k_rotated(KC, KS, KM, kb, sbase, stride_ch, heads, hm, full, k_inv, max_finite,

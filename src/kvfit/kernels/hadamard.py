@@ -47,14 +47,40 @@ def build():
     import triton.language as tl
 
     @triton.jit
+    def _butterfly(x, R: tl.constexpr, D: tl.constexpr, H: tl.constexpr):
+        # one stage: element i pairs with i + H inside blocks of 2H -> (a + b, a - b). Only
+        # reshape, masked sums (exact: one term is 0) and a broadcast select, no split/join.
+        y = tl.reshape(x, (R, D // (2 * H), 2, H))  # the pair on axis 2
+        first = (tl.arange(0, 2) == 0)[None, None, :, None]
+        a = tl.sum(tl.where(first, y, 0.0), axis=2)  # [R, D / 2H, H]
+        b = tl.sum(tl.where(first, 0.0, y), axis=2)
+        out = tl.where(first, (a + b)[:, :, None, :], (a - b)[:, :, None, :])
+        return tl.reshape(out, (R, D))
+
+    @triton.jit
     def fwht_rows(x, R: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr,
                   SCALE: tl.constexpr):
-        for s in tl.static_range(LOG2D):
-            HALF: tl.constexpr = 1 << s
-            y = tl.reshape(x, (R, D // (2 * HALF), 2, HALF))
-            a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))  # [R, blocks, HALF] each
-            y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))  # [R, blocks, 2, HALF]
-            x = tl.reshape(y, (R, D))
+        # stages of stride 1, 2, 4, ... (D <= 512), each a constexpr branch (the cast also keeps
+        # ``tl`` in this function's closure, where Triton resolves the annotations)
+        x = x.to(tl.float32)
+        if D >= 2:
+            x = _butterfly(x, R, D, 1)
+        if D >= 4:
+            x = _butterfly(x, R, D, 2)
+        if D >= 8:
+            x = _butterfly(x, R, D, 4)
+        if D >= 16:
+            x = _butterfly(x, R, D, 8)
+        if D >= 32:
+            x = _butterfly(x, R, D, 16)
+        if D >= 64:
+            x = _butterfly(x, R, D, 32)
+        if D >= 128:
+            x = _butterfly(x, R, D, 64)
+        if D >= 256:
+            x = _butterfly(x, R, D, 128)
+        if D >= 512:
+            x = _butterfly(x, R, D, 256)
         return x * SCALE
 
     expose_for_interpreter(globals(), locals())
