@@ -60,8 +60,9 @@ def variants(kvd: str, d: int, group: int):
            ("int8-cast", {"i8_cvt": "cast"})] if kvd == "int8" else [(kvd, {})]
     if d <= 64 and group <= 4:
         name = "int8" if kvd == "int8" else kvd
-        out += [(f"{name}-pk4-{bn}", {"pack": 4, "block_n": bn, "v_t": False})
-                for bn in (64, 128)]
+        out += [(f"{name}-pk4" + (f"-{cvt}" if kvd == "int8" else ""),
+                 {"pack": 4, "block_n": 128, "v_t": False, "i8_cvt": cvt})
+                for cvt in (("asm", "bias") if kvd == "int8" else ("asm",))]
     return out
 
 
