@@ -22,6 +22,7 @@ fused RoPE + store), the rotation by ``kv_transform.transform_qk`` before an unf
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -89,8 +90,10 @@ class TritonBackend(AttentionBackend):
     def _prepare_decode(self, meta: AttentionMetadata, max_len: int) -> None:
         hkv, d = self._layer_shape()
         # the group is fixed by the model; q heads are only known at forward, so prepare on Hkv
-        self._decode_cfg = choose_config(meta.batch_size, hkv, 1, d, max_len, self.pool.dtype,
-                                         self.compute_dtype, v_t=self._v_t)
+        group = 1 if self.num_q_heads is None else self.num_q_heads // hkv
+        self._decode_cfg = choose_config(meta.batch_size, hkv, group, d, max_len,
+                                         self.pool.dtype, self.compute_dtype, v_t=self._v_t,
+                                         page_size=self.pool.page_size)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Mutates self: the step's metadata and launch plan. Host work only (no syncs)."""
@@ -205,6 +208,8 @@ class TritonBackend(AttentionBackend):
             q = q.contiguous()
         if meta.is_decode:
             cfg = self._decode_cfg
+            if cfg.pack > 1 and q.shape[1] // kc.shape[1] > 16 // cfg.pack:
+                cfg = dataclasses.replace(cfg, pack=1)  # a group too large to pack
             scratch = None  # static split-K scratch when it is large enough, else allocated
             n = q.shape[0] * q.shape[1] * cfg.num_splits
             if self._scratch is not None and cfg.num_splits > 1 and n <= self._scratch[1].shape[0]:

@@ -19,6 +19,9 @@ import torch
 from kvfit.kernels import decode_kernels
 
 LOG2E = 1.4426950408889634
+# page dtypes whose 64-d decode runs packed (kernels/decode_packed.py) by default: measured
+# faster on the H200 for these (docs/kernels.md); empty = the plain tile everywhere
+PACKED_DTYPES: tuple = ()
 I8_CVTS = {"cast": 0, "asm": 1, "bias": 2}  # DecodeConfig.i8_cvt -> the kernels' I8_CVT
 # 8-bit page dtypes: converted to float16 tiles for the MMAs (exact for int8)
 EIGHT_BIT = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
@@ -47,7 +50,7 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
                   use_dot: bool | None = None, block_n: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
                   maxnreg: int | None = None, ctas_per_sm: int | None = None,
-                  v_t: bool = False) -> DecodeConfig:
+                  v_t: bool = False, page_size: int | None = None) -> DecodeConfig:
     """Tile, pipeline depth and a wave-aware split count per dtype/layout (docs/kernels.md).
 
     ``batch * kv_heads * splits`` programs run ``ctas_per_sm`` at a time per SM (from each
@@ -88,8 +91,13 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
             if cost < best[0] - 1e-12:
                 best = (cost, sp)
         splits = best[1]
+    pack = 1
+    if (PACKED_DTYPES and cache_dtype in PACKED_DTYPES and use_dot and not v_t
+            and head_dim <= 64 and group <= 4 and block_n % 64 == 0
+            and (page_size is None or page_size % 4 == 0)):
+        pack = 16 // max(4, 1 << (group - 1).bit_length())  # 4 sub-splits (groups of 3-4)
     return DecodeConfig(splits, block_n, use_dot, num_warps or 4, num_stages, maxnreg or None,
-                        v_t)
+                        v_t, pack=pack)
 
 
 def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_scale: float,
