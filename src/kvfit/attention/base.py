@@ -68,7 +68,12 @@ class AttentionMetadata:
 class KVStoreTarget:
     """Where one layer's new K/V go in a slot-mapped store: the pool's caches of that layer,
     the step's slots, the pool's format, scales and V layout. A model may write K/V there
-    itself (fused into its RoPE kernel) and then call the backend with ``kv_stored=True``."""
+    itself (fused into its RoPE kernel) and then call the backend with ``kv_stored=True``.
+
+    int8 pools add their float16 scale caches ``[pages, Hkv, P]`` (one scale per token and
+    head); ``k_mean`` ``[Hkv, D]`` float32 (K centering) is subtracted from k before it is
+    quantized. ``rotate``: the KV transform's Hadamard rotation, which q needs too, so only
+    ``apply_rope(kv_store=...)`` can fill such a target (it returns q rotated)."""
 
     k_cache: torch.Tensor
     v_cache: torch.Tensor
@@ -77,13 +82,22 @@ class KVStoreTarget:
     k_scale: float
     v_scale: float
     v_layout: str
+    k_scale_cache: Optional[torch.Tensor] = None
+    v_scale_cache: Optional[torch.Tensor] = None
+    k_mean: Optional[torch.Tensor] = None
+    rotate: bool = False
 
     def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """The unfused store (``kernels.store.store_kv``): mutates the caches."""
         from kvfit.kernels.store import store_kv
 
+        if self.rotate:
+            raise ValueError("a rotating KV store target rotates q as well: fill it with "
+                             "kvfit.kernels.fused_rope.apply_rope(kv_store=...), not store()")
+
         store_kv(k, v, self.k_cache, self.v_cache, self.slot_mapping, self.fmt, self.k_scale,
-                 self.v_scale, self.v_layout)
+                 self.v_scale, self.v_layout, k_scale_cache=self.k_scale_cache,
+                 v_scale_cache=self.v_scale_cache, k_mean=self.k_mean)
 
 
 class AttentionBackend:
@@ -102,6 +116,11 @@ class AttentionBackend:
     page_sizes: ClassVar[Optional[frozenset[int]]] = None  # None = any
     head_dims: ClassVar[Optional[frozenset[int]]] = None  # None = any
     supports_cuda_graph: ClassVar[bool] = False
+    # why this backend leaves a KV dtype out of kv_dtypes, and what to use instead (the guard)
+    kv_dtype_refusals: ClassVar[dict[str, str]] = {}
+    # the parts of pool.kv_transform it applies (kvcache/kv_transform.py): "k_mean" (K centering,
+    # q.mu added back before a soft-cap) and "rotate" (q, k Hadamard rotation after RoPE)
+    kv_transforms: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, pool, compute_dtype: torch.dtype, sm_scale: float,
                  logit_softcap: Optional[float] = None):
