@@ -19,12 +19,17 @@ class KVFormat:
     torch_dtype: the element type of the pool tensors.
     quantized:  True when storing needs a scale and saturation (the value range is narrow).
     max_finite: the largest finite magnitude of the format; values are clamped to it on store.
+    scale_mode: how scales are kept: ``tensor`` (per-layer float scales: bf16/fp16/fp8) or
+                ``kivi`` (int4: K per channel over a page of 32 tokens, V per token in groups of
+                32 channels, asymmetric fp16 scale and zero, kvcache/kivi.py). For ``kivi``,
+                ``torch_dtype`` is the packed storage byte (two 4-bit codes per uint8).
     """
 
     name: str
     torch_dtype: torch.dtype
     quantized: bool
     max_finite: float
+    scale_mode: str = "tensor"
 
     @property
     def itemsize(self) -> int:
@@ -37,11 +42,13 @@ KV_FORMATS: dict[str, KVFormat] = {
     "float16": KVFormat("float16", torch.float16, False, torch.finfo(torch.float16).max),
     "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, True, torch.finfo(torch.float8_e4m3fn).max),
     "fp8_e5m2": KVFormat("fp8_e5m2", torch.float8_e5m2, True, torch.finfo(torch.float8_e5m2).max),
+    # 4-bit codes 0..15, two per byte; the pool keeps the last partial page in full precision
+    "int4": KVFormat("int4", torch.uint8, True, 15.0, scale_mode="kivi"),
 }
 
 # Names a user may type for --kv-dtype. ``auto`` follows the model dtype; ``fp8`` means e4m3 as in
 # vLLM. float32 is reachable only through ``auto`` with a float32 model (CPU default).
-KV_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int4")
 _ALIASES = {"fp8": "fp8_e4m3", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 _TORCH_TO_NAME = {fmt.torch_dtype: name for name, fmt in KV_FORMATS.items()}

@@ -41,10 +41,23 @@ def spec_kv_bytes_per_token(layers: Sequence[KVLayerSpec], fmt: KVFormat,
                             kinds: Optional[Sequence[str]] = None) -> int:
     """Bytes one token costs across ``layers`` (optionally only the given kinds) in format ``fmt``.
 
-    Per-tensor scales live outside the pages and cost no bytes per token; a future per-token or
-    per-block scale mode adds its bytes here.
+    Per-tensor scales live outside the pages and cost no bytes per token. ``kivi`` (int4, pages
+    of 32 tokens) stores per head and token D/2 bytes of K and V codes each, K's float16 scale and
+    zero per channel and page (4D/32 bytes per token) and V's per token and 32 channels (4D/32):
+    5D/4 bytes for 2D elements, 0.625 bytes per element. The int4 pool's residual buffer (full
+    precision, fixed size) is priced by ``residual_bytes``.
     """
-    return sum(l.elems_per_token for l in layers if kinds is None or l.kind in kinds) * fmt.itemsize
+    elems = sum(l.elems_per_token for l in layers if kinds is None or l.kind in kinds)
+    if fmt.scale_mode == "kivi":
+        return elems * 5 // 8  # head_dim is a multiple of 32 (the int4 pool checks it)
+    return elems * fmt.itemsize
+
+
+def residual_bytes(layers: Sequence[KVLayerSpec], page_size: int, num_slots: int,
+                   itemsize: int) -> int:
+    """The int4 pool's fixed cost: one full-precision page of K and V per layer for each of
+    ``num_slots`` running requests, ``itemsize`` bytes per element (the compute dtype)."""
+    return sum(l.elems_per_token for l in layers) * page_size * num_slots * itemsize
 
 
 def solve_num_pages(budget_bytes: int, layers: Sequence[KVLayerSpec], fmt: KVFormat,
