@@ -133,7 +133,8 @@ def _plan(argv: list[str]) -> int:
         cfg = config_from_args(args, kv_dtype="auto")
     except ValueError as e:
         p.error(str(e))
-    rows = plan_capacity(cfg, mem, args.kv_dtype, plan_device(args.device))
+    rows = plan_capacity(cfg, mem, args.kv_dtype, plan_device(args.device),
+                         skip_unsupported=args.kv_dtype == list(PLAN_DTYPES))
     print(format_plan(mem, rows))
     return 0
 

@@ -1,0 +1,93 @@
+"""--kv-dtype int4 through the engine on the bundled SmolLM2-135M (float32 compute, torch
+reference backend): prefix caching on equals off, chunked prefill + preemption equal the same
+batch without preemption, aborts, every page and residual slot returned.
+
+NOTE: 4-bit codes turn float noise into whole quantization steps (a K value one ulp across a
+rounding boundary moves by scale/2), so outputs are compared between runs whose steps put the
+same tokens through the same matmul shapes: prefill chunks of 32 tokens = one page, so a
+cached prefix (whole pages) leaves the rest chunked exactly as without caching."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfit import LLM, SamplingParams
+from kvfit.kvcache.int4_pool import Int4KVCache
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+SYSTEM = ("You are a careful assistant. Answer in one short sentence, cite no sources, and "
+          "never repeat the question. The user is a student of geography and history, and "
+          "asks about places, people and dates.\n")
+QUESTIONS = ["What is the capital of France?", "Who wrote Hamlet?", "How tall is Everest?",
+             "Name a river in Egypt."]
+
+
+def _llm(**kw):
+    args = dict(device="cpu", kv_dtype="int4", num_tokens=2048, max_model_len=512,
+                max_num_seqs=4, max_num_batched_tokens=32)
+    args.update(kw)
+    return LLM("smollm2-135m", **args)
+
+
+def _tokens(outs):
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _check_returned(llm):
+    eng = llm.engine
+    pool = eng.runner.pool
+    assert isinstance(pool, Int4KVCache)
+    assert pool.residual_slots.num_free == pool.residual_slots.num_slots
+    assert eng.allocator.num_free == eng.allocator.num_pages
+
+
+@pytest.fixture(scope="module")
+def off():
+    return _llm(enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def prompts(off):
+    tok = off.get_tokenizer()
+    return [tok(SYSTEM + q)["input_ids"] for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def alone(off, prompts):
+    return [_tokens(off.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
+
+
+def test_prefix_caching_shares_full_pages_only_and_equals_caching_off(prompts, alone):
+    assert all(len(p) > 40 for p in prompts)  # the shared system text fills a page of 32
+    llm = _llm(enable_prefix_caching=True)
+    outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+    assert _tokens(outs) == alone
+    assert outs[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens % 32 == 0 and o.num_cached_tokens >= 32 for o in outs[1:])
+    _check_returned(llm)
+
+
+def test_chunked_prefill_and_preemption_equal_no_preemption(off, prompts):
+    # 4 requests of ~50 + 40 tokens need 3 pages of 32 each at the end; 8 pages force
+    # preemption; the 32-token step budget split between requests chunks prefills across page
+    # boundaries (pages completed from the residual slot)
+    want = _tokens(off.generate(prompts, GREEDY, use_tqdm=False))
+    llm = _llm(enable_prefix_caching=False, num_tokens=None, num_pages=8, max_model_len=128)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert _tokens(outs) == want
+    _check_returned(llm)
+    _check_returned(off)
+
+
+def test_abort_mid_prefill_returns_the_slot(off, prompts):
+    eng = off.engine
+    eng.add_request("abort-me", prompts[0] + prompts[1], SamplingParams(max_tokens=4))
+    eng.scheduler.max_num_batched_tokens = 40
+    try:
+        eng.step()
+        assert eng.runner.pool.residual_slots.holds("abort-me")
+        assert eng.abort_request("abort-me")
+    finally:
+        eng.scheduler.max_num_batched_tokens = off.config.max_num_batched_tokens
+    _check_returned(off)
