@@ -113,9 +113,6 @@ def build():
     return _int4_decode_kernel
 
 
-_DOT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
 def int4_decode(q: torch.Tensor, pool, layer_id: int, block_table: torch.Tensor,
                 kv_lens: torch.Tensor, residual_slots: torch.Tensor, out: torch.Tensor,
                 sm_scale: float, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
@@ -134,9 +131,9 @@ def int4_decode(q: torch.Tensor, pool, layer_id: int, block_table: torch.Tensor,
     kr, vr = pool.k_residual[layer_id], pool.v_residual[layer_id]
     hkv = kc.shape[1]
     group = hq // hkv
-    dot = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}[_DOT[q.dtype]]
-    if q.dtype == torch.float32 or kr.dtype == torch.float32:
-        dot = tl.float32
+    # float16 products for 16-bit queries (as the fp8 kernels: 11-bit mantissa, K up to ~220 in
+    # real models is far inside its range); float32 when the query or the residual is float32
+    dot = tl.float32 if torch.float32 in (q.dtype, kr.dtype) else tl.float16
     build()[(b, hkv)](
         q, out, kc, vc, ks, kz, vs, vz, kr, vr, block_table, kv_lens, residual_slots,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
