@@ -49,7 +49,7 @@ def reference(q, pool, tables, kv_lens, sm_scale):
     return out
 
 
-def run_check(device, dtype, kv_lens, hq, hkv, d, rtol):
+def run_check(device, dtype, kv_lens, hq, hkv, d, rtol, num_splits=1):
     from kvfit.kernels.decode_int4 import int4_decode
 
     pool, tables = filled_pool(kv_lens, hkv, d, device, dtype)
@@ -62,7 +62,7 @@ def run_check(device, dtype, kv_lens, hq, hkv, d, rtol):
     out = torch.full_like(q, float("nan"))  # poisoned
     sm = d ** -0.5
     int4_decode(q, pool, 0, bt.to(device), torch.tensor(kv_lens, dtype=torch.int32).to(device),
-                torch.arange(b, dtype=torch.int32).to(device), out, sm)
+                torch.arange(b, dtype=torch.int32).to(device), out, sm, num_splits=num_splits)
     want = reference(q, pool, tables, kv_lens, sm)
     got = out.double().cpu()
     assert torch.isfinite(got).all()

@@ -17,9 +17,11 @@ pytest.importorskip("triton")
 HERE = Path(__file__).parent
 
 
-def test_int4_decode_kernel_matches_reference_in_the_interpreter():
+@pytest.mark.parametrize("splits", [1, 3])
+def test_int4_decode_kernel_matches_reference_in_the_interpreter(splits):
     code = ("import torch; from int4_kernel_check import run_check; "
-            "print(run_check(torch.device('cpu'), torch.float32, [77, 64, 5, 33], 4, 2, 64, 1e-4))")
+            "print(run_check(torch.device('cpu'), torch.float32, [77, 64, 5, 33, 130], 4, 2, 64, "
+            f"1e-4, num_splits={splits}))")
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

@@ -55,7 +55,7 @@ def bench_fp8(hq, hkv, d, batch, ctx, dev, g):
 def bench_int4(hq, hkv, d, batch, ctx, dev, g):
     import triton
 
-    from kvfit.kernels.decode_int4 import int4_decode
+    from kvfit.kernels.decode_int4 import choose_splits, int4_decode
     from kvfit.kvcache.dtypes import kv_format
     from kvfit.kvcache.int4_pool import Int4KVCache
     from kvfit.kvcache.spec import KVLayerSpec
@@ -75,7 +75,10 @@ def bench_int4(hq, hkv, d, batch, ctx, dev, g):
     out = torch.empty_like(q)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
     slots = torch.arange(batch, dtype=torch.int32, device=dev)
-    fn = lambda: int4_decode(q, pool, 0, bt, lens, slots, out, d ** -0.5)  # noqa: E731
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
+    splits = choose_splits(batch, hkv, ctx, sms)
+    fn = lambda: int4_decode(q, pool, 0, bt, lens, slots, out, d ** -0.5,  # noqa: E731
+                             num_splits=splits)
     ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
     tail = ctx - full * 32
     nbytes = batch * hkv * (full * 32 * d * 5 // 4 + 2 * tail * d * 2)
