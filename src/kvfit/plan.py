@@ -21,7 +21,7 @@ from kvfit.kvcache.sizing import PoolSizing
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "t": 1e12, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
-PLAN_DTYPES = ("bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int4")
+PLAN_DTYPES = ("bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 
 
 def parse_memory(text: str) -> int:

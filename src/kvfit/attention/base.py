@@ -107,6 +107,11 @@ class AttentionBackend:
     page_sizes: ClassVar[Optional[frozenset[int]]] = None  # None = any
     head_dims: ClassVar[Optional[frozenset[int]]] = None  # None = any
     supports_cuda_graph: ClassVar[bool] = False
+    # why this backend leaves a KV dtype out of kv_dtypes, and what to use instead (the guard)
+    kv_dtype_refusals: ClassVar[dict[str, str]] = {}
+    # the parts of pool.kv_transform it applies (kvcache/kv_transform.py): "k_mean" (K centering,
+    # q.mu added back before a soft-cap) and "rotate" (q, k Hadamard rotation after RoPE)
+    kv_transforms: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, pool, compute_dtype: torch.dtype, sm_scale: float,
                  logit_softcap: Optional[float] = None):

@@ -40,14 +40,15 @@ def select_backend(requested: str, device_type: str, pool_name: str | None = Non
                    assume_installed: bool = False) -> str:
     """``auto`` on CUDA: triton for fp8 KV with heads of >= 128 (its fp8 decode measured 1.2-2.2x
     FlashInfer's, docs/benchmarks.md), else fi when FlashInfer imports, else triton; each only
-    if it holds ``pool_name``'s pool. torch otherwise. Explicit names are kept (the guard then
+    if it holds ``pool_name``'s pool and reads ``kv_dtype``. torch otherwise. Explicit names are kept (the guard then
     checks them). ``assume_installed``: as on a machine where FlashInfer and Triton import."""
     if requested != "auto":
         return requested
 
     def usable(name: str) -> bool:
         return unavailable_reason(name, device_type, assume_installed) is None and (
-            pool_name is None or pool_name in backend_class(name).pools)
+            pool_name is None or pool_name in backend_class(name).pools) and (
+            kv_dtype is None or kv_dtype in backend_class(name).kv_dtypes)
 
     if device_type == "cuda":
         fp8_wide = (kv_dtype or "").startswith("fp8") and (head_dim or 0) >= 128

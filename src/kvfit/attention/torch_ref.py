@@ -5,6 +5,10 @@ the per-tensor scale), and runs explicit softmax attention with a causal mask th
 the cached prefix: query j of a request with q_len new tokens and kv_len cached tokens sits at
 absolute position ``kv_len - q_len + j`` and sees keys ``0 .. kv_len - q_len + j`` (and, on a
 sliding-window layer, only the last ``window`` of those).
+
+K centering and rotation (``pool.kv_transform``, kvcache/kv_transform.py) are applied to q and k
+after RoPE, before the store: the pool then holds (k - mean) @ H, attention runs on q @ H, and on
+a soft-capped layer ``sm_scale * q . mean`` is added back to each logit row before the cap.
 """
 
 from __future__ import annotations
@@ -25,9 +29,18 @@ class TorchRefBackend(TorchMLAMixin, AttentionBackend):
     page_sizes = None
     head_dims = None
     supports_cuda_graph = False
+    kv_transforms = frozenset({"k_mean", "rotate"})
 
     def forward(self, q, k, v, layer_id):
         meta = self.meta
+        out = torch.empty_like(q)
+        shift = None
+        tf = self.pool.kv_transform
+        if tf is not None:
+            if self.logit_softcap is not None:
+                shift = tf.logit_shift(layer_id, q)
+                shift = None if shift is None else shift * self.sm_scale  # [T, Hq]
+            q, k = tf.transform_qk(layer_id, q, k)
         spec = self.pool.layers[layer_id]
         window = spec.window if spec.kind == "sliding" else None
         slots, table, num_pages = meta.slot_mapping, meta.block_table, meta.num_pages_cpu
@@ -51,7 +64,6 @@ class TorchRefBackend(TorchMLAMixin, AttentionBackend):
                                "build_metadata(..., residual_slots=...))")
         else:
             self.pool.store_kv(layer_id, k, v, slots)
-        out = torch.empty_like(q)
         start = 0
         for i, (q_len, kv_len) in enumerate(zip(meta.q_lens_cpu, meta.kv_lens_cpu)):
             if q_len == 0:
@@ -62,9 +74,10 @@ class TorchRefBackend(TorchMLAMixin, AttentionBackend):
             extra = {} if plan is None else {"residual_slot": plan.slots_cpu[i]}
             kk, vv = self.pool.gather_kv(layer_id, pages, kv_len - offset, self.compute_dtype,
                                          **extra)
-            out[start:start + q_len] = attend(q[start:start + q_len], kk, vv, self.sm_scale,
-                                              window=window, softcap=self.logit_softcap,
-                                              key_offset=offset)
+            out[start:start + q_len] = attend(
+                q[start:start + q_len], kk, vv, self.sm_scale, window=window,
+                softcap=self.logit_softcap, key_offset=offset,
+                logit_shift=None if shift is None else shift[start:start + q_len])
             start += q_len
         return out
 

@@ -30,6 +30,9 @@ class TritonBackend(AttentionBackend):
     devices = frozenset({"cuda"})
     pools = frozenset({"MHAKVCache"})
     kv_dtypes = frozenset({"float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"})
+    # int8 (and its kv_transforms) is declared by the int8 kernels' branch (issue 14, kvkern)
+    kv_dtype_refusals = {"int8": "the int8 Triton kernels are not in this build yet; use "
+                                 "--attention-backend torch (reference) or fp8_e4m3"}
     page_sizes = None  # any (powers of two are fastest)
     head_dims = frozenset({64, 128, 256})
     supports_cuda_graph = True

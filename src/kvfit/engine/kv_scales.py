@@ -97,7 +97,7 @@ def resolve_scales(spec: Optional[str], runner, fmt: KVFormat, tokenizer=None
         log.info("--kv-scales ignored: KV dtype %s stores values unscaled", fmt.name)
         return None, None
     if fmt.scale_mode != "tensor":
-        log.info("--kv-scales ignored: KV dtype %s keeps its own scales per group", fmt.name)
+        log.info("--kv-scales ignored: %s KV keeps its own scales (%s)", fmt.name, fmt.scale_mode)
         return None, None
     if spec == "auto":
         if tokenizer is not None:

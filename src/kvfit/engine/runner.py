@@ -2,7 +2,8 @@
 
 Start-up order: the settings (engine/settings.py: model config, dtypes, pool class, backend, page
 size, V layout, checked by the guard before any weight is loaded) -> load weights -> measure
-activations -> size the pool (``pool_cls.solve_pages``) and allocate it -> KV scales -> CUDA
+activations -> size the pool (``pool_cls.solve_pages``) and allocate it -> KV scales and the KV
+transform (K centering calibration, the int8 V rotation folded into the weights at load) -> CUDA
 graphs. ``execute(items)`` runs one step.
 """
 
@@ -20,10 +21,12 @@ from kvfit.attention.meta_builder import build_metadata, build_step_metadata, to
 from kvfit.config import EngineConfig
 from kvfit.engine import memory
 from kvfit.engine.context import Context
+from kvfit.engine.kv_calibration import resolve_kv_transform
 from kvfit.engine.kv_scales import resolve_scales
 from kvfit.engine.settings import EngineSettings, resolve_settings
 from kvfit.errors import KVBudgetError
 from kvfit.kvcache.sizing import PoolSizing
+from kvfit.models.kv_rotation_fold import fold_v_rotation
 from kvfit.models.weights import WeightSink, init_dummy, iter_gguf, iter_safetensors
 from kvfit.transfer import to_device
 
@@ -62,13 +65,14 @@ class ModelRunner:
         log.info("model %s (%s): %s", config.model, self.hf_config.model_type, s.describe())
 
         free_before = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
-        self.model = self._load_model()
+        self.model = self._fold_kv_rotation(self._load_model())
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.sizing = self._size_pool(free_before)
         backend_cls = s.backend_cls
         k_scales, v_scales = resolve_scales(config.kv_scales, self, self.kv_format, tokenizer)
         self.pool = self.pool_cls.from_sizing(self.sizing, self.layers, self.kv_format,
                                               self.device, k_scales, v_scales, s.v_layout)
+        self.pool.kv_transform = resolve_kv_transform(self, tokenizer)  # before any store
         self.backend = backend_cls(self.pool, self.dtype, self.model_cls.sm_scale(self.hf_config),
                                    self.model_cls.logit_softcap_of(self.hf_config))
         self.ctx = Context(self.backend, self.pool, self.dtype)
@@ -102,6 +106,13 @@ class ModelRunner:
             for name, t in items:
                 sink.put(name, t)
         sink.check_complete()
+        return model
+
+    def _fold_kv_rotation(self, model):
+        """int8 KV stores V rotated per head: fold H into v_proj/o_proj (mutates the weights)."""
+        if self.kv_format.rotate:
+            n = fold_v_rotation(model)
+            log.info("V Hadamard rotation folded into v_proj/o_proj of %d layers", n)
         return model
 
     def _size_pool(self, free_before: int) -> PoolSizing:
