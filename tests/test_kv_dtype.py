@@ -65,7 +65,7 @@ def test_unknown_kv_dtype_refused_by_parser(capsys):
     err = capsys.readouterr().err
     assert "invalid choice: 'fp4'" in err and "fp8_e4m3" in err and "bfloat16" in err
     with pytest.raises(ValueError, match="valid: auto, bfloat16"):
-        kv_format("int8")
+        kv_format("int3")
 
 
 def test_solve_num_pages_matches_allocation_to_the_byte():
