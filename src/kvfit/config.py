@@ -80,12 +80,16 @@ class EngineConfig:
                                      "on with CUDA, off on CPU")
     enable_prefix_caching: bool = _f(True, "reuse the KV pages of prompt prefixes that earlier "
                                      "requests computed (off: --no-enable-prefix-caching)")
+    tensor_parallel_size: int = _f(1, "GPUs (ranks) the model is sharded over with tensor "
+                                   "parallelism: one process per rank, started by kvfit; NCCL "
+                                   "on CUDA, gloo on CPU", aliases=("--tp-size", "--tp"))
     load_format: LoadFormat = _f("auto", "dummy = random weights from config.json alone")
     seed: int = _f(0, "seed for dummy weights and unseeded sampling")
 
     def __post_init__(self):
         kv_format(self.kv_dtype) if self.kv_dtype != "auto" else None
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs",
+                     "tensor_parallel_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.async_scheduling not in typing.get_args(AsyncMode):
@@ -144,7 +148,7 @@ _KWARG_NAMES = {f.name for f in dataclasses.fields(EngineConfig)}
 
 def make_config(**kwargs) -> EngineConfig:
     """EngineConfig from keyword arguments; a misspelt name is a TypeError naming close matches."""
-    unknown = set(kwargs) - _KWARG_NAMES
+    unknown = set(kwargs) - _KWARG_NAMES - {"kv_cache_dtype", "tp_size"}
     if unknown:
         import difflib
 
@@ -153,6 +157,8 @@ def make_config(**kwargs) -> EngineConfig:
         raise TypeError(f"unknown engine argument(s): {msg}")
     if "kv_cache_dtype" in kwargs:  # vLLM spelling
         kwargs["kv_dtype"] = kwargs.pop("kv_cache_dtype")
+    if "tp_size" in kwargs:  # SGLang spelling
+        kwargs["tensor_parallel_size"] = kwargs.pop("tp_size")
     return EngineConfig(**kwargs)
 
 

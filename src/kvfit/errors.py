@@ -28,3 +28,8 @@ class KVBudgetError(RuntimeError):
 class ModelInputError(ValueError):
     """A model file or config that cannot be loaded as it is (truncated GGUF, missing or
     inconsistent config field). The message names the file, the field and the fix."""
+
+
+class WorkerLostError(RuntimeError):
+    """A tensor-parallel worker process exited while the engine ran; the engine cannot go on
+    (the message names the rank and its exit code; restart the engine)."""

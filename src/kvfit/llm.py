@@ -22,6 +22,16 @@ class LLM:
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); also done at exit."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -50,8 +50,9 @@ class PlanRow:
 
     def capacity_line(self) -> str:
         """The engine's start-up line for this row (same words, same numbers)."""
-        return self.sizing.capacity_line(self.settings.kv_format,
-                                         min(self.settings.max_model_len, self.sizing.tokens))
+        s = self.settings
+        return self.sizing.capacity_line(s.kv_format, min(s.max_model_len, self.sizing.tokens),
+                                         s.tp_size, s.full_layers)
 
 
 def plan_device(device: str) -> str:
@@ -67,6 +68,8 @@ def plan_capacity(config: EngineConfig, memory_bytes: int,
                   kv_dtypes: Sequence[str] = PLAN_DTYPES, device: str = "cuda",
                   skip_unsupported: bool = False) -> list[PlanRow]:
     """One row per KV dtype for a KV budget of ``memory_bytes`` on ``device`` ("cuda" or "cpu").
+    Under tensor parallelism (``config.tensor_parallel_size`` > 1) ``memory_bytes`` is each
+    GPU's KV budget and the rows price one rank's pool (its share of the KV heads).
 
     ``config`` supplies the model and the other settings (backend, page size, model length,
     scheduler limits); its ``kv_dtype`` is replaced by each of ``kv_dtypes`` in turn.
@@ -95,9 +98,11 @@ def format_plan(memory_bytes: int, rows: list[PlanRow]) -> str:
     assumed and how they were chosen."""
     s0 = rows[0].settings
     cfg = s0.hf_config
+    where = (f"in {memory_bytes / 2**30:.2f} GiB on {s0.device.type}" if s0.tp_size == 1 else
+             f"in {memory_bytes / 2**30:.2f} GiB per GPU on {s0.tp_size} {s0.device.type} GPUs "
+             f"(tensor parallel, {memory_bytes * s0.tp_size / 2**30:.2f} GiB in all)")
     lines = [f"KV plan for {s0.config.model} ({cfg.model_type}, {cfg.num_hidden_layers} layers) "
-             f"in {memory_bytes / 2**30:.2f} GiB on {s0.device.type}, context "
-             f"{s0.max_model_len:,}",
+             f"{where}, context {s0.max_model_len:,}",
              "",
              "| kv dtype | backend | page size | bytes/token | pages | tokens | pool GiB "
              "| vs first | max concurrency |",
@@ -108,6 +113,14 @@ def format_plan(memory_bytes: int, rows: list[PlanRow]) -> str:
                      f"{z.bytes_per_token:,} | {z.num_pages:,} | {z.tokens:,} | "
                      f"{z.pool_bytes / 2**30:.3f} | {r.ratio_vs_first:.2f}x | "
                      f"{r.max_concurrency:.2f} |")
+    if s0.tp_size > 1:
+        kv = s0.full_layers[0].num_kv_heads
+        lines += ["", f"Tensor parallel over {s0.tp_size} GPUs: each GPU stores "
+                  f"{s0.layers[0].num_kv_heads} of the {kv} KV heads for every token, so "
+                  f"bytes/token and pool GiB are per GPU and the tokens are the engine's (the "
+                  f"same on every GPU); the pools of all GPUs take {s0.tp_size}x pool GiB. "
+                  f"Per dtype, per GPU and in total:", ""]
+        lines += [f"- {r.capacity_line()}" for r in rows]
     explicit = s0.config.max_model_len
     short = [r.kv_dtype for r in rows if explicit and r.sizing.tokens < explicit]
     if short:

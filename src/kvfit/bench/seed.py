@@ -33,7 +33,11 @@ DEFAULT_CONFIG = config_path("qwen3-1.7b")
 # differently; every other engine flag comes from EngineConfig as in `kvfit generate`
 BENCH_SETS = ("model", "kv_dtype", "device", "load_format", "tokenizer", "num_pages", "num_tokens",
               "max_model_len", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs",
-              "cpu_kv_space_gib")
+              "cpu_kv_space_gib",
+              # drives one rank's model directly (graph replays, synthetic page tables): tensor
+              # parallelism is measured through the engine, `kvfit bench throughput
+              # --tensor-parallel-size N` (docs/tensor_parallel.md)
+              "tensor_parallel_size")
 
 
 def parser() -> argparse.ArgumentParser:

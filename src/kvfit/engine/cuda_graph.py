@@ -56,7 +56,9 @@ class DecodeGraphs:
         self._host_table = np.zeros((max_bs, self.max_pages), dtype=np.int32)
         self._host_rows: list = [None] * max_bs
         self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
-        self.backend.num_q_heads = model.config.num_attention_heads  # known before any forward
+        # known before any forward; a tensor-parallel rank runs its share of the heads
+        self.backend.num_q_heads = getattr(model, "num_q_heads_per_rank",
+                                           model.config.num_attention_heads)
         self.backend.init_cuda_graph(max_bs, self.max_pages)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}

@@ -87,3 +87,36 @@ def check_combination(backend_name: str, pool_cls, fmt: KVFormat, page_size: int
             "--page-size")
     raise UnsupportedCombinationError(f"unsupported combination ({combo}): "
                                       + "; ".join(reasons) + hint)
+
+
+def check_tensor_parallel(size: int, hf_config, model_cls, pool_cls, device_type: str,
+                          kv_scales, devices_here: int | None) -> None:
+    """Refuse a ``--tensor-parallel-size`` the model or the host cannot run, before any weight
+    is loaded (raises UnsupportedCombinationError listing every reason and the fix).
+    ``devices_here``: CUDA devices on this host (None when planning for another host)."""
+    from kvfit.parallel.layout import tp_refusals
+
+    if size == 1:
+        return
+    reasons = []
+    if not getattr(model_cls, "supports_tensor_parallel", False):
+        why = {"MLAKVCache": "MLA (DeepSeek-V2) caches one latent slab that every head reads, "
+                             "so splitting heads would not split its KV cache; its latent "
+                             "projections and experts are not sharded",
+               "HybridSWAKVCache": "sliding-window pages are handed out by rank 0's scheduler "
+                                   "and are not sent to the other ranks"}.get(
+            pool_cls.name, "its layers are not sharded")
+        reasons.append(f"tensor parallelism shards the Llama family (Llama, Mistral, Qwen2, "
+                       f"Qwen3, SmolLM2); {hf_config.model_type} runs on one GPU: {why}")
+    else:
+        heads = hf_config.num_attention_heads
+        kv = getattr(hf_config, "num_key_value_heads", None) or heads
+        reasons += tp_refusals(heads, kv, hf_config.intermediate_size, size)
+    if kv_scales == "auto":
+        reasons.append("--kv-scales auto calibrates on one rank; give a JSON file of scales")
+    if device_type == "cuda" and devices_here is not None and devices_here < size:
+        reasons.append(f"{size} ranks need {size} GPUs, this host has {devices_here}")
+    if reasons:
+        raise UnsupportedCombinationError(
+            f"--tensor-parallel-size {size} is not supported here: " + "; ".join(reasons)
+            + "; lower --tensor-parallel-size (1 runs the model on one device)")

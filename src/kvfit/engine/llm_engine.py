@@ -144,6 +144,11 @@ class LLMEngine:
         self.scheduler.finish(req, "abort")
         return True
 
+    def close(self) -> None:
+        """Release what outlives the engine object: under tensor parallelism the worker
+        processes and the process group (also done at garbage collection and at exit)."""
+        self.runner.close()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

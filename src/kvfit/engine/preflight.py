@@ -106,12 +106,16 @@ def check_runs_here(config: EngineConfig) -> None:
 def check_memory(settings: EngineSettings) -> None:
     """After the settings are resolved (inputs checked, guard run), before the tokenizer and the
     weights: refuse weights that cannot fit, warn about a busy CPU, say what will load."""
-    est = estimate_weights(settings.model_cls, settings.hf_config, settings.max_model_len,
-                           settings.dtype)
+    from kvfit.parallel.state import rank0_shapes
+
+    with rank0_shapes(settings.tp_size):  # tensor parallel: one rank's shard per device
+        est = estimate_weights(settings.model_cls, settings.hf_config, settings.max_model_len,
+                               settings.dtype)
     check_weights_fit(est, settings.device, settings.config.memory_ratio, settings.source.path)
     if settings.device.type == "cpu":
         warn_busy_cpu()
-    log.info("loading %s: %s, %.2f B parameters (%.2f GiB of %s weights), %s KV on %s",
+    per = f" per rank, {settings.tp_size} ranks" if settings.tp_size > 1 else ""
+    log.info("loading %s: %s, %.2f B parameters (%.2f GiB of %s weights%s), %s KV on %s",
              settings.config.model, settings.hf_config.model_type, est.num_params / 1e9,
-             est.resident / GiB, str(settings.dtype).replace("torch.", ""),
+             est.resident / GiB, str(settings.dtype).replace("torch.", ""), per,
              settings.kv_format.name, settings.device.type)

@@ -5,14 +5,23 @@ size, V layout, checked by the guard before any weight is loaded) -> load weight
 activations -> size the pool (``pool_cls.solve_pages``) and allocate it -> KV scales and the KV
 transform (K centering calibration, the int8 V rotation folded into the weights at load) -> CUDA
 graphs. ``execute(items)`` runs one step.
+
+Tensor parallel (``--tensor-parallel-size N``): rank 0's runner starts the workers
+(``parallel/workers.py``), every rank builds its shard with this same code (its heads, its KV
+heads in its own pool, the same number of pages on every rank: the smallest any rank's budget
+holds), and rank 0's ``execute`` first broadcasts the step (a ``StepPlan``) so that every rank
+runs the same forward, collectives in the same order; workers loop in ``serve_steps``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
+import weakref
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -28,6 +37,7 @@ from kvfit.errors import KVBudgetError
 from kvfit.kvcache.sizing import PoolSizing
 from kvfit.models.kv_rotation_fold import fold_v_rotation
 from kvfit.models.weights import WeightSink, init_dummy, iter_gguf, iter_safetensors
+from kvfit.parallel.state import broadcast_from_driver, tp_group
 from kvfit.transfer import to_device
 
 log = logging.getLogger("kvfit")
@@ -47,14 +57,48 @@ class StepResult:
     prompt_rows: dict[int, tuple[int, torch.Tensor]]  # batch index -> (start pos, [n, V] logprobs)
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """One step as every rank runs it (rank 0 builds it, broadcasts it under tensor
+    parallelism): token ids and positions (host, int64 [T] each), the attention lists,
+    ``carried`` = [(token index, row of the previous step's sampled ids)] for ids only rank 0's
+    device has (broadcast separately), the rows that sample, and (batch index, first row,
+    rows, start position) of each chunk that wants prompt logprobs."""
+
+    ids: np.ndarray
+    positions: np.ndarray
+    q_lens: list
+    kv_lens: list
+    tables: list
+    request_ids: list
+    carried: list
+    sample_rows: list
+    prompt_chunks: list
+
+
 class ModelRunner:
     """Owns the model, the KV pool, the attention backend and the decode graphs, all built from one
-    ``EngineSettings`` (engine/settings.py). Mutates the pool in ``execute``."""
+    ``EngineSettings`` (engine/settings.py). Mutates the pool in ``execute``.
 
-    def __init__(self, settings: EngineSettings | EngineConfig, tokenizer=None):
+    ``tp_rank``/``init_method``: set by a tensor-parallel worker (``engine/tp_worker.py``); rank 0
+    leaves them and starts the workers itself when ``tensor_parallel_size`` > 1."""
+
+    def __init__(self, settings: EngineSettings | EngineConfig, tokenizer=None,
+                 tp_rank: int = 0, init_method: Optional[str] = None):
         t0 = time.monotonic()
         if isinstance(settings, EngineConfig):  # callers that hold only a config
             settings = resolve_settings(settings)
+        self.workers = None
+        self._channel = None
+        if settings.tp_size > 1 or tp_group().size > 1:
+            settings = self._join_tensor_parallel(settings, tp_rank, init_method)
+        try:
+            self._build(settings, tokenizer, t0)
+        except BaseException:
+            self.close()  # rank 0 under tensor parallelism: stop the workers, leave the group
+            raise
+
+    def _build(self, settings: EngineSettings, tokenizer, t0: float) -> None:
         self.settings = s = settings
         self.config = config = s.config  # page_size resolved
         self.device = s.device
@@ -76,7 +120,9 @@ class ModelRunner:
         self.backend = backend_cls(self.pool, self.dtype, self.model_cls.sm_scale(self.hf_config),
                                    self.model_cls.logit_softcap_of(self.hf_config))
         self.ctx = Context(self.backend, self.pool, self.dtype)
-        log.info(self.sizing.capacity_line(self.kv_format, self.max_model_len))
+        if tp_group().is_driver:
+            log.info(self.sizing.capacity_line(self.kv_format, self.max_model_len,
+                                               s.tp_size, s.full_layers))
         self.graphs = None
         if (self.device.type == "cuda" and not config.enforce_eager
                 and backend_cls.supports_cuda_graph):
@@ -87,6 +133,58 @@ class ModelRunner:
                                        -(-self.max_model_len // config.page_size), self.device)
             log.info("captured decode CUDA graphs in %.1f s", time.monotonic() - t)
         log.info("model runner built in %.1f s", time.monotonic() - t0)
+
+    # -- tensor parallelism ---------------------------------------------------------------
+    def _join_tensor_parallel(self, settings: EngineSettings, rank: int,
+                              init_method: Optional[str]) -> EngineSettings:
+        """Start the workers (rank 0) and join the group; the settings on this rank's device."""
+        from kvfit.parallel.group_init import join_group
+        from kvfit.parallel.step_channel import StepChannel
+        from kvfit.parallel.workers import WorkerGroup
+
+        if tp_group().size > 1:
+            raise RuntimeError("a tensor-parallel engine is already running in this process: "
+                               "close it (LLM.close()) before building another engine")
+        size = settings.tp_size
+        if rank == 0:
+            self.workers = WorkerGroup(settings.config, size)
+            init_method = self.workers.init_method
+        try:
+            group = join_group(rank, size, init_method, settings.device.type)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.close(5.0)
+            raise
+        self._channel = StepChannel(group.cpu_group)
+        if rank == 0:  # at close(), at garbage collection or at exit, whichever comes first
+            self._finalizer = weakref.finalize(self, _shut_down, self._channel, self.workers)
+        if settings.device.type == "cuda":
+            settings = dataclasses.replace(settings, device=torch.device("cuda", rank))
+        return settings
+
+    def _send(self, plan: Optional[StepPlan]) -> None:
+        """Rank 0: hand the step (None: stop) to the workers; a lost worker raises."""
+        self.workers.check()
+        self._channel.send(plan)
+
+    def serve_steps(self) -> None:
+        """A worker's life after start-up: run every step rank 0 sends, until it sends None."""
+        from kvfit.parallel.group_init import leave_group
+
+        with torch.inference_mode():
+            while True:
+                plan = self._channel.recv()
+                if plan is None:
+                    break
+                self._run(plan, None)
+        leave_group()
+
+    def close(self) -> None:
+        """Stop the workers and leave the group (rank 0 under tensor parallelism; a no-op
+        otherwise). The runner cannot run steps afterwards."""
+        if self.workers is not None:
+            self.workers = None
+            self._finalizer()
 
     # -- start-up -------------------------------------------------------------------------
     def _load_model(self):
@@ -100,8 +198,8 @@ class ModelRunner:
         sink = WeightSink(model)
         if self.source.kind == "gguf":
             items = iter_gguf(self.source.path, self.hf_config)
-        else:
-            items = iter_safetensors(self.source.path)
+        else:  # lazy: each rank reads only its slices
+            items = iter_safetensors(self.source.path, lazy=True)
         with torch.no_grad():
             for name, t in items:
                 sink.put(name, t)
@@ -130,6 +228,12 @@ class ModelRunner:
         self.kv_budget_bytes = budget  # None when --num-pages/--num-tokens fix the pool
         sizing = self.pool_cls.solve_pages(self.layers, self.kv_format, c.page_size,
                                            self.settings.sizing_limits(budget))
+        if tp_group().size > 1 and budget is not None:  # every rank: the same pages
+            import torch.distributed as dist
+
+            pages = torch.tensor([sizing.num_pages], dtype=torch.int64)
+            dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=tp_group().cpu_group)
+            sizing = dataclasses.replace(sizing, num_pages=int(pages))
         capacity = sizing.tokens
         if self.max_model_len > capacity:
             if c.max_model_len is not None:
@@ -167,29 +271,42 @@ class ModelRunner:
         return peak
 
     # -- one step -------------------------------------------------------------------------
-    def _step_inputs(self, items, carried) -> tuple[torch.Tensor, torch.Tensor, list, list, list]:
-        """Token ids [T] and positions [T] on the device (one host->device copy), plus the host
-        lists q_lens, kv_lens and page tables. ``carried`` = (device ids of the previous step,
-        [(token index here, row there)]): those input tokens are placeholders on the host and
-        are gathered on the device instead (no device->host sync)."""
+    def _plan(self, items, sample_mask, prompt_lp, carried) -> StepPlan:
+        """The step's host inputs. Token ids of ``carried`` tokens are placeholders here and are
+        gathered on the device from the previous step's ids (no device->host sync)."""
         q_lens = [n for _, n in items]
         kv_lens = [req.num_computed_tokens + n for req, n in items]
-        tables = [req.pages for req, _ in items]
         ids: list[int] = []
         for req, n in items:  # one slice per request, not per token
             ids.extend(req.token_slice(req.num_computed_tokens, req.num_computed_tokens + n))
-        t = len(ids)
+        positions = token_positions(np.asarray(q_lens, dtype=np.int64),
+                                    np.asarray(kv_lens, dtype=np.int64))
+        ends = list(itertools.accumulate(q_lens))  # row after each request's last token
+        chunks = []
+        for i, (req, n) in enumerate(items):
+            if prompt_lp[i]:
+                chunks.append((i, ends[i] - n, n, req.num_computed_tokens))
+        return StepPlan(np.asarray(ids, dtype=np.int64), positions, q_lens, kv_lens,
+                        [req.pages for req, _ in items], [req.request_id for req, _ in items],
+                        list(carried[1]) if carried is not None else [],
+                        [ends[i] - 1 for i in range(len(items)) if sample_mask[i]], chunks)
+
+    def _inputs(self, plan: StepPlan, prev_ids) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids [T] and positions [T] on the device (one host->device copy); carried ids
+        gathered from ``prev_ids`` on rank 0 and broadcast to the other ranks."""
+        t = len(plan.ids)
         host = np.empty(2 * t, dtype=np.int64)  # token ids | positions
-        host[:t] = ids
-        host[t:] = token_positions(np.asarray(q_lens, dtype=np.int64),
-                                   np.asarray(kv_lens, dtype=np.int64))
+        host[:t] = plan.ids
+        host[t:] = plan.positions
         dev = to_device(host, self.device)
         input_ids, positions = dev[:t], dev[t:]
-        if carried is not None and carried[1]:
-            prev_ids, pairs = carried
-            index = to_device(np.asarray(pairs, dtype=np.int64).T.copy(), self.device)  # [2, n]
-            input_ids[index[0]] = prev_ids[index[1]]
-        return input_ids, positions, q_lens, kv_lens, tables
+        if plan.carried:
+            if prev_ids is not None:
+                index = to_device(np.asarray(plan.carried, dtype=np.int64).T.copy(),
+                                  self.device)  # [2, n]
+                input_ids[index[0]] = prev_ids[index[1]]
+            broadcast_from_driver(input_ids)  # the identity with one rank
+        return input_ids, positions
 
     @torch.inference_mode()
     def execute(self, items, sample_mask: list[bool], prompt_lp: list[bool],
@@ -198,18 +315,35 @@ class ModelRunner:
         but the KV pool. ``sample_mask[i]``: request i samples after this step (its chunk ends at
         its last token). ``prompt_lp[i]``: return log-softmax rows for all positions of chunk i.
         ``carried``: (previous step's device ids [N], [(token index, row)]) for input tokens the
-        host has not read yet (overlap scheduling). Launches work; never waits for the GPU."""
-        input_ids, positions, q_lens, kv_lens, tables = self._step_inputs(items, carried)
-        bs = len(items)
+        host has not read yet (overlap scheduling). Launches work; never waits for the GPU
+        (under tensor parallelism: after handing the step to the workers)."""
+        plan = self._plan(items, sample_mask, prompt_lp, carried)
+        workers = self.workers
+        if workers is None:
+            return self._run(plan, carried[0] if carried is not None else None)
+        workers.in_step = True
+        try:
+            self._send(plan)
+            return self._run(plan, carried[0] if carried is not None else None)
+        except RuntimeError:
+            workers.check(wait_s=5.0)  # a collective failed because a worker died
+            raise
+        finally:
+            workers.in_step = False
+
+    def _run(self, plan: StepPlan, prev_ids) -> StepResult:
+        """The forward of one step (every rank), logits of the sampling rows and prompt rows."""
+        input_ids, positions = self._inputs(plan, prev_ids)
+        q_lens, kv_lens = plan.q_lens, plan.kv_lens
+        bs = len(q_lens)
         if self.graphs is not None and all(q == 1 for q in q_lens) and self.graphs.can_run(bs):
-            hidden = self.graphs.run(input_ids, positions, kv_lens, tables)
+            hidden = self.graphs.run(input_ids, positions, kv_lens, plan.tables)
         else:
-            meta = build_step_metadata(self.pool, q_lens, kv_lens, tables,
-                                       [req.request_id for req, _ in items], self.device)
+            meta = build_step_metadata(self.pool, q_lens, kv_lens, plan.tables,
+                                       plan.request_ids, self.device)
             self.backend.prepare(meta)
             hidden = self.model(input_ids, positions, self.ctx)
-        ends = list(itertools.accumulate(q_lens))  # row after each request's last token
-        rows = [ends[i] - 1 for i in range(bs) if sample_mask[i]]
+        rows = plan.sample_rows
         if not rows:
             sample_logits = torch.empty(0)
         elif len(rows) == hidden.shape[0]:  # decode: every row samples, no gather needed
@@ -218,18 +352,19 @@ class ModelRunner:
             sample_logits = self.model.compute_logits(
                 hidden[to_device(np.asarray(rows, dtype=np.int64), self.device)])
         prompt_rows = {}
-        offset = 0
-        for i, (req, n) in enumerate(items):
-            if prompt_lp[i]:
-                lp = torch.log_softmax(self.model.compute_logits(hidden[offset:offset + n]), -1)
-                prompt_rows[i] = (req.num_computed_tokens, lp)
-            offset += n
+        for i, first, n, start in plan.prompt_chunks:
+            lp = torch.log_softmax(self.model.compute_logits(hidden[first:first + n]), -1)
+            prompt_rows[i] = (start, lp)
         return StepResult(sample_logits, prompt_rows)
 
     @torch.inference_mode()
     def forward_tokens(self, token_ids: list[int], pool, backend) -> torch.Tensor:
         """Hidden states of one sequence prefilled from scratch into a given pool/backend
-        (calibration and tests). pool/backend are throwaways owned by the caller."""
+        (calibration and tests). pool/backend are throwaways owned by the caller. One rank
+        only (the guard refuses calibration under tensor parallelism)."""
+        if tp_group().size > 1:
+            raise RuntimeError("forward_tokens runs the model on one rank; not available under "
+                               "tensor parallelism")
         n = len(token_ids)
         pages = list(range(-(-n // pool.page_size)))
         backend.prepare(build_metadata([n], [n], [pages], pool.page_size, self.device,
@@ -237,3 +372,16 @@ class ModelRunner:
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         return self.model(ids, torch.arange(n, device=self.device),
                           Context(backend, pool, self.dtype))
+
+
+def _shut_down(channel, workers) -> None:
+    """Rank 0: tell the workers to stop, wait for them, leave the group."""
+    from kvfit.parallel.group_init import leave_group
+
+    if workers.lost is None:
+        try:
+            channel.send(None)
+        except Exception:  # noqa: BLE001 - a worker already gone: close() kills the rest
+            pass
+    workers.close()
+    leave_group()

@@ -25,7 +25,7 @@ import torch
 
 from kvfit.attention.registry import backend_class, select_backend
 from kvfit.config import EngineConfig
-from kvfit.engine.guard import check_combination
+from kvfit.engine.guard import check_combination, check_tensor_parallel
 from kvfit.errors import ModelInputError
 from kvfit.kvcache.dtypes import KVFormat
 from kvfit.kvcache.pool import KVPool
@@ -33,6 +33,7 @@ from kvfit.kvcache.registry import resolve_pool_class
 from kvfit.kvcache.sizing import SizingLimits
 from kvfit.kvcache.spec import KVLayerSpec
 from kvfit.models import registry as models
+from kvfit.parallel.layout import local_kv_heads
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,12 @@ class EngineSettings:
     v_layout: str
     max_model_len: int
     assumed_installed: bool = False  # planned for a device not here: every backend importable
+    # tensor parallelism: ``layers`` are one rank's (its KV heads); the model's whole layers here
+    full_layers: tuple[KVLayerSpec, ...] = ()
+
+    @property
+    def tp_size(self) -> int:
+        return self.config.tensor_parallel_size
 
     @property
     def backend_cls(self):
@@ -73,9 +80,10 @@ class EngineSettings:
     def describe(self) -> str:
         """One line: backend (and how it was chosen), pool, page size, V layout, KV format."""
         how = "auto" if self.backend_chosen == "auto" else "as requested"
+        tp = f", tensor parallel over {self.tp_size} ranks" if self.tp_size > 1 else ""
         return (f"attention backend {self.backend_name} ({how}), pool {self.pool_cls.name}, "
                 f"pages of {self.page_size}, V pages {self.v_layout}, {self.kv_format.name} KV, "
-                f"{str(self.dtype).replace('torch.', '')} compute, device {self.device.type}")
+                f"{str(self.dtype).replace('torch.', '')} compute, device {self.device.type}{tp}")
 
 
 def _config_dtype(hf_config) -> Optional[torch.dtype]:
@@ -108,8 +116,14 @@ def resolve_settings(config: EngineConfig, plan_for: Optional[str] = None) -> En
     model_cls = models.model_class_for(hf_config)
     dtype = config.resolved_dtype(_config_dtype(hf_config), device.type)
     fmt = config.resolved_kv_dtype(dtype)
-    layers = tuple(model_cls.kv_layer_specs(hf_config))
-    pool_cls = resolve_pool_class(layers, fmt)
+    full_layers = tuple(model_cls.kv_layer_specs(hf_config))
+    pool_cls = resolve_pool_class(full_layers, fmt)
+    tp = config.tensor_parallel_size
+    check_tensor_parallel(tp, hf_config, model_cls, pool_cls, device.type, config.kv_scales,
+                          torch.cuda.device_count() if plan_for is None or
+                          torch.cuda.is_available() else None)
+    layers = tuple(dataclasses.replace(l, num_kv_heads=local_kv_heads(l.num_kv_heads, tp))
+                   for l in full_layers)  # one rank's KV heads: what its pool holds
     head_dim = layers[0].head_dim
     backend_name = select_backend(config.attention_backend, device.type, pool_cls.name, fmt.name,
                                   head_dim, assume_installed=assume_installed)
@@ -126,4 +140,5 @@ def resolve_settings(config: EngineConfig, plan_for: Optional[str] = None) -> En
         dtype=dtype, kv_format=fmt, layers=layers, pool_cls=pool_cls, backend_name=backend_name,
         backend_chosen="auto" if config.attention_backend == "auto" else "requested",
         page_size=page_size, v_layout=backend.v_layout(fmt.name, page_size, head_dim),
-        max_model_len=config.max_model_len or ctx_len, assumed_installed=assume_installed)
+        max_model_len=config.max_model_len or ctx_len, assumed_installed=assume_installed,
+        full_layers=full_layers)

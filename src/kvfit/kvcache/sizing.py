@@ -72,13 +72,35 @@ class PoolSizing:
         keeps every token."""
         return None
 
-    def capacity_line(self, fmt: KVFormat, max_model_len: int) -> str:
-        """The start-up line: tokens, pages, GiB, format, concurrency at ``max_model_len``."""
+    def capacity_line(self, fmt: KVFormat, max_model_len: int, tp_size: int = 1,
+                      full_layers: Sequence[KVLayerSpec] = ()) -> str:
+        """The start-up line: tokens, pages, GiB, format, concurrency at ``max_model_len``.
+        Under tensor parallelism (``tp_size`` > 1, this sizing is one rank's pool and
+        ``full_layers`` the model's unsharded layers) it also says what each GPU holds, the
+        total, and what one GPU with the same budget would hold."""
         conc = self.tokens / max(1, max_model_len)
-        return (f"KV cache: {self.tokens:,} tokens ({self.num_pages:,} pages x "
-                f"{self.page_size}), {self.pool_bytes / GiB:.2f} GiB, {fmt.name}, "
-                f"{self.bytes_per_token:,} B/token; "
-                f"max concurrency at {max_model_len:,} tokens/request: {conc:.2f}x")
+        tail = (f"max concurrency at {max_model_len:,} tokens/request: {conc:.2f}x")
+        if tp_size == 1:
+            return (f"KV cache: {self.tokens:,} tokens ({self.num_pages:,} pages x "
+                    f"{self.page_size}), {self.pool_bytes / GiB:.2f} GiB, {fmt.name}, "
+                    f"{self.bytes_per_token:,} B/token; " + tail)
+        return tp_capacity_line(self, fmt, tp_size, full_layers) + "; " + tail
+
+
+def tp_capacity_line(sizing: PoolSizing, fmt: KVFormat, tp_size: int,
+                     full_layers: Sequence[KVLayerSpec]) -> str:
+    """Per-GPU and total KV of a tensor-parallel pool: every GPU holds the same tokens, each
+    for its share of the KV heads, so the engine's tokens are those of one GPU's pool."""
+    whole = spec_kv_bytes_per_token(full_layers, fmt) if full_layers else 0
+    one_gpu = (sizing.pool_bytes // (whole * sizing.page_size)) * sizing.page_size if whole else 0
+    heads_here = {l.num_kv_heads for l in full_layers}
+    return (f"KV cache: {sizing.tokens:,} tokens over {tp_size} GPUs ({sizing.num_pages:,} pages "
+            f"x {sizing.page_size} on each GPU, each holding its share of the KV heads for all "
+            f"{sizing.tokens:,} tokens); per GPU {sizing.pool_bytes / GiB:.2f} GiB, "
+            f"{sizing.bytes_per_token:,} B/token; total {tp_size * sizing.pool_bytes / GiB:.2f} "
+            f"GiB, {fmt.name}; one GPU with the same budget and all "
+            f"{'/'.join(map(str, sorted(heads_here)))} KV heads would hold {one_gpu:,} tokens "
+            f"({sizing.tokens / one_gpu if one_gpu else 0:.2f}x)")
 
 
 def size_by_price(layers: Sequence[KVLayerSpec], fmt: KVFormat, page_size: int,
@@ -158,8 +180,10 @@ class HybridBudget(PoolSizing):
         """Requests decoding past the window that the sliding pages hold at once."""
         return self.num_swa_pages // (pages_for(self.window - 1, self.page_size) + 2)
 
-    def capacity_line(self, fmt: KVFormat, max_model_len: int) -> str:
-        """What the full layers hold, what the windows cost."""
+    def capacity_line(self, fmt: KVFormat, max_model_len: int, tp_size: int = 1,
+                      full_layers: Sequence[KVLayerSpec] = ()) -> str:
+        """What the full layers hold, what the windows cost (one rank: the guard refuses
+        tensor parallelism for sliding-window pools)."""
         conc = self.tokens / max(1, max_model_len)
         return (f"KV cache: {self.tokens:,} tokens ({self.num_pages:,} pages x "
                 f"{self.page_size}) on {self.num_full_layers} full layers, "

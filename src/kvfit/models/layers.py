@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvfit.parallel.layers import RowParallelLinear
+from kvfit.parallel.state import tp_group
 
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -147,12 +149,15 @@ def _rope_inv_freq(hf_config, layer_type, rope_params):
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul (and, on CUDA, the
-    activation and the product fused into one kernel)."""
+    activation and the product fused into one kernel). Tensor parallel: the rank holds
+    ``inter / size`` gate/up rows (column-parallel) and those columns of ``down_proj``
+    (row-parallel: one all-reduce)."""
 
     def __init__(self, hidden: int, inter: int, act: str = "silu", bias: bool = False):
         super().__init__()
+        inter //= tp_group().size
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=bias)
         self.act_name = act
         self.act = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
                     "gelu": F.gelu}[act]

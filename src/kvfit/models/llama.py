@@ -9,6 +9,10 @@ from torch import nn
 
 from kvfit.kvcache.spec import KVLayerSpec
 from kvfit.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from kvfit.parallel.layers import (RowParallelLinear, VocabParallelEmbedding,
+                                   vocab_parallel_logits)
+from kvfit.parallel.layout import shard_heads
+from kvfit.parallel.state import tp_group
 
 
 def head_dim_of(cfg) -> int:
@@ -17,21 +21,28 @@ def head_dim_of(cfg) -> int:
 
 class Attention(nn.Module):
     """QKV projection, optional q/k RMSNorm (Qwen3), RoPE, then ``ctx.backend.forward``. The
-    q/k norm runs inside the rotary call (one kernel with the RoPE on CUDA)."""
+    q/k norm runs inside the rotary call (one kernel with the RoPE on CUDA).
+
+    Tensor parallel (``parallel/layout.py``): the rank holds its query heads and KV heads
+    (``self.shard``) in ``qkv_proj`` (column-parallel) and their columns of ``o_proj``
+    (row-parallel: one all-reduce); ``num_heads``/``num_kv_heads`` are the rank's."""
 
     def __init__(self, cfg, layer_id: int, qkv_bias: bool, qk_norm: bool,
                  norm_offset: float = 0.0):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        total_heads = cfg.num_attention_heads
+        total_kv = getattr(cfg, "num_key_value_heads", None) or total_heads
+        g = tp_group()
+        self.shard = shard_heads(total_heads, total_kv, g.rank, g.size)
+        self.num_heads, self.num_kv_heads = self.shard.q_count, self.shard.kv_count
         self.head_dim = head_dim_of(cfg)
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_size, self.kv_size = q, kv
         self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=qkv_bias)
         # Qwen2 biases q/k/v only; Llama's attention_bias covers o_proj too
         o_bias = cfg.model_type != "qwen2" and bool(getattr(cfg, "attention_bias", False))
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(q, cfg.hidden_size, bias=o_bias)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=norm_offset)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=norm_offset)
@@ -84,7 +95,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg, qkv_bias, qk_norm):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, qkv_bias, qk_norm)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -105,8 +116,13 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, qkv_bias, qk_norm)
         self.rotary = RotaryEmbedding(cfg, max_positions)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        # vocabulary-parallel like the embedding: the rank's (padded) rows of the head
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False)
+            cfg.hidden_size, self.model.embed_tokens.num_embeddings, bias=False)
+        self.num_q_heads_per_rank = self.model.layers[0].self_attn.num_heads
+
+    # tensor parallelism: what this family shards (kvfit/parallel); others run on one rank
+    supports_tensor_parallel = True
 
     @classmethod
     def kv_layer_specs(cls, cfg) -> list[KVLayerSpec]:
@@ -131,5 +147,6 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden):
+        """float32 logits [N, vocab] (every rank gets all of them under tensor parallelism)."""
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.matmul(hidden, w.t()).float()
+        return vocab_parallel_logits(hidden, w, self.config.vocab_size)

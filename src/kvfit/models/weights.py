@@ -5,6 +5,12 @@ Every source yields ``(hf_name, tensor)`` pairs in the HF checkpoint naming; ``W
 each one into the model's parameter, into its slice when the parameter is a fused one
 (``qkv_proj`` = [q; k; v] rows, ``gate_up_proj`` = [gate; up] rows). Missing parameters are an
 error naming them, never silently left random.
+
+Tensor parallel (``kvfit/parallel``): the sink writes the rank's part of each checkpoint tensor
+(its heads' rows of q/k/v, its rows of gate/up, its columns of o_proj/down_proj, its vocabulary
+rows of the embedding and the LM head; the rest whole). ``iter_safetensors(lazy=True)`` yields
+``LazyTensor``s that read only the slice asked for from the file, so no rank materialises the
+whole model; GGUF tensors are dequantized one at a time and cut.
 """
 
 from __future__ import annotations
@@ -23,14 +29,67 @@ FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_p
          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
+class LazyTensor:
+    """A checkpoint tensor not read yet: ``shape``, ``read()`` (all of it) and ``narrow(dim,
+    start, length)`` (only that slice read from the file)."""
+
+    def __init__(self, sf_slice):
+        self._slice = sf_slice
+        self.shape = tuple(sf_slice.get_shape())
+
+    def read(self) -> torch.Tensor:
+        return self._slice[:]
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+
+def _materialise(t) -> torch.Tensor:
+    return t.read() if isinstance(t, LazyTensor) else t
+
+
+# checkpoint projections whose rows (dim 0) / input columns (dim 1) split over ranks
+_ROW_SHARDED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_COL_SHARDED = ("o_proj", "down_proj")
+_VOCAB_SHARDED = ("model.embed_tokens.weight", "lm_head.weight")
+
+
 class WeightSink:
-    """Copies named tensors into a model (mutates its parameters); tracks what was filled."""
+    """Copies named tensors into a model (mutates its parameters); tracks what was filled.
+    Under tensor parallelism (``tp_group().size > 1``) copies the rank's slice of each."""
 
     def __init__(self, model: nn.Module):
+        from kvfit.parallel.state import tp_group
+
         self.model = model
         self.params = dict(model.named_parameters())
         self.filled: set[str] = set()
         self.tied = getattr(model, "tie_word_embeddings", False)
+        self.tp = tp_group()
+
+    def _rank_part(self, name: str, tensor):
+        """The rank's slice of checkpoint tensor ``name`` (the whole tensor with one rank or for
+        replicated weights), read from the file only now when lazy."""
+        if self.tp.size == 1:
+            return _materialise(tensor)
+        m = re.match(r"(.*)\.(self_attn|mlp)\.(\w+_proj)\.(weight|bias)$", name)
+        if m:
+            block, leaf, kind = f"{m.group(1)}.{m.group(2)}", m.group(3), m.group(4)
+            mod = self.model.get_submodule(block)
+            if leaf in ("q_proj", "k_proj", "v_proj"):
+                d, sh = mod.head_dim, mod.shard
+                start, count = ((sh.q_start, sh.q_count) if leaf == "q_proj"
+                                else (sh.kv_start, sh.kv_count))
+                return tensor.narrow(0, start * d, count * d)
+            if leaf in ("gate_proj", "up_proj"):
+                n = mod.gate_up_proj.weight.shape[0] // 2
+                return tensor.narrow(0, self.tp.rank * n, n)
+            if leaf in _COL_SHARDED and kind == "weight":
+                n = getattr(mod, leaf).weight.shape[1]
+                return tensor.narrow(1, self.tp.rank * n, n)
+        return _materialise(tensor)
 
     def _shard_rows(self, fused_param: str, module_path: str) -> list[int]:
         attn = self.model.get_submodule(module_path)
@@ -39,9 +98,14 @@ class WeightSink:
         half = self.params[f"{module_path}.gate_up_proj.weight"].shape[0] // 2
         return [half, half]
 
-    def put(self, name: str, tensor: torch.Tensor) -> None:
+    def put(self, name: str, tensor) -> None:
+        """Write checkpoint tensor ``name`` (a torch tensor or a ``LazyTensor``) into the model."""
         if self.tied and name == "lm_head.weight":
             return  # tied: the embedding is the head
+        if name in _VOCAB_SHARDED and name in self.params and self.tp.size > 1:
+            self._put_vocab_rows(name, tensor)
+            return
+        tensor = self._rank_part(name, tensor)
         m = re.match(r"(.*)\.(\w+_proj)\.(weight|bias)$", name)
         if m and m.group(2) in FUSED and m.group(2) not in ("qkv_proj", "gate_up_proj"):
             path, shard, kind = m.groups()
@@ -66,6 +130,21 @@ class WeightSink:
         self._copy(name, self.params[name].data, tensor)
         self.filled.add(name)
 
+    def _put_vocab_rows(self, name: str, tensor) -> None:
+        """The rank's vocabulary rows into the first rows of its (padded) table; padding zero."""
+        from kvfit.parallel.layout import shard_vocab
+
+        dst = self.params[name].data
+        vocab = tensor.shape[0]
+        shard = shard_vocab(vocab, self.tp.rank, self.tp.size)
+        if shard.padded != dst.shape[0]:
+            raise ValueError(f"shape mismatch for {name}: checkpoint vocabulary {vocab} gives "
+                             f"{shard.padded} rows per rank, model has {dst.shape[0]}")
+        dst.zero_()
+        if shard.count:
+            self._copy(name, dst[:shard.count], tensor.narrow(0, shard.start, shard.count))
+        self.filled.add(name)
+
     @staticmethod
     def _copy(name, dst, src):
         if tuple(dst.shape) != tuple(src.shape):
@@ -88,7 +167,9 @@ class WeightSink:
             raise ValueError(f"checkpoint lacks weights for: {', '.join(missing[:8])}{more}")
 
 
-def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(model_dir: str, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the directory's shards; ``lazy``: as ``LazyTensor``s (read on use, valid
+    until the next item)."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
@@ -97,7 +178,7 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     for f in files:
         with safe_open(f, framework="pt") as sf:
             for name in sf.keys():
-                yield name, sf.get_tensor(name)
+                yield name, (LazyTensor(sf.get_slice(name)) if lazy else sf.get_tensor(name))
 
 
 # GGUF tensor names -> HF names (llama.cpp conventions); families may extend this table.

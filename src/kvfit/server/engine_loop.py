@@ -46,6 +46,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from kvfit.errors import WorkerLostError
 from kvfit.server.errors import APIError
 from kvfit.server.metrics import ServerMetrics
 
@@ -102,6 +103,9 @@ def _post(batches: dict) -> None:
 
 def unavailable(msg: str) -> APIError:
     return APIError(503, msg, code="engine_unavailable")
+
+
+_FATAL = WorkerLostError.__name__  # deaths that end the server (a message starts with it)
 
 
 class EngineLoop:
@@ -341,3 +345,8 @@ class EngineLoop:
         with self._lock:
             self.state, self.error = "dead", msg
             self._fail_all(unavailable(f"the engine loop died: {msg}"))
+        if msg.startswith(_FATAL) and self._on_start_failure is not None:
+            # a lost tensor-parallel worker cannot come back: after answering everyone (503),
+            # the server stops and exits non-zero so that a supervisor restarts it
+            logger.error("stopping the server: %s", msg)
+            self._on_start_failure()

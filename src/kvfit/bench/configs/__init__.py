@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
-NAMES = ("qwen3-1.7b", "deepseek-v2-lite")
+NAMES = ("qwen3-1.7b", "deepseek-v2-lite", "llama-3.1-8b")
 
 
 def config_path(name: str) -> str:

@@ -1,0 +1,56 @@
+"""Sharded layers. Column-parallel projections need no class: they are ``nn.Linear`` with the
+rank's rows (the loader writes the rank's slice, see models/weights.py). The classes here are the
+ones whose forward changes: the row-parallel projection (one all-reduce), the
+vocabulary-parallel embedding (one all-reduce) and the vocabulary-parallel logits (one gather).
+With one rank each is exactly its plain torch counterpart.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvfit.parallel.layout import shard_vocab
+from kvfit.parallel.state import all_gather_last_dim, all_reduce, tp_group
+
+
+class RowParallelLinear(nn.Linear):
+    """``y = all_reduce(x_local @ W_local^T) + b``: the rank holds the input columns of its
+    heads / MLP slice; the bias (replicated) is added once, after the sum."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tp_group().size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rank holds vocabulary rows [vocab_start, vocab_start + vocab_count) (padded to the same
+    row count on every rank); ids outside them look up zeros and the ranks' rows are summed."""
+
+    def __init__(self, vocab_size: int, hidden: int):
+        g = tp_group()
+        shard = shard_vocab(vocab_size, g.rank, g.size)
+        super().__init__(shard.padded, hidden)
+        self.vocab_size = vocab_size
+        self.vocab_start, self.vocab_count = shard.start, shard.count
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if tp_group().size == 1:
+            return super().forward(ids)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_count)  # [T]
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, hidden]
+        return all_reduce(out.masked_fill(outside.unsqueeze(-1), 0.0))
+
+
+def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor,
+                          vocab_size: int) -> torch.Tensor:
+    """float32 logits [N, vocab_size] from the rank's LM-head rows ``weight`` [V_local, H]:
+    local matmul, all-gather along the vocabulary, padding rows cut off (every rank gets them)."""
+    local = torch.matmul(hidden, weight.t()).float()  # [N, V_local]
+    if tp_group().size == 1:
+        return local
+    return all_gather_last_dim(local)[..., :vocab_size]
