@@ -13,6 +13,8 @@ from typing import ClassVar, Optional
 
 import torch
 
+from kvfit.kvcache.int4_residual import ResidualPlan
+
 
 @dataclass
 class SlidingTables:
@@ -41,6 +43,8 @@ class AttentionMetadata:
     slot_mapping: [T] int64, flat slot (page * page_size + offset) for each new token, -1 = pad.
     swa:          the sliding layers' tables when the pool keeps them in a page space of their
                   own (``pool.sliding_pages`` set), else None.
+    residual:     the int4 pool's store plan and each request's residual slot
+                  (``kvcache.int4_residual.ResidualPlan``) when the pool has ``residual_slots``.
     """
 
     cu_seqlens_q: torch.Tensor
@@ -54,6 +58,7 @@ class AttentionMetadata:
     # CUDA-graph padding: B may exceed the number of real requests; padded rows have kv_len 0.
     num_real_reqs: Optional[int] = None
     swa: Optional[SlidingTables] = None
+    residual: Optional[ResidualPlan] = None
 
     @property
     def batch_size(self) -> int:

@@ -24,7 +24,7 @@ from kvfit.kvcache.dtypes import KV_FORMATS
 class TorchRefBackend(TorchMLAMixin, AttentionBackend):
     name = "torch"
     devices = frozenset({"cpu", "cuda"})
-    pools = frozenset({"MHAKVCache", "HybridSWAKVCache", "MLAKVCache"})
+    pools = frozenset({"MHAKVCache", "HybridSWAKVCache", "MLAKVCache", "Int4KVCache"})
     kv_dtypes = frozenset(KV_FORMATS)
     page_sizes = None
     head_dims = None
@@ -55,7 +55,15 @@ class TorchRefBackend(TorchMLAMixin, AttentionBackend):
                                    "build_hybrid_metadata)")
             slots, table, num_pages, first_live = (swa.slot_mapping, swa.block_table,
                                                     swa.num_pages_cpu, swa.first_live_cpu)
-        self.pool.store_kv(layer_id, k, v, slots)
+        plan = meta.residual  # int4: full pages quantized, partial pages in residual slots
+        if plan is not None:
+            self.pool.store_step(layer_id, k, v, plan)
+        elif self.pool.residual_slots is not None:
+            raise RuntimeError(f"the {self.pool.name} pool stores through a residual plan: build "
+                               "the step's metadata with build_step_metadata (or "
+                               "build_metadata(..., residual_slots=...))")
+        else:
+            self.pool.store_kv(layer_id, k, v, slots)
         start = 0
         for i, (q_len, kv_len) in enumerate(zip(meta.q_lens_cpu, meta.kv_lens_cpu)):
             if q_len == 0:
@@ -63,7 +71,9 @@ class TorchRefBackend(TorchMLAMixin, AttentionBackend):
             first = 0 if first_live is None else first_live[i]  # gather only the live window
             pages = table[i, first: num_pages[i]]
             offset = first * self.pool.page_size
-            kk, vv = self.pool.gather_kv(layer_id, pages, kv_len - offset, self.compute_dtype)
+            extra = {} if plan is None else {"residual_slot": plan.slots_cpu[i]}
+            kk, vv = self.pool.gather_kv(layer_id, pages, kv_len - offset, self.compute_dtype,
+                                         **extra)
             out[start:start + q_len] = attend(
                 q[start:start + q_len], kk, vv, self.sm_scale, window=window,
                 softcap=self.logit_softcap, key_offset=offset,

@@ -165,7 +165,8 @@ def budget_capacity(engine, budget: int) -> tuple[float, int]:
     s = engine.runner.settings
     per_token = spec_kv_bytes_per_token(s.layers, s.kv_format)
     elems = sum(l.elems_per_token for l in s.layers)
-    lim = SizingLimits(budget, None, None, s.config.max_num_seqs, s.config.max_num_batched_tokens)
+    lim = SizingLimits(budget, None, None, s.config.max_num_seqs, s.config.max_num_batched_tokens,
+                       s.dtype)  # the compute dtype prices int4's full-precision residual
     return per_token / elems, s.pool_cls.solve_pages(s.layers, s.kv_format, s.page_size, lim).tokens
 
 

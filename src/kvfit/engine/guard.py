@@ -67,13 +67,18 @@ def check_combination(backend_name: str, pool_cls, fmt: KVFormat, page_size: int
         reasons.append(f"the {pool_cls.name} pool does not store {fmt.name} "
                        f"(stores {', '.join(sorted(pool_cls.supported_kv_dtypes))})"
                        + (f": {why}" if why else ""))
+    required = pool_cls.page_size_required
+    pool_ok = not reasons and required in (None, page_size)
+    if required not in (None, page_size):
+        reasons.append(f"the {pool_cls.name} pool ({fmt.name}) needs pages of {required} tokens, "
+                       f"its quantization group (K is quantized per channel over a whole page), "
+                       f"not {page_size}: set --page-size {required} or leave it unset")
     head_dims = {l.head_dim for l in layers}
     reasons += _reasons(backend_name, pool_cls, fmt, page_size, device_type, head_dims,
                         assume_installed)
     if not reasons:
         return
-    working = [b for b in BACKENDS if b != backend_name
-               and fmt.name in pool_cls.supported_kv_dtypes
+    working = [b for b in BACKENDS if b != backend_name and pool_ok
                and not _reasons(b, pool_cls, fmt, page_size, device_type, head_dims,
                                assume_installed)]
     combo = (f"backend={backend_name}, pool={pool_cls.name}, kv_dtype={fmt.name}, "

@@ -9,7 +9,8 @@ file instead, written by ``python -m kvfit.engine.write_kv_calibration`` (docs/b
 how much the result depends on the text).
 
 Which formats get what (``resolve_kv_transform``): int8 is rotated (its ``KVFormat.rotate``) and
-centered; fp8 is centered only (rotation measured unsafe for fp8); 16-bit formats get nothing.
+centered; fp8 is centered only (rotation measured unsafe for fp8); 16-bit formats and int4 (whose
+per-channel zero point absorbs a K mean) get nothing.
 Centering needs a backend that declares ``"k_mean"`` in ``kv_transforms``; ``--no-kv-k-centering``
 turns it off.
 """
@@ -112,8 +113,9 @@ def resolve_kv_transform(runner, tokenizer=None) -> Optional[KVTransform]:
     applies); calibrates (or loads) the K means when centering is on. Logs what it did."""
     fmt, config, backend = runner.kv_format, runner.config, runner.settings.backend_cls
     rotate = fmt.rotate
-    center = fmt.quantized and config.kv_k_centering and "mla" not in {
-        l.kind for l in runner.layers}
+    # int4 (kivi) is not centered: its per-channel zero point over each page absorbs a K mean
+    center = (fmt.quantized and fmt.scale_mode != "kivi" and config.kv_k_centering
+              and "mla" not in {l.kind for l in runner.layers})
     if center and "k_mean" not in backend.kv_transforms:
         log.info("K centering off: the %s backend does not apply it", backend.name)
         center = False

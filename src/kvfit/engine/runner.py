@@ -43,6 +43,11 @@ from kvfit.transfer import to_device
 log = logging.getLogger("kvfit")
 
 
+def _one_slot(pool):
+    """A throwaway one-request pool's residual slots (int4: slot 0), None for other pools."""
+    return None if pool.residual_slots is None else [0]
+
+
 @dataclass
 class StepResult:
     """Logits of the rows that sample (one per sampling request, batch order) and, for requests
@@ -262,7 +267,8 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        be.prepare(build_metadata([n], [n], [list(range(pages))], ps, self.device))
+        be.prepare(build_metadata([n], [n], [list(range(pages))], ps, self.device,
+                                  residual_slots=_one_slot(pool)))
         ids = torch.randint(0, self.hf_config.vocab_size, (n,), device=self.device)
         h = self.model(ids, torch.arange(n, device=self.device), Context(be, pool, self.dtype))
         self.model.compute_logits(h[-min(n, self.config.max_num_seqs):])
@@ -369,7 +375,8 @@ class ModelRunner:
                                "tensor parallelism")
         n = len(token_ids)
         pages = list(range(-(-n // pool.page_size)))
-        backend.prepare(build_metadata([n], [n], [pages], pool.page_size, self.device))
+        backend.prepare(build_metadata([n], [n], [pages], pool.page_size, self.device,
+                                       residual_slots=_one_slot(pool)))
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         return self.model(ids, torch.arange(n, device=self.device),
                           Context(backend, pool, self.dtype))

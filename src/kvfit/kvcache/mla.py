@@ -34,6 +34,7 @@ class MLAKVCache(KVPool):
     layer_kinds = frozenset({"mla"})
     supported_kv_dtypes = frozenset(n for n, f in KV_FORMATS.items() if f.scale_mode == "tensor")
     kv_dtype_refusals = {
+        **KVPool.kv_dtype_refusals,  # int4
         "int8": "int8 KV relies on a per-head Hadamard rotation of V folded into v_proj/o_proj "
                 "and on K centering per KV head; MLA's latent slab is both K and V of every "
                 "head (and its rope part is shared), so neither applies: use fp8_e4m3 for MLA "

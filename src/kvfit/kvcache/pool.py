@@ -30,6 +30,7 @@ from kvfit.kvcache.spec import KVLayerSpec, spec_kv_bytes_per_token
 
 if TYPE_CHECKING:
     from kvfit.kvcache.kv_transform import KVTransform
+    from kvfit.kvcache.int4_residual import ResidualSlots
     from kvfit.kvcache.sliding_pages import SlidingWindowPages
 
 
@@ -40,16 +41,24 @@ class KVPool:
 
     ``sliding_pages`` is the pool's ``SlidingWindowPages`` when its sliding layers have a page
     space of their own (the scheduler drives it, the step metadata reads it), None otherwise.
+    ``residual_slots`` likewise: the int4 pool's ``ResidualSlots`` (one full-precision partial
+    page per running request, kvcache/int4_pool.py), None for every other pool.
     """
 
     name: ClassVar[str] = "KVPool"
     layer_kinds: ClassVar[frozenset[str]] = frozenset()
-    supported_kv_dtypes: ClassVar[frozenset[str]] = frozenset(KV_FORMATS)
+    # every format but int4 (``kivi``), which has a pool of its own (kvcache/int4_pool.py)
+    supported_kv_dtypes: ClassVar[frozenset[str]] = frozenset(
+        n for n, f in KV_FORMATS.items() if f.scale_mode != "kivi")
     v_layouts: ClassVar[frozenset[str]] = frozenset({"HND"})  # how V pages can be ordered
+    # the only page size the pool can use, and why (None: any)
+    page_size_required: ClassVar[Optional[int]] = None
     sliding_pages: Optional[SlidingWindowPages] = None
+    residual_slots: Optional[ResidualSlots] = None
     kv_transform: Optional[KVTransform] = None  # K centering / rotation, set before any store
     # why this pool cannot store a KV dtype it leaves out of supported_kv_dtypes (for the guard)
-    kv_dtype_refusals: ClassVar[dict[str, str]] = {}
+    kv_dtype_refusals: ClassVar[dict[str, str]] = {
+        "int4": "int4 has a pool of its own (Int4KVCache), for full-attention layers only"}
     # why full pages of this pool cannot be shared by prefix caching (None: they can)
     prefix_caching_refusal: ClassVar[Optional[str]] = None
 
