@@ -22,10 +22,13 @@ from kvfit.kvcache.spec import KVLayerSpec
 
 
 def poison_pool(pool: HybridSWAKVCache) -> None:
-    """NaN in every slot (0x7F bytes are NaN in both fp8 formats); the sliding null page zero,
-    as the pool keeps it. A kernel reading an unwritten slot outside its masks shows NaN."""
-    for spec, kc, vc in zip(pool.layers, pool.k_caches, pool.v_caches):
-        for c in (kc, vc):
+    """NaN in every slot (0x7F bytes are NaN in both fp8 formats; int8 pools: NaN scales); the
+    sliding null page zero, as the pool keeps it. A kernel reading an unwritten slot outside its
+    masks shows NaN."""
+    scales = list(zip(getattr(pool, "k_scale_caches", None) or [],
+                      getattr(pool, "v_scale_caches", None) or []))
+    for i, (spec, kc, vc) in enumerate(zip(pool.layers, pool.k_caches, pool.v_caches)):
+        for c in (kc, vc, *(scales[i] if scales else ())):  # int8: the scale pages too
             if c.element_size() == 1:
                 c.view(torch.uint8).fill_(0x7F)
             else:

@@ -89,3 +89,27 @@ def test_bench_serve_offline_ratio(tmp_path, capsys):
         res["output_throughput"] / off["output_throughput"])
     assert res["server"]["kv_dtype"] and res["server"]["pages_total"] == 64
     assert "server/offline output throughput" in capsys.readouterr().out
+
+
+def test_bench_serve_step_logs(tmp_path, capsys):
+    """``--step-log``: the server's engine process and the offline run each log every step; the
+    summaries count the run's tokens (the server's warm-up request left out)."""
+    from kvfit.bench.serve import main as serve_main
+
+    prefix = str(tmp_path / "steps")
+    out = tmp_path / "serve.json"
+    rc = serve_main(["--model", tiny_config(tmp_path), *TINY, "--num-prompts", "4",
+                     "--max-concurrency", "2", "--input-len", "8", "--output-len", "5",
+                     "--token-id-range", "1", "250", "--offline", "--step-log", prefix,
+                     "--result-json", str(out)])
+    assert rc == 0
+    steps = json.loads(out.read_text())["steps"]
+    for run in ("server", "offline"):
+        log = json.loads((tmp_path / f"steps.{run}.json").read_text())
+        assert log["columns"][:2] == ["t_start", "seconds"]
+        s = steps[run]
+        # 4 requests x 8 prompt tokens; every output token but each request's first is a decode
+        assert s["prefill_tokens"] == 32, run
+        assert s["decode_rows"] == 4 * 4, run
+        assert s["busy_s"] <= s["span_s"] + 1e-9
+    assert "engine steps (server)" in capsys.readouterr().out

@@ -1,31 +1,50 @@
-"""The host side of a CUDA-graph decode replay (``DecodeGraphs._stage``) against the eager
-metadata builder: same kv lens, block-table rows and slots for the real rows, padding rows that
-store nothing, and a host mirror that stays right as requests' page lists change and rows
-shift between steps. Runs on CPU (no graph is captured)."""
+"""The host side of a CUDA-graph decode replay (``engine/graph_staging.DecodeStaging``) against
+the eager metadata builder: after each step the "device" buffers (CPU tensors here) hold the same
+kv lens, block-table rows and slots for the real rows as ``build_metadata``, padding rows store
+nothing, and the mirrors (used in turn) and the device's incremental row updates stay right as
+requests' page lists change and rows shift between steps. Runs on CPU (no graph is captured)."""
 
 from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 import torch
 
 from kvfit.attention.meta_builder import build_hybrid_metadata, build_metadata
-from kvfit.engine.cuda_graph import DecodeGraphs, _StaticTable, capture_sizes
+from kvfit.engine.cuda_graph import capture_sizes, sliding_rows
+from kvfit.engine.graph_staging import DecodeStaging
 from kvfit.kvcache.sliding_pages import SlidingWindowPages
 
 CPU = torch.device("cpu")
 
 
-def _stager(max_bs: int, max_pages: int, page_size: int, sliding=None) -> DecodeGraphs:
-    g = DecodeGraphs.__new__(DecodeGraphs)  # host state only: no model, no capture
-    g.page_size, g.max_bs, g.max_pages = page_size, max_bs, max_pages
-    g.sizes = capture_sizes(max_bs)
-    g.device = CPU
-    g.sliding = sliding
-    g.tables = [_StaticTable(max_bs, max_pages, CPU) for _ in range(1 if sliding is None else 2)]
-    return g
+class _Stager:
+    """The staging of graphs captured for ``capture_sizes(max_bs)`` (CPU "device"); with
+    ``sliding`` (a ``SlidingWindowPages``) a second table for the sliding page space, its rows
+    converted as ``DecodeGraphs.run`` does."""
+
+    def __init__(self, max_bs: int, max_pages: int, page_size: int, sliding=None):
+        self.sizes = capture_sizes(max_bs)
+        self.sliding = sliding
+        self.staging = DecodeStaging(max_bs, max_pages, page_size, "cpu",
+                                     num_tables=1 if sliding is None else 2)
+
+    def _stage(self, kv_lens, tables, swa_tables=None):
+        gbs = min(s for s in self.sizes if s >= len(kv_lens))
+        swa = None if swa_tables is None else sliding_rows(self.sliding, swa_tables)
+        width, n_pages, kv_all = self.staging.stage(kv_lens, tables, gbs, swa)
+        assert kv_all == list(kv_lens) + [1] * (gbs - len(kv_lens))
+        st = self.staging
+        out = (gbs, width, st.kv_lens[:gbs], st.block_table[:gbs], st.slot_mapping[:gbs],
+               n_pages)
+        if self.sliding is None:
+            return out
+        return out + (st.block_tables[1][:gbs], st.slot_mappings[1][:gbs])
+
+
+def _stager(max_bs: int, max_pages: int, page_size: int, sliding=None) -> _Stager:
+    return _Stager(max_bs, max_pages, page_size, sliding)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -54,19 +73,19 @@ def test_stage_matches_build_metadata(page_size):
         kv_lens = [r[0] for r in order]
         tables = [r[1] for r in order]
         bs = len(order)
-        gbs, width, ints, slots, n_pages = g._stage(kv_lens, tables)
+        gbs, width, dev_kv, table, slots, n_pages = g._stage(kv_lens, tables)
         assert gbs == min(s for s in g.sizes if s >= bs)
+        assert width == max(-(-n // page_size) for n in kv_lens)
         ref = build_metadata([1] * bs, kv_lens, tables, page_size, torch.device("cpu"),
                              max_pages=width)
-        assert ints[:bs].tolist() == kv_lens and (ints[bs:gbs] == 1).all()
-        table = ints[gbs:].reshape(gbs, width)
+        assert dev_kv[:bs].tolist() == kv_lens and (dev_kv[bs:gbs] == 1).all()
         for i in range(bs):
             k = -(-kv_lens[i] // page_size)
             assert table[i, :k].tolist() == ref.block_table[i, :k].tolist()
-        assert (table[bs:] == 0).all()
+        assert (table[bs:, :1] == 0).all()
         assert slots[:bs].tolist() == ref.slot_mapping.tolist()
         assert (slots[bs:] == -1).all()
-        assert n_pages[:bs].tolist() == ref.num_pages_cpu
+        assert n_pages[:bs] == ref.num_pages_cpu and n_pages[bs:] == [1] * (gbs - bs)
 
 
 def test_stage_rejects_a_short_page_list_and_a_too_wide_table():
@@ -115,19 +134,18 @@ def test_stage_sliding_tables_match_build_hybrid_metadata(page_size, window):
         tables = [reqs[r][1] for r in rids]
         swa = [sw.table(r) for r in rids]
         bs = len(rids)
-        gbs, width, ints, slots, _ = g._stage(kv_lens, tables, swa)
+        gbs, width, dev_kv, full, slots, _, sliding, swa_slots = g._stage(kv_lens, tables, swa)
         ref = build_hybrid_metadata([1] * bs, kv_lens, tables, swa, page_size, window,
                                     sw.null_page, CPU, max_pages=width)
-        full = ints[gbs:gbs + gbs * width].reshape(gbs, width)
-        sliding = ints[gbs + gbs * width:].reshape(gbs, width)
+        assert dev_kv[:bs].tolist() == kv_lens and (dev_kv[bs:gbs] == 1).all()
         for i in range(bs):
             k = -(-kv_lens[i] // page_size)
             assert full[i, :k].tolist() == ref.block_table[i, :k].tolist()
             assert sliding[i, :k].tolist() == ref.swa.block_table[i, :k].tolist()
         assert (sliding[bs:] == 0).all()
         assert slots[:bs].tolist() == ref.slot_mapping.tolist()
-        assert slots[gbs:gbs + bs].tolist() == ref.swa.slot_mapping.tolist()
-        assert (slots[bs:gbs] == -1).all() and (slots[gbs + bs:] == -1).all()
+        assert swa_slots[:bs].tolist() == ref.swa.slot_mapping.tolist()
+        assert (slots[bs:gbs] == -1).all() and (swa_slots[bs:gbs] == -1).all()
         for rid in rids:  # release after the step, as the scheduler may
             sw.release(rid, reqs[rid][0])
     with pytest.raises(ValueError, match="swa_tables"):

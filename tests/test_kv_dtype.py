@@ -65,7 +65,7 @@ def test_unknown_kv_dtype_refused_by_parser(capsys):
     err = capsys.readouterr().err
     assert "invalid choice: 'fp4'" in err and "fp8_e4m3" in err and "bfloat16" in err
     with pytest.raises(ValueError, match="valid: auto, bfloat16"):
-        kv_format("int8")
+        kv_format("fp4")  # int8 is a format since issue 14
 
 
 def test_solve_num_pages_matches_allocation_to_the_byte():
@@ -286,6 +286,9 @@ def test_auto_backend_and_page_size_follow_the_measurements(monkeypatch):
     # the hybrid sliding-window pool: triton holds it (issue 18), FlashInfer does not
     assert sel("auto", "cuda", "HybridSWAKVCache", "fp8_e4m3", 256) == "triton"
     assert sel("auto", "cuda", "HybridSWAKVCache", "bfloat16", 256) == "triton"
+    assert sel("auto", "cuda", "HybridSWAKVCache", "int8", 256) == "triton"  # scale pages too
+    # MLA slabs are wider than any head_dims entry: head_dims_for(pool) decides
+    assert sel("auto", "cuda", "MLAKVCache", "fp8_e4m3", 576) == "triton"
     assert sel("auto", "cpu", "MHAKVCache", "fp8_e4m3", 128) == "torch"
     assert sel("fi", "cuda", "MHAKVCache", "fp8_e4m3", 128) == "fi"  # explicit kept
     missing.add("fi")

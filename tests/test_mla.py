@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvfit.attention.meta_builder import build_metadata
-from kvfit.attention.torch_ref import TorchRefBackend
+from kvfit.attention.registry import backend_class
 from kvfit.engine.context import Context
 from kvfit.kvcache.allocator import PageAllocator
 from kvfit.kvcache.dtypes import kv_format
@@ -77,13 +77,14 @@ def _hf_and_ours(variant: str, seed: int = 0, tmp_dir=None):
 
 
 def drive_mla(model, cfg, seqs, schedule, kv_dtype="float32", num_pages=64,
-              compute_dtype=torch.float32, device="cpu"):
+              compute_dtype=torch.float32, device="cpu", backend_name="torch"):
     dev = torch.device(device)
     layers = DeepseekV2ForCausalLM.kv_layer_specs(cfg)
     pool = MLAKVCache(layers, num_pages, PAGE, kv_format(kv_dtype), dev)
     for c in pool.kv_caches:
         c.fill_(float("nan"))  # poison: a read of an unwritten slot shows up
-    backend = TorchRefBackend(pool, compute_dtype, DeepseekV2ForCausalLM.sm_scale(cfg))
+    backend = backend_class(backend_name)(pool, compute_dtype,
+                                          DeepseekV2ForCausalLM.sm_scale(cfg))
     ctx = Context(backend, pool, compute_dtype)
     alloc = PageAllocator(num_pages)
     pages = [[] for _ in seqs]
@@ -193,10 +194,14 @@ def test_guard_refuses_mla_on_backends_without_it():
     layers = DeepseekV2ForCausalLM.kv_layer_specs(_tiny_cfg("lite"))
     fmt = kv_format("fp8_e4m3")
     check_combination("torch", MLAKVCache, fmt, PAGE, "cpu", layers)  # implemented
-    for backend in ("fi", "triton"):
-        with pytest.raises(UnsupportedCombinationError) as e:
-            check_combination(backend, MLAKVCache, fmt, PAGE, "cuda", layers)
-        assert backend in str(e.value)
+    for name in ("bfloat16", "fp8_e4m3", "fp8_e5m2"):  # the triton MLA kernels, any slab width
+        for page in (16, 32):
+            check_combination("triton", MLAKVCache, kv_format(name), page, "cuda", layers,
+                              assume_installed=True)
+    with pytest.raises(UnsupportedCombinationError) as e:
+        check_combination("fi", MLAKVCache, fmt, PAGE, "cuda", layers, assume_installed=True)
+    assert "fi does not support the MLAKVCache pool" in str(e.value)
+    assert "triton" in str(e.value)  # named as the backend that works
 
 
 def test_engine_tiny_mla_matches_hf(tmp_path):
@@ -205,3 +210,58 @@ def test_engine_tiny_mla_matches_hf(tmp_path):
     cfg, hf, _ = _hf_and_ours("lite", seed=4)
     llm = engine_matches_hf(tmp_path, hf, cfg.vocab_size)
     assert llm.engine.runner.pool.name == "MLAKVCache"
+
+
+def test_moe_grouped_experts_match_the_loop():
+    """The stacked experts' grouped-GEMM path (no host sync: what decode CUDA graphs capture)
+    gives the loop's result, in bfloat16, with experts chosen by no token and a repeated one;
+    stacking leaves the experts' parameters as views of the stacked weights."""
+    from kvfit.models.deepseek_v2 import MoE
+
+    cfg = _tiny_cfg("lite")
+    torch.manual_seed(1)
+    moe = MoE(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0.0, 0.2)
+    x = torch.randn(5, cfg.hidden_size).to(torch.bfloat16)
+    idx = torch.tensor([[0, 3], [3, 5], [5, 0], [7, 3], [3, 0]])
+    w = torch.rand(5, 2)
+    loop = moe.experts(x, idx, w)
+    moe.experts.stack_weights()
+    assert moe.experts[3].down_proj.weight.data_ptr() == moe.experts.w_down[3].data_ptr()
+    grouped = moe.experts(x, idx, w)
+    assert torch.isfinite(grouped).all()
+    rel = ((grouped.float() - loop.float()).abs().max() / loop.float().abs().max()).item()
+    assert rel < 2e-2, rel
+
+
+def test_moe_every_expert_path_matches_the_loop():
+    """The sync-free path CUDA-graph capture takes for non-bf16 models: every expert on every
+    token, masked by the routing weights, equals the loop (float32)."""
+    from kvfit.models.deepseek_v2 import MoE
+
+    cfg = _tiny_cfg("lite")
+    torch.manual_seed(2)
+    moe = MoE(cfg)
+    x = torch.randn(4, cfg.hidden_size)
+    idx = torch.tensor([[1, 2], [2, 6], [6, 1], [0, 2]])
+    w = torch.rand(4, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(moe.experts.every_expert(x, idx, w), moe.experts(x, idx, w),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_mla_decode_config_fills_the_gpu():
+    """Launch choices of the triton MLA decode (kernels/mla.py, pure host code): a few long
+    requests split their context over the SMs, many short ones do not; 128 heads take four
+    32-row programs per request; a rank that is not a power of two keeps one split."""
+    from kvfit.kernels.mla import decode_config
+
+    few_long = decode_config(2, 16, 512, 65536, torch.bfloat16, torch.bfloat16)
+    assert few_long.block_m == 16 and few_long.num_splits >= 32
+    many = decode_config(256, 16, 512, 1024, torch.bfloat16, torch.bfloat16)
+    assert many.num_splits <= 2
+    v2 = decode_config(4, 128, 512, 65536, torch.float8_e4m3fn, torch.bfloat16)
+    assert v2.block_m == 32 and 4 * 4 * v2.num_splits >= 0.9 * 132
+    assert decode_config(2, 16, 48, 65536, torch.bfloat16, torch.bfloat16).num_splits == 1

@@ -249,8 +249,13 @@ def test_guard_accepts_implemented_and_refuses_the_rest():
     from kvfit.errors import UnsupportedCombinationError
 
     layers = _gemma_layers()
-    for name in KV_FORMATS:
+    for name, fmt in KV_FORMATS.items():
         if name == "float32":
+            continue
+        if fmt.scale_mode == "kivi":  # int4 has a pool of its own, for full-attention models
+            with pytest.raises(UnsupportedCombinationError,
+                               match="HybridSWAKVCache pool does not store int4"):
+                check_combination("torch", HybridSWAKVCache, fmt, 32, "cpu", layers)
             continue
         check_combination("torch", HybridSWAKVCache, kv_format(name), 16, "cpu", layers)
     for backend in BACKENDS:

@@ -26,6 +26,8 @@ CPU = torch.device("cpu")
     ("float32", torch.float32, 4, 7, "HND"),
     ("float16", torch.float16, 4, 20, "HND"),
     ("float16", torch.float16, 8, 7, "HDN"),
+    ("int8", torch.float16, 4, 7, "HND"),
+    ("int8", torch.float16, 8, 7, "HDN"),
 ])
 def test_triton_swa_matches_torch_interpreted(kv_dtype, compute, page, window, v_layout):
     sched = window_schedule([13, 9], 5, 10)  # window 7: the prompts cross it; 20: they do not

@@ -63,12 +63,17 @@ class FakeEngine:
         return outs
 
 
-def _serve(port: int, mode: str, step_s: float, host_s: float, seqs: int, profile) -> None:
+def _serve(port: int, mode: str, step_s: float, host_s: float, seqs: int, profile,
+           merge_backlog=None) -> None:
     import cProfile
     import functools
     import signal
 
+    from kvfit.server import serving
     from kvfit.server.launch import make_server
+
+    if merge_backlog is not None:
+        serving.MERGE_BACKLOG = merge_backlog
 
     server = make_server(functools.partial(FakeEngine, step_s, host_s, seqs), "fake",
                          "127.0.0.1", port, "warning", process=mode == "process")
@@ -97,13 +102,16 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--input-len", type=int, default=8)
     p.add_argument("--profile", default=None)
+    p.add_argument("--merge-backlog", type=int, default=None,
+                   help="override kvfit.server.serving.MERGE_BACKLOG in the server")
     a = p.parse_args()
     from kvfit.bench.serve import format_table, run_benchmark
     from kvfit.server.launch import free_port
 
     port = free_port()
     proc = mp.get_context("spawn").Process(target=_serve, args=(
-        port, a.mode, a.step_ms / 1e3, a.host_ms / 1e3, a.concurrency, a.profile))
+        port, a.mode, a.step_ms / 1e3, a.host_ms / 1e3, a.concurrency, a.profile,
+        a.merge_backlog))
     proc.start()
     import httpx
 
@@ -122,7 +130,8 @@ def main() -> None:
     proc.join(30)
     print(format_table(s))
     ceiling = a.concurrency / ((a.step_ms + a.host_ms) / 1e3)
-    print(f"mode={a.mode}: {s['output_throughput']:.0f} output tok/s vs the fake engine's "
+    print(f"mode={a.mode} merge_backlog={a.merge_backlog}: "
+          f"{s['output_throughput']:.0f} output tok/s vs the fake engine's "
           f"{ceiling:.0f} at concurrency {a.concurrency} ({s['output_throughput'] / ceiling:.0%});"
           f" client CPU {client_cpu:.2f} s over {s['duration_s']:.2f} s")
 

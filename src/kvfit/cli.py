@@ -133,8 +133,13 @@ def _plan(argv: list[str]) -> int:
         cfg = config_from_args(args, kv_dtype="auto")
     except ValueError as e:
         p.error(str(e))
-    rows = plan_capacity(cfg, mem, args.kv_dtype, plan_device(args.device))
+    rows = plan_capacity(cfg, mem, args.kv_dtype, plan_device(args.device),
+                         skip_unsupported=args.kv_dtype == list(PLAN_DTYPES))
     print(format_plan(mem, rows))
+    left = [d for d in args.kv_dtype if d not in {r.kv_dtype for r in rows}]
+    if left:
+        print(f"\nLeft out: {', '.join(left)} (this model's pool does not store them; "
+              f"--kv-dtype {left[0]} says why)")
     return 0
 
 

@@ -18,7 +18,8 @@ import torch
 from kvfit.kvcache.dtypes import KV_DTYPE_CHOICES, KVFormat, kv_format, resolve_kv_dtype
 
 ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
-KVDtype = Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"]
+KVDtype = Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8",
+                  "int4"]
 Backend = Literal["auto", "torch", "fi", "triton"]
 LoadFormat = Literal["auto", "dummy"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -43,10 +44,17 @@ class EngineConfig:
     tokenizer: Optional[str] = _f(None, "tokenizer directory (default: the model's)")
     dtype: ModelDtype = _f("auto", "model/compute dtype; auto = the config's dtype on CUDA, "
                            "float32 on CPU")
-    kv_dtype: KVDtype = _f("auto", "KV-cache element type; auto = the model dtype, fp8 = fp8_e4m3",
+    kv_dtype: KVDtype = _f("auto", "KV-cache element type; auto = the model dtype, fp8 = fp8_e4m3, "
+                           "int4 = KIVI-style 4-bit (pages of 32)",
                            aliases=("--kv-cache-dtype",))
     kv_scales: Optional[str] = _f(None, "per-tensor KV scales: 'auto' (calibrate at start) or a "
                                   "JSON file {\"k_scale\": [...], \"v_scale\": [...]}; default 1.0")
+    kv_k_centering: bool = _f(True, "subtract a calibrated per-(layer, KV head, channel) mean "
+                              "from K before storing fp8 or int8 KV (exact for softmax; on "
+                              "backends that apply it); off: --no-kv-k-centering")
+    kv_calibration: Optional[str] = _f(None, "JSON file of the K means (written by python -m "
+                                       "kvfit.engine.write_kv_calibration); default: calibrate "
+                                       "at start on shipped text")
     device: Device = _f("auto", "cuda when available, else cpu")
     attention_backend: Backend = _f("auto", "attention backend; auto on CUDA = triton for fp8 KV "
                                     "with heads of >= 128, else fi when FlashInfer imports, "

@@ -21,7 +21,7 @@ from kvfit.kvcache.sizing import PoolSizing
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "t": 1e12, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
-PLAN_DTYPES = ("bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
+PLAN_DTYPES = ("bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 
 
 def parse_memory(text: str) -> int:
@@ -65,17 +65,27 @@ def plan_device(device: str) -> str:
 
 
 def plan_capacity(config: EngineConfig, memory_bytes: int,
-                  kv_dtypes: Sequence[str] = PLAN_DTYPES, device: str = "cuda") -> list[PlanRow]:
+                  kv_dtypes: Sequence[str] = PLAN_DTYPES, device: str = "cuda",
+                  skip_unsupported: bool = False) -> list[PlanRow]:
     """One row per KV dtype for a KV budget of ``memory_bytes`` on ``device`` ("cuda" or "cpu").
     Under tensor parallelism (``config.tensor_parallel_size`` > 1) ``memory_bytes`` is each
     GPU's KV budget and the rows price one rank's pool (its share of the KV heads).
 
     ``config`` supplies the model and the other settings (backend, page size, model length,
     scheduler limits); its ``kv_dtype`` is replaced by each of ``kv_dtypes`` in turn.
+    ``skip_unsupported``: leave out dtypes the guard refuses for this model (the default list
+    on a model whose pool does not store int4) instead of raising.
     """
+    from kvfit.errors import UnsupportedCombinationError
+
     rows: list[PlanRow] = []
     for name in kv_dtypes:
-        s = resolve_settings(dataclasses.replace(config, kv_dtype=name), plan_for=device)
+        try:
+            s = resolve_settings(dataclasses.replace(config, kv_dtype=name), plan_for=device)
+        except UnsupportedCombinationError:
+            if skip_unsupported:
+                continue
+            raise
         sizing = s.pool_cls.solve_pages(s.layers, s.kv_format, s.page_size,
                                         s.sizing_limits(memory_bytes))
         first = rows[0].sizing.tokens if rows else sizing.tokens
@@ -124,6 +134,14 @@ def format_plan(memory_bytes: int, rows: list[PlanRow]) -> str:
     else:
         lines += ["", f"Backend {s0.backend_name} as requested; page size "
                   + ("as requested." if s0.config.page_size else "its default.")]
+    for r in rows:
+        res = getattr(r.sizing, "residual_bytes", None)
+        if res:  # int4: the full-precision residual pages come off the same memory
+            z = r.sizing
+            lines += ["", f"{r.kv_dtype}: pool GiB includes the residual buffer, one "
+                      f"{str(z.residual_dtype).replace('torch.', '')} page of {z.page_size} "
+                      f"tokens per running request (--max-num-seqs {z.residual_slots}): "
+                      f"{res / 2**30:.3f} GiB (lower --max-num-seqs for more tokens)."]
     hybrid = [(r, r.sizing.sliding_reservation) for r in rows
               if r.sizing.sliding_reservation is not None]
     if hybrid:

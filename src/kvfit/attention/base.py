@@ -13,6 +13,8 @@ from typing import ClassVar, Optional
 
 import torch
 
+from kvfit.kvcache.int4_residual import ResidualPlan
+
 
 @dataclass
 class SlidingTables:
@@ -41,6 +43,8 @@ class AttentionMetadata:
     slot_mapping: [T] int64, flat slot (page * page_size + offset) for each new token, -1 = pad.
     swa:          the sliding layers' tables when the pool keeps them in a page space of their
                   own (``pool.sliding_pages`` set), else None.
+    residual:     the int4 pool's store plan and each request's residual slot
+                  (``kvcache.int4_residual.ResidualPlan``) when the pool has ``residual_slots``.
     """
 
     cu_seqlens_q: torch.Tensor
@@ -54,6 +58,7 @@ class AttentionMetadata:
     # CUDA-graph padding: B may exceed the number of real requests; padded rows have kv_len 0.
     num_real_reqs: Optional[int] = None
     swa: Optional[SlidingTables] = None
+    residual: Optional[ResidualPlan] = None
 
     @property
     def batch_size(self) -> int:
@@ -68,7 +73,12 @@ class AttentionMetadata:
 class KVStoreTarget:
     """Where one layer's new K/V go in a slot-mapped store: the pool's caches of that layer,
     the step's slots, the pool's format, scales and V layout. A model may write K/V there
-    itself (fused into its RoPE kernel) and then call the backend with ``kv_stored=True``."""
+    itself (fused into its RoPE kernel) and then call the backend with ``kv_stored=True``.
+
+    int8 pools add their float16 scale caches ``[pages, Hkv, P]`` (one scale per token and
+    head); ``k_mean`` ``[Hkv, D]`` float32 (K centering) is subtracted from k before it is
+    quantized. ``rotate``: the KV transform's Hadamard rotation, which q needs too, so only
+    ``apply_rope(kv_store=...)`` can fill such a target (it returns q rotated)."""
 
     k_cache: torch.Tensor
     v_cache: torch.Tensor
@@ -77,13 +87,22 @@ class KVStoreTarget:
     k_scale: float
     v_scale: float
     v_layout: str
+    k_scale_cache: Optional[torch.Tensor] = None
+    v_scale_cache: Optional[torch.Tensor] = None
+    k_mean: Optional[torch.Tensor] = None
+    rotate: bool = False
 
     def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """The unfused store (``kernels.store.store_kv``): mutates the caches."""
         from kvfit.kernels.store import store_kv
 
+        if self.rotate:
+            raise ValueError("a rotating KV store target rotates q as well: fill it with "
+                             "kvfit.kernels.fused_rope.apply_rope(kv_store=...), not store()")
+
         store_kv(k, v, self.k_cache, self.v_cache, self.slot_mapping, self.fmt, self.k_scale,
-                 self.v_scale, self.v_layout)
+                 self.v_scale, self.v_layout, k_scale_cache=self.k_scale_cache,
+                 v_scale_cache=self.v_scale_cache, k_mean=self.k_mean)
 
 
 class AttentionBackend:
@@ -102,6 +121,11 @@ class AttentionBackend:
     page_sizes: ClassVar[Optional[frozenset[int]]] = None  # None = any
     head_dims: ClassVar[Optional[frozenset[int]]] = None  # None = any
     supports_cuda_graph: ClassVar[bool] = False
+    # why this backend leaves a KV dtype out of kv_dtypes, and what to use instead (the guard)
+    kv_dtype_refusals: ClassVar[dict[str, str]] = {}
+    # the parts of pool.kv_transform it applies (kvcache/kv_transform.py): "k_mean" (K centering,
+    # q.mu added back before a soft-cap) and "rotate" (q, k Hadamard rotation after RoPE)
+    kv_transforms: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, pool, compute_dtype: torch.dtype, sm_scale: float,
                  logit_softcap: Optional[float] = None):
@@ -115,10 +139,17 @@ class AttentionBackend:
         self.num_q_heads: Optional[int] = None
 
     @classmethod
-    def v_layout(cls, kv_dtype: str, page_size: int, head_dim: int) -> str:
-        """The V page layout this backend reads fastest for a KV dtype and head size (a pool
-        constructor argument; "HND" is what every backend reads)."""
+    def v_layout(cls, kv_dtype: str, page_size: int, head_dim: int,
+                 pool_name: Optional[str] = None) -> str:
+        """The V page layout this backend reads fastest for a KV dtype and head size in the pool
+        ``pool_name`` (a pool constructor argument; "HND" is what every backend reads)."""
         return "HND"
+
+    @classmethod
+    def head_dims_for(cls, pool_name: str) -> Optional[frozenset[int]]:
+        """The head sizes (``KVLayerSpec.head_dim``) this backend reads in the pool
+        ``pool_name``; None = any. Default: ``head_dims``."""
+        return cls.head_dims
 
     @classmethod
     def default_page_size(cls, kv_dtype: str, head_dim: int) -> int:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvfit.attention.base import AttentionMetadata, SlidingTables
+from kvfit.kvcache.int4_residual import plan_residual_store
 from kvfit.kvcache.pool import KVPool
 from kvfit.kvcache.sliding_pages import FREED, first_live_position
 from kvfit.kvcache.spec import pages_for
@@ -58,12 +59,14 @@ def token_positions(q_lens: np.ndarray, kv_lens: np.ndarray) -> np.ndarray:
 def build_metadata(q_lens: Sequence[int], kv_lens: Sequence[int],
                    page_tables: Sequence[Sequence[int]], page_size: int,
                    device: torch.device, max_pages: int | None = None,
-                   num_real_reqs: int | None = None) -> AttentionMetadata:
+                   num_real_reqs: int | None = None,
+                   residual_slots: Sequence[int] | None = None) -> AttentionMetadata:
     """q_lens[i] new tokens of request i sit at positions kv_lens[i]-q_lens[i] .. kv_lens[i]-1;
     page_tables[i] lists its pages (at least ceil(kv_lens[i] / page_size) of them).
 
     Requests with q_len 0 are allowed only as padding. Slots of padded requests (index >=
-    num_real_reqs) are -1 so nothing is stored for them.
+    num_real_reqs) are -1 so nothing is stored for them. ``residual_slots`` (int4 pool): each
+    request's residual slot, which adds the step's store plan (``meta.residual``).
     """
     b = len(q_lens)
     real = b if num_real_reqs is None else num_real_reqs
@@ -82,6 +85,10 @@ def build_metadata(q_lens: Sequence[int], kv_lens: Sequence[int],
     ints[b + 1:2 * b + 1] = kv
     ints[2 * b + 1:] = table.reshape(-1)
     dev_ints = to_device(ints, device)
+    residual = None
+    if residual_slots is not None:
+        live = [s if i < real else -1 for i, s in enumerate(residual_slots)]
+        residual = plan_residual_store(q_lens, kv_lens, page_tables, live, page_size, device)
     return AttentionMetadata(
         cu_seqlens_q=dev_ints[: b + 1],
         kv_lens=dev_ints[b + 1: 2 * b + 1],
@@ -92,6 +99,7 @@ def build_metadata(q_lens: Sequence[int], kv_lens: Sequence[int],
         num_pages_cpu=n_pages.tolist(),
         is_decode=all(x == 1 for x in q_lens),
         num_real_reqs=num_real_reqs,
+        residual=residual,
     )
 
 
@@ -125,10 +133,15 @@ def build_step_metadata(pool: KVPool, q_lens: Sequence[int], kv_lens: Sequence[i
                         page_tables: Sequence[Sequence[int]], request_ids: Sequence[str],
                         device: torch.device) -> AttentionMetadata:
     """The step's metadata for ``pool``: the sliding layers' tables come from
-    ``pool.sliding_pages`` when the pool has one (looked up by request id), else none."""
+    ``pool.sliding_pages`` when the pool has one (looked up by request id), else none; the int4
+    store plan from ``pool.residual_slots`` (each request's slot, by request id)."""
     sliding = pool.sliding_pages
     if sliding is None:
-        return build_metadata(q_lens, kv_lens, page_tables, pool.page_size, device)
+        slots = None
+        if pool.residual_slots is not None:
+            slots = [pool.residual_slots.slot(rid) for rid in request_ids]
+        return build_metadata(q_lens, kv_lens, page_tables, pool.page_size, device,
+                              residual_slots=slots)
     swa_tables = [sliding.table(rid) for rid in request_ids]
     return build_hybrid_metadata(q_lens, kv_lens, page_tables, swa_tables, pool.page_size,
                                  sliding.window, sliding.null_page, device)

@@ -40,9 +40,9 @@ def select_backend(requested: str, device_type: str, pool_name: str | None = Non
                    assume_installed: bool = False) -> str:
     """``auto`` on CUDA: triton for fp8 KV with heads of >= 128 (its fp8 decode measured 1.2-2.2x
     FlashInfer's, docs/benchmarks.md), else fi when FlashInfer imports, else triton; each only
-    if it holds ``pool_name``'s pool and heads of ``head_dim``. torch otherwise. Explicit names
-    are kept (the guard then checks them). ``assume_installed``: as on a machine where
-    FlashInfer and Triton import."""
+    if it holds ``pool_name``'s pool, heads of ``head_dim`` and reads ``kv_dtype``. torch
+    otherwise. Explicit names are kept (the guard then checks them). ``assume_installed``: as on
+    a machine where FlashInfer and Triton import."""
     if requested != "auto":
         return requested
 
@@ -50,8 +50,10 @@ def select_backend(requested: str, device_type: str, pool_name: str | None = Non
         if unavailable_reason(name, device_type, assume_installed) is not None:
             return False
         cls = backend_class(name)
+        dims = cls.head_dims if pool_name is None else cls.head_dims_for(pool_name)
         return ((pool_name is None or pool_name in cls.pools)
-                and (head_dim is None or cls.head_dims is None or head_dim in cls.head_dims))
+                and (head_dim is None or dims is None or head_dim in dims)
+                and (kv_dtype is None or kv_dtype in cls.kv_dtypes))
 
     if device_type == "cuda":
         fp8_wide = (kv_dtype or "").startswith("fp8") and (head_dim or 0) >= 128

@@ -8,12 +8,14 @@ import torch
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
            window: int | None = None, softcap: float | None = None,
-           key_offset: int = 0) -> torch.Tensor:
+           key_offset: int = 0, logit_shift: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the last q_len positions over all kv positions.
 
     q [q_len, Hq, D], k/v [kv_len, Hkv, D] -> [q_len, Hq, D]. ``key_offset`` is the absolute
     position of k[0] (non-zero when a pool has dropped tokens that fell out of a window).
-    Softmax in float32; GQA by repeating each kv head over its query group.
+    Softmax in float32; GQA by repeating each kv head over its query group. ``logit_shift``
+    ``[q_len, Hq]`` is added to every (scaled) logit of its row before the soft-cap (what K
+    centering took off, kvcache/kv_transform.py).
     """
     q_len, hq, _ = q.shape
     kv_len, hkv, _ = k.shape
@@ -28,6 +30,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
     kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, kv_len, D]
     vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
     s = torch.matmul(qf, kf.transpose(1, 2)) * sm_scale  # [Hq, q_len, kv_len]
+    if logit_shift is not None:
+        s = s + logit_shift.float().transpose(0, 1)[:, :, None]  # [Hq, q_len, 1]
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
     s = s.masked_fill(~mask, float("-inf"))

@@ -1,5 +1,6 @@
-"""The ``triton`` attention backend: our own kernels (kvfit.kernels) over the MHAKVCache pool and
-the hybrid sliding-window pool (HybridSWAKVCache, Gemma 2/3).
+"""The ``triton`` attention backend: our own kernels (kvfit.kernels) over the MHAKVCache pool,
+the hybrid sliding-window pool (HybridSWAKVCache, Gemma 2/3), and the MLAKVCache latent pool
+through ``attention/triton_mla.py`` (``forward_mla``).
 
 Per step ``prepare`` picks the decode launch configuration (split count from batch size and the
 longest context) or, for steps with prefill chunks, the list of prefill programs. Per layer
@@ -10,26 +11,35 @@ batch included as q_len 1 requests). CUDA graphs: ``init_cuda_graph`` allocates 
 scratch once for the largest batch, ``prepare_cuda_graph`` fixes the split count per batch size
 from the largest context a request can have, so a captured grid never changes.
 
-fp8 pools are asked for token-minor V pages (``v_layout`` "HDN", docs/kernels.md): the kernels
-read either layout, whichever the pool has.
+8-bit pools (fp8, int8) with heads of >= 128 are asked for token-minor V pages (``v_layout``
+"HDN", docs/kernels.md): the kernels read either layout, whichever the pool has.
+
+int8 pools keep one float16 scale per (token, KV head) in ``pool.k_scale_caches[layer]`` /
+``pool.v_scale_caches[layer]`` ``[pages, Hkv, P]``; the stores write them, the attention kernels
+fold them into the logits and P. The pool's ``kv_transform`` (K centering ``k_mean[layer]``
+``[Hkv, D]`` float32, and for int8 an orthonormal Hadamard rotation of q and k per head) is
+applied here: the mean is subtracted inside the store kernels (no extra launch; also inside the
+fused RoPE + store), the rotation by ``kv_transform.transform_qk`` before an unfused store.
 
 Sliding-window layers: the kernels take the window (decode splits only the last ``window``
 tokens; prefill starts each block's tiles at its first row's window edge). In a windowed hybrid
 pool (``pool.sliding_pages`` set) a sliding layer stores and reads through ``meta.swa``: its
 block table is indexed by logical page like the full layers' one, pages that fell out of the
-window are the pool's zero-filled null page, which no kernel reads outside its window mask. The
+window are the pool's zero-filled null page, which no kernel reads outside its window mask (an
+int8 pool's sliding scale pages live in the same page space, the null page's scales zero). The
 sliding layers get their own decode plan (split count from the window, not the context).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 
 from kvfit.attention.base import AttentionBackend, AttentionMetadata, KVStoreTarget
-from kvfit.kernels.decode import DecodeConfig
-from kvfit.kernels.decode import choose_config, paged_decode
+from kvfit.attention.triton_mla import TritonMLA
+from kvfit.kernels.decode import DecodeConfig, choose_config, paged_decode
 from kvfit.kernels.prefill import order_prefill_blocks, paged_prefill, prefill_config
 from kvfit.kernels.store import split_store_chunks, store_kv, store_kv_chunks
 
@@ -37,8 +47,11 @@ from kvfit.kernels.store import split_store_chunks, store_kv, store_kv_chunks
 class TritonBackend(AttentionBackend):
     name = "triton"
     devices = frozenset({"cuda"})
-    pools = frozenset({"MHAKVCache", "HybridSWAKVCache"})
-    kv_dtypes = frozenset({"float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"})
+    pools = frozenset({"MHAKVCache", "HybridSWAKVCache", "MLAKVCache"})
+    kv_dtypes = frozenset({"float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8"})
+    # K centering (subtracted in the store kernels; q . mu added back before a soft-cap) and
+    # the rotation (fused into the RoPE + store kernel, or transform_qk before the store)
+    kv_transforms = frozenset({"k_mean", "rotate"})
     page_sizes = None  # any (powers of two are fastest)
     head_dims = frozenset({64, 128, 256})
     supports_cuda_graph = True
@@ -56,20 +69,33 @@ class TritonBackend(AttentionBackend):
         self._graph_max_len: Optional[int] = None
         self._scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._v_t = pool.v_layout == "HDN"
+        self._k_means: dict[int, Optional[torch.Tensor]] = {}
+        # MLA pools (latent slabs): the MLA kernels own prepare/forward_mla/graph hooks
+        self._mla = (TritonMLA(pool, compute_dtype, sm_scale, logit_softcap)
+                     if "mla" in pool.layer_kinds else None)
 
     @classmethod
-    def v_layout(cls, kv_dtype: str, page_size: int, head_dim: int) -> str:
-        """Token-minor V for fp8 with heads of >= 128 (no 8-bit transpose in the P@V operand:
-        2.9-3.06 TB/s against 2.2-2.3 for HND on the H200); HND for 16/32-bit pools and 64-d fp8
-        heads, where the HND tile measured as fast or faster (docs/kernels.md)."""
+    def head_dims_for(cls, pool_name: str):
+        """MLA slabs of any width (the kernels pad rank and rope to powers of two)."""
+        return None if pool_name == "MLAKVCache" else cls.head_dims
+
+    @classmethod
+    def v_layout(cls, kv_dtype: str, page_size: int, head_dim: int,
+                 pool_name: Optional[str] = None) -> str:
+        """Token-minor V for 8-bit pools with heads of >= 128 (no 8-bit transpose in the P@V
+        operand: 2.9-3.06 TB/s against 2.2-2.3 for HND on the H200 with fp8); HND for 16/32-bit
+        pools and 64-d heads, where the HND tile measured as fast or faster (docs/kernels.md)."""
+        if pool_name == "MLAKVCache":  # one latent slab per token: no separate V pages
+            return "HND"
         pow2 = page_size > 0 and page_size & (page_size - 1) == 0
-        return "HDN" if kv_dtype.startswith("fp8") and pow2 and head_dim >= 128 else "HND"
+        return "HDN" if _eight_bit(kv_dtype) and pow2 and head_dim >= 128 else "HND"
 
     @classmethod
     def default_page_size(cls, kv_dtype: str, head_dim: int) -> int:
-        """32 for fp8 with heads of >= 128: a token-minor V row of a page is then a whole 32-byte
-        L2 sector (3.7-4.07 TB/s decode on the H200 against 2.9-3.0 at pages of 16)."""
-        return 32 if kv_dtype.startswith("fp8") and head_dim >= 128 else 16
+        """32 for 8-bit pools with heads of >= 128: a token-minor V row of a page is then a whole
+        32-byte L2 sector (3.7-4.07 TB/s fp8 decode on the H200 against 2.9-3.0 at pages of
+        16)."""
+        return 32 if _eight_bit(kv_dtype) and head_dim >= 128 else 16
 
     @classmethod
     def is_available(cls) -> Optional[str]:
@@ -89,8 +115,9 @@ class TritonBackend(AttentionBackend):
     def _decode_config(self, batch: int, max_len: int) -> DecodeConfig:
         hkv, d = self._layer_shape()
         # the group is fixed by the model; q heads are only known at forward, so prepare on Hkv
-        return choose_config(batch, hkv, 1, d, max_len, self.pool.dtype, self.compute_dtype,
-                             v_t=self._v_t)
+        group = 1 if self.num_q_heads is None else self.num_q_heads // hkv
+        return choose_config(batch, hkv, group, d, max_len, self.pool.dtype, self.compute_dtype,
+                             v_t=self._v_t, page_size=self.pool.page_size)
 
     def _prepare_decode(self, meta: AttentionMetadata, max_len: int) -> None:
         self._decode_cfg = self._decode_config(meta.batch_size, max_len)
@@ -101,6 +128,9 @@ class TritonBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         """Mutates self: the step's metadata and launch plan. Host work only (no syncs)."""
         self.meta = meta
+        if self._mla is not None:
+            self._mla.prepare(meta)
+            return
         if meta.is_decode:
             self._prepare_decode(meta, max(meta.kv_lens_cpu, default=1))
             self._blocks = None
@@ -139,53 +169,127 @@ class TritonBackend(AttentionBackend):
                                "meta_builder.build_step_metadata (or build_hybrid_metadata)")
         return meta.swa.block_table, meta.swa.slot_mapping, spec.window
 
+    # -- the KV transform and the int8 scale caches ---------------------------------------
+    def _rotates(self) -> bool:
+        tr = getattr(self.pool, "kv_transform", None)
+        return bool(tr is not None and getattr(tr, "rotate", False))
+
+    def _k_mean(self, layer_id: int) -> Optional[torch.Tensor]:
+        """The layer's K mean ``[Hkv, D]`` float32 on the pool's device (copied once if the
+        transform keeps it elsewhere), or None when K centering is off."""
+        if layer_id not in self._k_means:
+            tr = getattr(self.pool, "kv_transform", None)
+            means = None if tr is None else getattr(tr, "k_mean", None)
+            mu = None if means is None else means[layer_id]
+            if mu is not None:
+                mu = mu.to(device=self.pool.device, dtype=torch.float32).contiguous()
+            self._k_means[layer_id] = mu
+        return self._k_means[layer_id]
+
+    def _q_bias(self, layer_id: int, q: torch.Tensor) -> Optional[torch.Tensor]:
+        """q . k_mean per token and query head ``[T, Hq]`` float32, which a centered K cache
+        takes off every logit of a row: softmax ignores it, a soft-cap does not, so layers with
+        one get it added back (q here is what the kernels see: rotated when the transform
+        rotates, and then so is the mean, q' . mu' = q . mu)."""
+        mu = self._k_mean(layer_id)
+        if self.logit_softcap is None or mu is None:
+            return None
+        if self._rotates():
+            from kvfit.kernels.hadamard import fwht
+
+            mu = fwht(mu)
+        t, hq, d = q.shape
+        hkv = mu.shape[0]
+        qg = q.float().view(t, hkv, hq // hkv, d)  # [T, Hq, D] -> [T, Hkv, G, D]
+        return (qg * mu[None, :, None, :]).sum(-1).view(t, hq)
+
+    def _scale_caches(self, layer_id: int):
+        """(k, v) float16 scale caches ``[pages, Hkv, P]`` of an int8 pool's layer, else
+        (None, None)."""
+        if self.pool.dtype != torch.int8:
+            return None, None
+        return self.pool.k_scale_caches[layer_id], self.pool.v_scale_caches[layer_id]
+
     def kv_store_target(self, layer_id: int) -> Optional[KVStoreTarget]:
         """The slot-mapped store (decode steps, and prefill into HND pages) may be fused into
-        the caller's RoPE kernel; prefill into token-minor V pages stores by page-row chunks."""
-        if self._v_t and not self.meta.is_decode:
+        the caller's RoPE kernel, K centering and the rotation included (the RoPE kernel then
+        returns q rotated); prefill into token-minor V pages stores by page-row chunks."""
+        if self._mla is not None or (self._v_t and not self.meta.is_decode):
             return None
         pool = self.pool
         _, slots, _ = self._tables(layer_id)
+        ksc, vsc = self._scale_caches(layer_id)
         return KVStoreTarget(pool.k_caches[layer_id], pool.v_caches[layer_id], slots, pool.fmt,
-                             pool.k_scales[layer_id], pool.v_scales[layer_id], pool.v_layout)
+                             pool.k_scales[layer_id], pool.v_scales[layer_id], pool.v_layout,
+                             k_scale_cache=ksc, v_scale_cache=vsc, k_mean=self._k_mean(layer_id),
+                             rotate=self._rotates())
+
+    def forward_mla(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int,
+                    v_dim: int) -> torch.Tensor:
+        """MLA pools: store the slabs and attend (attention/triton_mla.py). Mutates the pool."""
+        if self._mla is None:
+            raise RuntimeError(f"forward_mla needs a pool of MLA layers (MLAKVCache), got the "
+                               f"{self.pool.name} pool")
+        return self._mla.forward_mla(q, kv, layer_id, v_dim)
 
     def forward(self, q, k, v, layer_id, kv_stored: bool = False):
+        """Stores k/v (quantize, K centering) unless ``kv_stored``, then attends. With a
+        rotating transform q and k are rotated first here (``kv_transform.transform_qk``, which
+        also centers k), unless ``kv_stored``: the fused RoPE store rotated q already."""
         meta = self.meta
         pool = self.pool
         kc, vc = pool.k_caches[layer_id], pool.v_caches[layer_id]
         ks, vs = pool.k_scales[layer_id], pool.v_scales[layer_id]
         table, slots, window = self._tables(layer_id)
+        ksc, vsc = self._scale_caches(layer_id)
+        k_mean = self._k_mean(layer_id)
+        if self._rotates() and not kv_stored:
+            q_dtype = q.dtype
+            q, k = pool.kv_transform.transform_qk(layer_id, q, k)  # k - mu, then @ H
+            q = q.to(q_dtype)  # k stays as returned (quantized from it in float32)
+            k_mean = None
+        q_bias = self._q_bias(layer_id, q)
         if kv_stored:
             pass  # the caller stored k/v at kv_store_target(layer_id)
         elif self._v_t and not meta.is_decode:
             store_kv_chunks(k, v, kc, vc, self._store_chunks, meta.cu_seqlens_q, meta.kv_lens,
-                            table, pool.fmt, ks, vs)
+                            table, pool.fmt, ks, vs, k_scale_cache=ksc,
+                            v_scale_cache=vsc, k_mean=k_mean)
         else:
-            store_kv(k, v, kc, vc, slots, pool.fmt, ks, vs, pool.v_layout)
+            store_kv(k, v, kc, vc, slots, pool.fmt, ks, vs, pool.v_layout,
+                     k_scale_cache=ksc, v_scale_cache=vsc, k_mean=k_mean)
         out = torch.empty_like(q)
         if q.stride(-1) != 1:
             q = q.contiguous()
         if meta.is_decode:
             cfg = self._decode_cfg if window is None else self._decode_cfg_swa
+            if cfg.pack > 1 and q.shape[1] // kc.shape[1] > 16 // cfg.pack:
+                cfg = dataclasses.replace(cfg, pack=1)  # a group too large to pack
             scratch = None  # static split-K scratch when it is large enough, else allocated
             n = q.shape[0] * q.shape[1] * cfg.num_splits
             if self._scratch is not None and cfg.num_splits > 1 and n <= self._scratch[1].shape[0]:
                 scratch = (self._scratch[0][:n], self._scratch[1][:n])
             paged_decode(q, kc, vc, table, meta.kv_lens, out, self.sm_scale, cfg,
-                         ks, vs, self.logit_softcap, window, scratch)
+                         ks, vs, self.logit_softcap, window, scratch, ksc, vsc, q_bias)
         else:
             group = q.shape[1] // kc.shape[1]
             paged_prefill(q, kc, vc, table, meta.cu_seqlens_q, meta.kv_lens,
                           self._prefill_blocks(group), self._prefill_cfg, out, self.sm_scale,
-                          ks, vs, self.logit_softcap, window, v_t=self._v_t)
+                          ks, vs, self.logit_softcap, window, v_t=self._v_t, k_scale_cache=ksc,
+                          v_scale_cache=vsc, q_bias=q_bias)
         return out
 
     # -- CUDA graphs ------------------------------------------------------------------------
     def init_cuda_graph(self, max_bs: int, max_pages_per_req: int) -> None:
         """Allocate split-K scratch for ``max_bs`` decode rows at the most splits any batch size
         gets with contexts up to ``max_pages_per_req`` pages (static across replays)."""
-        hkv, d = self._layer_shape()
         self._graph_max_len = max_pages_per_req * self.pool.page_size
+        if self._mla is not None:
+            self._mla.init_cuda_graph(max_bs, max_pages_per_req)
+            return
+        hkv, d = self._layer_shape()
+        for layer in range(self.pool.num_layers):  # K means on the device before any capture
+            self._k_mean(layer)
         lens = [self._graph_max_len]
         if self._window is not None:
             lens.append(min(self._graph_max_len, self._window))
@@ -203,5 +307,12 @@ class TritonBackend(AttentionBackend):
         if self._graph_max_len is None:
             raise RuntimeError("init_cuda_graph must be called before prepare_cuda_graph")
         self.meta = meta
+        if self._mla is not None:
+            self._mla.prepare_cuda_graph(meta)
+            return
         self._blocks = None
         self._prepare_decode(meta, self._graph_max_len)
+
+
+def _eight_bit(kv_dtype: str) -> bool:
+    return kv_dtype.startswith("fp8") or kv_dtype == "int8"

@@ -9,6 +9,8 @@ KV elements/s, and the fp8/bf16 speedup; it writes ``kernels.json`` and ``kernel
 Gemma 3 layouts (``--layouts gemma3-270m,gemma3-4b,gemma3-12b``) have sliding-window layers: each
 of their points also times our kernels over the window (``swa_us``) and prints its time against
 the full layer's at the same context (``swa/full``: ~1 inside the window, < 1 beyond it).
+MLA layouts (``deepseek-v2-lite``, ``deepseek-v2``: a latent cache, bench/kernels_mla.py) time
+our MLA kernels only.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import os
 import time
 from dataclasses import dataclass
 
+from kvfit.bench.kernels_mla import MLA_LAYOUTS, run_mla_decode, run_mla_prefill
+
 LAYOUTS = {"qwen3-1.7b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128), "smollm2": (9, 3, 64),
            "gemma3-270m": (4, 1, 256), "gemma3-4b": (8, 4, 256), "gemma3-12b": (16, 8, 256)}
-DEFAULT_LAYOUTS = ("qwen3-1.7b", "llama-3.1-8b", "smollm2")
+DEFAULT_LAYOUTS = ("qwen3-1.7b", "llama-3.1-8b", "smollm2", "deepseek-v2-lite")
 # sliding-window layers of a layout: each point also times our kernels with the window (the
 # same cache, read only over the last ``window`` tokens) against the full layer at that context
 WINDOWS = {"gemma3-270m": 512, "gemma3-4b": 1024, "gemma3-12b": 1024}
@@ -46,8 +50,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvfit bench kernels", description=__doc__)
     p.add_argument("--out", default="bench-out/kernels")
     p.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS),
-                   help=f"head layouts, of: {', '.join(LAYOUTS)}")
-    p.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3")
+                   help=f"of {', '.join(LAYOUTS)}, {', '.join(MLA_LAYOUTS)}")
+    p.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3,int8")
     p.add_argument("--batches", default="1,8,32,128")
     p.add_argument("--contexts", default="1024,4096,16384,65536")
     p.add_argument("--max-gib", type=float, default=40.0, help="skip points whose KV is larger")
@@ -67,7 +71,8 @@ def _torch_dtype(name):
     import torch
 
     return {"bfloat16": torch.bfloat16, "float16": torch.float16,
-            "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[name]
+            "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+            "int8": torch.int8}[name]
 
 
 def copy_bandwidth(device) -> float:
@@ -93,7 +98,9 @@ class KVSet:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         pages_per_req = -(-context // page_size)
         self.num_pages = batch * pages_per_req + 1
-        self.bytes = 2 * batch * context * hkv * d * itemsize  # KV bytes one call must read
+        # KV bytes one call must read (int8: the float16 scale of each token and head too)
+        scale_bytes = 2 if self.dtype == torch.int8 else 0
+        self.bytes = 2 * batch * context * hkv * (d * itemsize + scale_bytes)
         copy_bytes = 2 * self.num_pages * hkv * page_size * d * itemsize
         self.reps = max(1, min(16, math.ceil(4 * L2_BYTES / copy_bytes)))
         g = torch.Generator(device=device)
@@ -106,9 +113,16 @@ class KVSet:
                 step = max(1, (1 << 27) // (hkv * page_size * d))
                 for p0 in range(0, self.num_pages, step):
                     chunk = torch.randn(t[p0:p0 + step].shape, generator=g, device=device)
+                    if self.dtype == torch.int8:
+                        chunk = chunk.mul_(40).round_().clamp_(-127, 127)
                     t[p0:p0 + step] = chunk.clamp_(-400, 400).to(self.dtype)
                 pair.append(t)
             self.caches.append(tuple(pair))
+        self.scales = None  # int8: (k, v) float16 scale caches [pages, Hkv, P] per copy
+        if self.dtype == torch.int8:
+            self.scales = [tuple(torch.rand((self.num_pages, hkv, page_size), generator=g,
+                                            device=device).add_(0.5).mul_(0.02).half()
+                                 for _ in range(2)) for _ in range(self.reps)]
         perm = torch.randperm(self.num_pages - 1, generator=g, device=device).to(torch.int32) + 1
         self.block_table = perm[: batch * pages_per_req].view(batch, pages_per_req).contiguous()
         self.kv_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
@@ -163,7 +177,8 @@ def time_ours_decode(kv: KVSet, hq, d, cfg, window=None) -> float:
     qs = [torch.randn(kv.batch, hq, d, device="cuda", dtype=torch.bfloat16) for _ in kv.caches]
     outs = [torch.empty_like(q) for q in qs]
     fns = [lambda i=i: paged_decode(qs[i], kv.caches[i][0], vcs[i], kv.block_table,
-                                    kv.kv_lens, outs[i], d ** -0.5, cfg, window=window)
+                                    kv.kv_lens, outs[i], d ** -0.5, cfg, window=window,
+                                    **scale_kwargs(kv, i))
            for i in range(kv.reps)]
     return triton.testing.do_bench(rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3
 
@@ -180,6 +195,13 @@ def fi_decode_wrappers(kv: KVSet, hq, hkv, d, use_tc, q_dtype):
     w.plan(indptr, kv.block_table.flatten(), last, hq, hkv, d, kv.page_size,
            q_data_type=q_dtype, kv_data_type=kv.dtype, sm_scale=d ** -0.5)
     return w, ws
+
+
+def scale_kwargs(kv: KVSet, i: int) -> dict:
+    """The int8 scale-cache arguments of copy ``i`` (none for other dtypes)."""
+    if kv.scales is None:
+        return {}
+    return {"k_scale_cache": kv.scales[i][0], "v_scale_cache": kv.scales[i][1]}
 
 
 def time_fi_decode(kv: KVSet, hq, hkv, d, use_tc) -> float:
@@ -200,6 +222,9 @@ def run_decode(args, device, copy_bw, results):
 
     layouts = args.layouts.split(",")
     for layout in layouts:
+        if layout in MLA_LAYOUTS:
+            run_mla_decode(args, layout, device, copy_bw, results)
+            continue
         hq, hkv, d = LAYOUTS[layout]
         for b in map(int, args.batches.split(",")):
             for ctx in map(int, args.contexts.split(",")):
@@ -227,7 +252,9 @@ def run_decode(args, device, copy_bw, results):
                         rec["window"] = window
                         rec["swa_us"] = time_ours_decode(kv, hq, d, cfg_w, window)
                         rec["swa_over_full"] = rec["swa_us"] / rec["ours_us"]
-                    if not args.no_fi:
+                    if kvd == "int8":
+                        rec["fi_error"] = "FlashInfer reads no int8 KV pages"
+                    elif not args.no_fi:
                         use_tc = hq // hkv >= 4
                         try:
                             rec["fi_us"] = time_fi_decode(kv, hq, hkv, d, use_tc)
@@ -253,6 +280,10 @@ def run_decode(args, device, copy_bw, results):
                     r = row["fp8_e4m3"]
                     print(f"    fp8/bf16 speedup: ours {r.get('ours_fp8_speedup', 0):.2f}x"
                           f"  fi {r.get('fi_fp8_speedup', 0):.2f}x")
+                if "int8" in row and "fp8_e4m3" in row:
+                    r = row["int8"]
+                    r["int8_over_fp8_time"] = r["ours_us"] / row["fp8_e4m3"]["ours_us"]
+                    print(f"    int8/fp8 decode time: {r['int8_over_fp8_time']:.3f}")
 
 
 def _print_decode(r):
@@ -282,7 +313,7 @@ def time_ours_prefill(kv: KVSet, hq, d, q_len, window=None):
     v_t = ours_v_layout(kv) == "HDN"
     fns = [lambda i=i: paged_prefill(q, kv.caches[i][0], vcs[i], kv.block_table, cu,
                                      kv.kv_lens, blocks, cfg, out, d ** -0.5, window=window,
-                                     v_t=v_t)
+                                     v_t=v_t, **scale_kwargs(kv, i))
            for i in range(kv.reps)]
     return triton.testing.do_bench(rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3
 
@@ -309,6 +340,9 @@ def time_fi_prefill(kv: KVSet, hq, d, q_len):
 
 def run_prefill(args, device, results):
     for layout in args.layouts.split(","):
+        if layout in MLA_LAYOUTS:
+            run_mla_prefill(args, layout, device, results)
+            continue
         hq, hkv, d = LAYOUTS[layout]
         for ctx in map(int, args.prefill_contexts.split(",")):
             b = max(1, 16384 // ctx)
@@ -323,7 +357,9 @@ def run_prefill(args, device, results):
                     rec["window"] = window
                     rec["swa_us"] = time_ours_prefill(kv, hq, d, ctx, window)
                     rec["swa_over_full"] = rec["swa_us"] / rec["ours_us"]
-                if not args.no_fi:
+                if kvd == "int8":
+                    rec["fi_error"] = "FlashInfer reads no int8 KV pages"
+                elif not args.no_fi:
                     try:
                         rec["fi_us"] = time_fi_prefill(kv, hq, d, ctx)
                     except Exception as e:
@@ -377,6 +413,11 @@ def plot(results, path):
 def main(argv: list[str]) -> int:
     """Entry point of ``kvfit bench kernels``; returns the exit status."""
     args = parser().parse_args(argv)
+    unknown = set(args.layouts.split(",")) - set(LAYOUTS) - set(MLA_LAYOUTS)
+    if unknown:
+        print(f"unknown layout(s) {', '.join(sorted(unknown))}; known: "
+              f"{', '.join([*LAYOUTS, *MLA_LAYOUTS])}")
+        return 2
     import torch
 
     if not torch.cuda.is_available():

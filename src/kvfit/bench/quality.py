@@ -1,14 +1,18 @@
-"""``kvfit bench quality``: what a KV dtype costs in answers, on a real model.
+"""``kvfit bench quality``: what a KV format costs in answers, on a real model.
 
-For each KV dtype (and optionally fp8 with calibrated scales):
+Each KV format (a ``--kv-dtypes`` entry; the first is the baseline, ``auto`` = the compute dtype,
+float32 on CPU) gets one row:
+  bytes per element and KV tokens at a fixed budget (``--budget``, the engine's own sizing),
   (a) passkey retrieval at 10/50/90% depth of a long filler context (k keys per depth),
-  (b) greedy agreement with the bf16-KV run on 12 short prompts (identical count, first
+  (b) greedy agreement with the baseline on 12 short chat prompts (identical count, first
       divergence position),
-  (c) mean and max next-token KL divergence vs bf16 KV over a shipped text, and perplexity.
-The compute dtype is the engine's (float32 on CPU): only the KV storage changes between rows.
-A progress line follows each stage (format, depth, elapsed, estimated time left). Quick on a CPU
-(a few minutes): --context 1024 --keys 1 --agree-tokens 16 --kl-tokens 512. Long: Qwen2.5-Coder
-at --context 7500 takes hours on a CPU.
+  (c) mean and max next-token KL divergence vs the baseline over the shipped text, top-1
+      agreement of those next-token distributions, and perplexity.
+An entry may carry options after a colon, comma-separated: ``int8:nocenter`` (K centering off),
+``fp8_e4m3:cal=PATH`` (K means from a ``--kv-calibration`` file), ``fp8_e4m3:auto-scales``.
+The compute dtype is the engine's: only the KV storage changes between rows. A progress line
+follows each stage. Quick on a CPU (minutes): --context 1024 --keys 1 --agree-tokens 16
+--kl-tokens 512.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Optional
 import torch
 
 from kvfit.bench.progress import Stage, StageClock
+from kvfit.plan import parse_memory
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")
@@ -110,6 +115,9 @@ class Row:
     kl_mean: float = 0.0
     kl_max: float = 0.0
     ppl: float = 0.0
+    top1: float = 0.0
+    bytes_per_elem: float = 0.0
+    budget_tokens: int = 0
     seconds: float = 0.0
 
 
@@ -131,15 +139,47 @@ def plan_stages(args, labels: list[str]) -> list[Stage]:
     return stages
 
 
+def parse_variant(entry: str) -> tuple[str, dict]:
+    """``int8:nocenter,cal=F.json`` -> ("int8", engine kwargs); ValueError naming bad options."""
+    name, _, opts = entry.partition(":")
+    kw: dict = {}
+    for opt in filter(None, opts.split(",")):
+        if opt == "nocenter":
+            kw["kv_k_centering"] = False
+        elif opt.startswith("cal="):
+            kw["kv_calibration"] = opt[4:]
+        elif opt == "auto-scales":
+            kw["kv_scales"] = "auto"
+        else:
+            raise ValueError(f"unknown option {opt!r} in {entry!r}; known: nocenter, cal=PATH, "
+                             "auto-scales")
+    return name, kw
+
+
+def budget_capacity(engine, budget: int) -> tuple[float, int]:
+    """(KV bytes per element, tokens the engine's pool holds in ``budget`` bytes) for the
+    engine's model and KV format: the price list and the pool's own sizing."""
+    from kvfit.kvcache.sizing import SizingLimits
+    from kvfit.kvcache.spec import spec_kv_bytes_per_token
+
+    s = engine.runner.settings
+    per_token = spec_kv_bytes_per_token(s.layers, s.kv_format)
+    elems = sum(l.elems_per_token for l in s.layers)
+    lim = SizingLimits(budget, None, None, s.config.max_num_seqs, s.config.max_num_batched_tokens,
+                       s.dtype)  # the compute dtype prices int4's full-precision residual
+    return per_token / elems, s.pool_cls.solve_pages(s.layers, s.kv_format, s.page_size, lim).tokens
+
+
 def run(args) -> tuple[list[Row], dict]:
     from kvfit import LLM, SamplingParams
 
     variants = []
-    for name in args.kv_dtypes:
-        variants.append((name, name, None))
+    for entry in args.kv_dtypes:
+        name, kw = parse_variant(entry)
+        variants.append((entry, name, kw))
         if args.auto_scales is not None and name.startswith("fp8") and (
                 not args.auto_scales or name in args.auto_scales):
-            variants.append((f"{name} + auto scales", name, "auto"))
+            variants.append((f"{entry} + auto scales", name, {**kw, "kv_scales": "auto"}))
     clock = StageClock(plan_stages(args, [v[0] for v in variants]), _PRIOR)
     print(f"kvfit bench quality: {len(variants)} KV formats x ({len(args.depths)} depths x "
           f"{args.keys} passkeys of ~{args.context:,} tokens"
@@ -152,16 +192,18 @@ def run(args) -> tuple[list[Row], dict]:
     base_lp: Optional[list[torch.Tensor]] = None
     rows = []
     meta: dict = {}
-    for label, kv, scales in variants:
+    for label, kv, kw in variants:
         t0 = time.time()
-        llm = LLM(args.model, kv_dtype=kv, kv_scales=scales, device=args.device,
+        llm = LLM(args.model, kv_dtype=kv, device=args.device,
                   num_tokens=args.context * len(args.depths) * args.keys + 4096,
                   max_model_len=max(args.context + 64, args.kl_tokens + 1),
                   max_num_batched_tokens=args.chunk,
-                  max_num_seqs=64)
+                  max_num_seqs=64, **kw)
+        shown = f"auto ({llm.engine.runner.kv_format.name})" if label == "auto" else label
         tok = llm.get_tokenizer()
         clock.done(f"{label}: load")
-        row = Row(label)
+        row = Row(shown)
+        row.bytes_per_elem, row.budget_tokens = budget_capacity(llm.engine, args.budget)
         # (a) passkey, one depth at a time (a progress line each)
         for d in args.depths:
             prompts = [{"prompt_token_ids": passkey_prompt(tok, args.context, d, k)}
@@ -197,7 +239,7 @@ def run(args) -> tuple[list[Row], dict]:
         # (c) KL vs the first row, and perplexity
         ids = tok(quality_text())["input_ids"][: args.kl_tokens]
         meta["kl_tokens"] = len(ids)
-        kls, nll = [], []
+        kls, nll, top1 = [], [], []
         lps = []
         pos = 0
         for lp in sequence_logprobs(llm.engine, ids, args.chunk):
@@ -209,12 +251,14 @@ def run(args) -> tuple[list[Row], dict]:
             else:
                 ref = base_lp[len(kls)]
                 kls.append((ref.exp() * (ref - lp)).sum(-1))  # KL(base || this) per position
+                top1.append((ref.argmax(-1) == lp.argmax(-1)).float())
             pos += n
         if base_lp is None:
             base_lp = lps
             kls = [torch.zeros(1)]
         kl = torch.cat(kls)
         row.kl_mean, row.kl_max = float(kl.mean()), float(kl.max())
+        row.top1 = float(torch.cat(top1).mean()) if top1 else 1.0
         row.ppl = float(torch.cat(nll).mean().exp())
         clock.done(f"{label}: KL + perplexity")
         row.seconds = time.time() - t0
@@ -226,12 +270,13 @@ def run(args) -> tuple[list[Row], dict]:
 
 def format_row(r: Row, depths) -> str:
     needle = " | ".join(f"{r.needle[str(d)][0]}/{r.needle[str(d)][1]}" for d in depths)
+    cap = f"{r.bytes_per_elem:.3f} | {r.budget_tokens:,}"
     if r.identical < 0:  # needle only
-        return f"| {r.name} | {needle} | - | - | - | - | - |"
+        return f"| {r.name} | {cap} | {needle} | - | - | - | - | - | - |"
     div = (f"{min(r.first_divergence)} / {statistics.median(r.first_divergence):.0f}"
            if r.first_divergence else "-")
-    return (f"| {r.name} | {needle} | {r.identical}/{len(PROMPTS)} | {div} | {r.kl_mean:.4f} | "
-            f"{r.kl_max:.3f} | {r.ppl:.3f} |")
+    return (f"| {r.name} | {cap} | {needle} | {r.identical}/{len(PROMPTS)} | {div} | "
+            f"{r.kl_mean:.5f} | {r.kl_max:.3f} | {r.top1:.4f} | {r.ppl:.3f} |")
 
 
 def table(rows, args, meta) -> str:
@@ -239,10 +284,11 @@ def table(rows, args, meta) -> str:
     lines = [f"model {args.model}, compute float32 on {args.device}; passkey context "
              f"{meta.get('context_tokens')} tokens, {args.keys} keys per depth; agreement "
              f"{len(PROMPTS)} chat prompts x {args.agree_tokens} greedy tokens vs the first row; "
-             f"KL vs the first row over {meta.get('kl_tokens')} tokens of the shipped text", "",
-             f"| KV dtype | {hdr} | identical | first divergence min / median | mean KL | "
-             f"max KL | perplexity |",
-             "|---|" + "---:|" * (len(args.depths) + 5)]
+             f"KL and top-1 vs the first row over {meta.get('kl_tokens')} tokens of the shipped "
+             f"text; KV tokens in {args.budget / 2**30:.2f} GiB", "",
+             f"| KV format | bytes/elem | KV tokens | {hdr} | identical | first divergence "
+             f"min / median | mean KL | max KL | top-1 | perplexity |",
+             "|---|" + "---:|" * (len(args.depths) + 8)]
     lines += [format_row(r, args.depths) for r in rows]
     return "\n".join(lines)
 
@@ -251,8 +297,13 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kvfit bench quality", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--kv-dtypes", nargs="+", default=["bfloat16", "fp8_e4m3", "fp8_e5m2"],
-                   help="the first is the baseline for agreement and KL")
+    p.add_argument("--kv-dtypes", nargs="+",
+                   default=["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"],
+                   help="KV formats, each optionally with :nocenter, :cal=PATH, :auto-scales; "
+                        "the first is the baseline for agreement, KL and top-1 (auto = the "
+                        "compute dtype, float32 on CPU)")
+    p.add_argument("--budget", type=parse_memory, default=2**30,
+                   help="KV bytes for the 'KV tokens' column (e.g. 1GiB)")
     p.add_argument("--auto-scales", nargs="*", default=None, metavar="DTYPE",
                    help="also run these fp8 dtypes (all fp8 ones if none named) with "
                         "--kv-scales auto")

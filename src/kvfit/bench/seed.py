@@ -82,7 +82,9 @@ def fill_pool(pool) -> None:
     import torch
 
     g = torch.Generator(device=pool.device).manual_seed(0)
-    for t in (*pool.k_caches, *pool.v_caches):
+    # MLA pools hold one latent slab per token (kv_caches), the others K and V
+    caches = getattr(pool, "kv_caches", None) or (*pool.k_caches, *pool.v_caches)
+    for t in caches:
         flat = t.view(-1)
         step = 1 << 28
         for i in range(0, flat.numel(), step):
@@ -222,7 +224,18 @@ def hf_baseline(model_path: str, contexts, batches, steps: int) -> list[dict]:
 
 
 def _estimate_weight_bytes(c) -> int:
-    """bf16 bytes of a Llama-family decoder from its config (to size the pool before loading)."""
+    """bf16 bytes of the model of config ``c`` (to size the pool before loading): its class
+    built on the meta device, else (no class) a Llama-family decoder's count."""
+    import torch
+
+    from kvfit.models import registry as models
+
+    try:
+        with torch.device("meta"):
+            model = models.model_class_for(c)(c, 16)
+        return 2 * sum(p.numel() for p in model.parameters())
+    except Exception:  # noqa: BLE001 - an estimate only; fall back to the Llama formula
+        pass
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     per_layer = (c.hidden_size * hd * (c.num_attention_heads * 2 + kv * 2)

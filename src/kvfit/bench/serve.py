@@ -60,32 +60,34 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="after the server run, run the same requests offline in this process "
                              "(max_num_seqs = min(--max-num-seqs, --max-concurrency)) and print "
                              "the server/offline output-throughput ratio (needs no --base-url)")
+    parser.add_argument("--step-log", default=None, metavar="PREFIX",
+                        help="time every engine step (kvfit.bench.step_timer) of the started "
+                             "server's engine into PREFIX.server.json and of the --offline run "
+                             "into PREFIX.offline.json, and print where each run's time went")
     from kvfit.config import add_engine_args
 
     add_engine_args(parser)
     return parser
 
 
-async def _one(http, model: str, prompt: list[int], output_len: int) -> RequestResult:
+async def _one(pool, model: str, prompt: list[int], output_len: int) -> RequestResult:
     res = RequestResult(prompt_len=len(prompt))
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": output_len,
+                       "temperature": 0.0, "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
     t0 = time.perf_counter()
     last = None
     try:
-        async with http.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+        async with pool.stream_post("/v1/completions", body) as (status, events):
+            if status != 200:
+                async for _, payloads in events:
+                    res.error = f"HTTP {status}: {b''.join(payloads)[:200]!r}"
                 return res
-            buf = b""
-            async for data in r.aiter_raw():  # SSE events split here: aiter_lines costs more
-                buf += data
-                *events, buf = buf.split(b"\n\n")
-                now = time.perf_counter()
-                for raw in events:
-                    if not raw.startswith(b"data: ") or raw == b"data: [DONE]":
+            async for now, payloads in events:  # every event of one read: one arrival time
+                for raw in payloads:
+                    if raw == b"[DONE]":
                         continue
-                    ev = json.loads(raw[6:])
+                    ev = json.loads(raw)
                     if "error" in ev:
                         res.error = ev["error"]["message"]
                         return res
@@ -111,27 +113,39 @@ async def run_benchmark(base_url: str, model: Optional[str], num_prompts: int,
                         max_concurrency: int, input_len: int, output_len: int,
                         id_range=(1000, 10000), seed: int = 0, warmup: bool = True) -> dict:
     """Run the load and return the summary dict (what ``format_table`` prints)."""
+    from urllib.parse import urlsplit
+
     import httpx
 
+    from kvfit.bench.sse_client import ConnectionPool
+
     prompts = make_prompts(num_prompts, input_len, id_range, seed)
-    limits = httpx.Limits(max_connections=max_concurrency + 2)
-    async with httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits) as http:
-        if model is None:
+    if model is None:
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
             model = (await http.get("/v1/models")).json()["data"][0]["id"]
+    url = urlsplit(base_url)
+    pool = ConnectionPool(url.hostname, url.port or 80)
+    try:
         if warmup:  # a whole prompt: compiles the prefill kernels' shapes before timing
-            w = await _one(http, model, prompts[0], min(output_len, 4))
+            w = await _one(pool, model, prompts[0], min(output_len, 4))
             if not w.ok:
                 raise RuntimeError(f"warm-up request failed: {w.error}")
         sem = asyncio.Semaphore(max_concurrency)
 
         async def limited(p):
             async with sem:
-                return await _one(http, model, p, output_len)
+                return await _one(pool, model, p, output_len)
 
+        cpu0 = time.process_time()
         t0 = time.perf_counter()
         results = await asyncio.gather(*[limited(p) for p in prompts])
         duration = time.perf_counter() - t0
-    return summarize(results, duration, model, max_concurrency)
+        cpu = time.process_time() - cpu0
+    finally:
+        pool.close()
+    summary = summarize(results, duration, model, max_concurrency)
+    summary["client_cpu_s"] = cpu  # the load generator's own CPU time (it must not saturate)
+    return summary
 
 
 def make_prompts(num_prompts: int, input_len: int, id_range=(1000, 10000),
@@ -141,9 +155,11 @@ def make_prompts(num_prompts: int, input_len: int, id_range=(1000, 10000),
     return [[rng.randrange(*id_range) for _ in range(input_len)] for _ in range(num_prompts)]
 
 
-def run_offline(config, prompts: list[list[int]], output_len: int, max_concurrency: int) -> dict:
+def run_offline(config, prompts: list[list[int]], output_len: int, max_concurrency: int,
+                step_log: Optional[str] = None) -> dict:
     """The same requests through ``LLM`` in this process, ``max_num_seqs`` capped at the
-    concurrency; output/total token throughput over the wall time of ``generate``."""
+    concurrency; output/total token throughput over the wall time of ``generate`` (its steps
+    timed into ``step_log`` when given)."""
     import dataclasses
 
     from kvfit.llm import LLM
@@ -156,9 +172,16 @@ def run_offline(config, prompts: list[list[int]], output_len: int, max_concurren
         warm = SamplingParams(temperature=0.0, max_tokens=min(output_len, 4), ignore_eos=True)
         llm.generate([prompts[0]], warm, use_tqdm=False)  # the server run's warm-up
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        timer = None
+        if step_log is not None:
+            from kvfit.bench.step_timer import StepTimer
+
+            timer = StepTimer().attach(llm.engine)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         duration = time.perf_counter() - t0
+        if timer is not None:
+            timer.dump(step_log)
     finally:
         del llm
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -235,9 +258,33 @@ def format_table(s: dict) -> str:
             label = f"{stat.capitalize() if stat != 'p99' else 'P99'} {short} (ms):"
             lines.append(f"{label:<40}{s[key][stat]:<10.2f}")
     lines.append("=" * 50)
+    if "client_cpu_s" in s:
+        lines.append(f"load generator CPU: {s['client_cpu_s']:.2f} s over "
+                     f"{s['duration_s']:.2f} s ({s['client_cpu_s'] / s['duration_s']:.0%})")
     if s["errors"]:
         lines.append("errors: " + "; ".join(s["errors"]))
     return "\n".join(lines)
+
+
+def print_step_logs(prefix: str) -> dict:
+    """Per run (server, offline): where the engine's time went over its timed run (the steps
+    after the warm-up's last one)."""
+    import os
+
+    from kvfit.bench.step_timer import after_first_idle, summarize
+
+    out = {}
+    for run in ("server", "offline"):
+        path = f"{prefix}.{run}.json"
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+        # the server's engine ran the warm-up request first (the offline timer starts after it)
+        out[run] = s = summarize(after_first_idle(rows) if run == "server" else rows)
+        print(f"engine steps ({run}): " + ", ".join(
+            f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in s.items()))
+    return out
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -269,7 +316,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             parser.error(str(e))
         name = args.served_model_name or config.model
         print(f"starting a server for {config.model} ...", flush=True)
-        server = ServerProcess(config, name).start()
+        factory = None
+        if args.step_log is not None:  # the engine process times its steps (picklable)
+            import functools
+
+            from kvfit.bench.step_timer import timed_engine
+
+            factory = functools.partial(timed_engine, config, args.step_log + ".server.json")
+        server = ServerProcess(config, name, engine_factory=factory).start()
         base_url = server.base_url
     try:
         summary = asyncio.run(run_benchmark(
@@ -287,13 +341,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("server: " + ", ".join(f"{k}={v}" for k, v in summary["server"].items()))
     if args.offline:
         prompts = make_prompts(args.num_prompts, args.input_len, (lo, hi), args.bench_seed)
-        off = run_offline(config, prompts, args.output_len, args.max_concurrency)
+        off = run_offline(config, prompts, args.output_len, args.max_concurrency,
+                          None if args.step_log is None else args.step_log + ".offline.json")
         off["server_over_offline"] = summary["output_throughput"] / off["output_throughput"]
         summary["offline"] = off
         print(f"offline (max_num_seqs={off['max_num_seqs']}): "
               f"{off['output_throughput']:.2f} output tok/s, "
               f"{off['total_token_throughput']:.2f} total tok/s; "
               f"server/offline output throughput: {off['server_over_offline']:.1%}")
+    if args.step_log is not None:
+        summary["steps"] = print_step_logs(args.step_log)
     if args.result_json:
         with open(args.result_json, "w") as f:
             json.dump(summary, f, indent=2)

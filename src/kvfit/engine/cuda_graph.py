@@ -15,12 +15,11 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import torch
 
 from kvfit.attention.base import AttentionMetadata, SlidingTables
+from kvfit.engine.graph_staging import DecodeStaging
 from kvfit.kvcache.sliding_pages import FREED, first_live_position
-from kvfit.transfer import to_device
 
 log = logging.getLogger("kvfit")
 
@@ -34,6 +33,14 @@ def capture_sizes(max_bs: int) -> list[int]:
     if max_bs not in sizes:
         sizes.append(max_bs)
     return sizes
+
+
+def sliding_rows(sliding, swa_tables: list[list[int]]) -> list[list[int]]:
+    """The sliding page lists (``SlidingWindowPages.table`` each) as graph table rows: freed
+    entries become the sliding page space's null page (zero-filled, read only under the window
+    mask)."""
+    null = sliding.null_page
+    return [[null if p == FREED else p for p in t] for t in swa_tables]
 
 
 class DecodeGraphs:
@@ -53,11 +60,14 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
         self.positions = torch.zeros(max_bs, dtype=torch.long, device=dev)
         self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
-        self.kv_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
-        self.tables = [_StaticTable(max_bs, self.max_pages, dev)]
         self.sliding = ctx.pool.sliding_pages  # SlidingWindowPages or None
-        if self.sliding is not None:  # the sliding layers' page space: a table of its own
-            self.tables.append(_StaticTable(max_bs, self.max_pages, dev))
+        # kv_lens, block table(s), slot mapping(s): views of the staging buffer, one copy per
+        # step; a pool whose sliding layers have a page space of their own gets a second table
+        self.staging = DecodeStaging(max_bs, self.max_pages, self.page_size, dev,
+                                     num_tables=1 if self.sliding is None else 2)
+        self.kv_lens = self.staging.kv_lens
+        self.block_table = self.staging.block_table
+        self.slot_mapping = self.staging.slot_mapping
         # known before any forward; a tensor-parallel rank runs its share of the heads
         self.backend.num_q_heads = getattr(model, "num_q_heads_per_rank",
                                            model.config.num_attention_heads)
@@ -72,16 +82,16 @@ class DecodeGraphs:
 
     def _meta(self, bs: int, kv_lens_cpu: list[int], num_pages_cpu: list[int],
               num_real: int) -> AttentionMetadata:
-        full = self.tables[0]
         swa = None
         if self.sliding is not None:
-            sw = self.tables[1]
+            st = self.staging
             first = [first_live_position(kv - 1, self.sliding.window) // self.page_size
                      for kv in kv_lens_cpu]
-            swa = SlidingTables(sw.table[:bs], sw.slots[:bs], num_pages_cpu, first)
+            swa = SlidingTables(st.block_tables[1][:bs], st.slot_mappings[1][:bs],
+                                num_pages_cpu, first)
         return AttentionMetadata(
             cu_seqlens_q=self.cu_seqlens[: bs + 1], kv_lens=self.kv_lens[:bs],
-            block_table=full.table[:bs], slot_mapping=full.slots[:bs],
+            block_table=self.block_table[:bs], slot_mapping=self.slot_mapping[:bs],
             q_lens_cpu=[1] * bs, kv_lens_cpu=kv_lens_cpu, num_pages_cpu=num_pages_cpu,
             is_decode=True, num_real_reqs=num_real, swa=swa)
 
@@ -112,37 +122,6 @@ class DecodeGraphs:
                 return s
         raise ValueError(f"decode batch {bs} exceeds the largest captured size {self.max_bs}")
 
-    def _stage(self, kv_lens_cpu: list[int], page_tables: list[list[int]],
-               swa_tables: list[list[int]] | None = None):
-        """Host side of a replay: (graph batch, table width, int32 [kv_lens | block table rows
-        per static table], int64 [slots per static table], pages per row), all for ``gbs`` rows
-        (padded rows: kv_len 1, page 0, slot -1)."""
-        bs = len(kv_lens_cpu)
-        gbs = self._size_for(bs)
-        kv = np.ones(gbs, dtype=np.int64)
-        kv[:bs] = kv_lens_cpu
-        n_pages = -(-kv // self.page_size)  # [gbs]
-        width = int(n_pages[:bs].max())
-        if width > self.max_pages:
-            raise ValueError(f"a request needs {width} pages, graphs were sized for "
-                             f"{self.max_pages}")
-        lists = [page_tables]
-        if self.sliding is not None:
-            if swa_tables is None:
-                raise ValueError("this pool's sliding layers have their own pages: pass "
-                                 "swa_tables (pool.sliding_pages.table(request_id) each)")
-            null = self.sliding.null_page
-            lists.append([[null if p == FREED else p for p in t] for t in swa_tables])
-        ints = np.empty(gbs + len(lists) * gbs * width, dtype=np.int32)  # kv | table | ...
-        ints[:gbs] = kv
-        slots = np.empty(len(lists) * gbs, dtype=np.int64)
-        for j, (static, rows) in enumerate(zip(self.tables, lists)):
-            table = static.stage(rows, n_pages, kv, bs, gbs)
-            ints[gbs + j * gbs * width: gbs + (j + 1) * gbs * width].reshape(gbs, width)[:] = \
-                table[:gbs, :width]
-            slots[j * gbs:(j + 1) * gbs] = static.slots_of(table, kv, bs, gbs, self.page_size)
-        return gbs, width, ints, slots, n_pages
-
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_lens_cpu: list[int],
             page_tables: list[list[int]],
@@ -152,60 +131,24 @@ class DecodeGraphs:
         kv_lens_cpu[i] counts request i's tokens after this step (its new token included);
         page_tables[i] lists its pages; ``swa_tables[i]`` its sliding page list
         (``SlidingWindowPages.table``, ``FREED`` entries allowed) when the pool has sliding
-        pages. Mutates the static buffers and the KV pool. Two host->device copies (pinned,
-        non-blocking) and no device->host sync."""
+        pages. Mutates the static buffers and the KV pool. One host->device copy (pinned,
+        non-blocking; ``DecodeStaging``, both page tables in it) and no device->host sync."""
         bs = len(kv_lens_cpu)
-        gbs, width, ints, slots, n_pages = self._stage(kv_lens_cpu, page_tables, swa_tables)
+        gbs = self._size_for(bs)
+        swa = None
+        if self.sliding is not None:
+            if swa_tables is None:
+                raise ValueError("this pool's sliding layers have their own pages: pass "
+                                 "swa_tables (pool.sliding_pages.table(request_id) each)")
+            swa = sliding_rows(self.sliding, swa_tables)
+        _, n_pages, kv_all = self.staging.stage(kv_lens_cpu, page_tables, gbs, swa)
         self.input_ids[:bs].copy_(input_ids)
         self.positions[:bs].copy_(positions)
         if gbs > bs:
             self.input_ids[bs:gbs].zero_()
             self.positions[bs:gbs].zero_()
-        dev_ints = to_device(ints, self.device)
-        dev_slots = to_device(slots, self.device)
-        self.kv_lens[:gbs].copy_(dev_ints[:gbs])
-        for j, static in enumerate(self.tables):
-            part = dev_ints[gbs + j * gbs * width: gbs + (j + 1) * gbs * width]
-            static.table[:gbs, :width].copy_(part.view(gbs, width))
-            static.slots[:gbs].copy_(dev_slots[j * gbs:(j + 1) * gbs])
-        meta = self._meta(gbs, list(kv_lens_cpu) + [1] * (gbs - bs), n_pages.tolist(), bs)
+        meta = self._meta(gbs, kv_all, n_pages, bs)
         self.backend.prepare_cuda_graph(meta)
         self.graphs[gbs].replay()
         return self.outputs[gbs][:bs]
 
-
-class _StaticTable:
-    """One page space's static block table ``[max_bs, max_pages]`` and slot mapping ``[max_bs]``
-    on the device, with a host mirror whose rows are rewritten only when a request's page list
-    changes (list compare: far cheaper than converting rows)."""
-
-    def __init__(self, max_bs: int, max_pages: int, device):
-        self.table = torch.zeros((max_bs, max_pages), dtype=torch.int32, device=device)
-        self.slots = torch.full((max_bs,), -1, dtype=torch.int64, device=device)
-        self._host = np.zeros((max_bs, max_pages), dtype=np.int32)
-        self._rows: list = [None] * max_bs
-
-    def stage(self, page_tables, n_pages: np.ndarray, kv: np.ndarray, bs: int,
-              gbs: int) -> np.ndarray:
-        """Update the host mirror for ``bs`` real rows (padded rows to ``gbs``: page 0)."""
-        table = self._host
-        for i, pages in enumerate(page_tables):
-            row = pages[: n_pages[i]]
-            if len(row) < n_pages[i]:
-                raise ValueError(f"request {i} has {len(pages)} pages for {kv[i]} tokens")
-            if self._rows[i] != row:
-                table[i, : len(row)] = row
-                self._rows[i] = row
-        for i in range(bs, gbs):
-            if self._rows[i] != "pad":
-                table[i] = 0
-                self._rows[i] = "pad"
-        return table
-
-    @staticmethod
-    def slots_of(table: np.ndarray, kv: np.ndarray, bs: int, gbs: int, ps: int) -> np.ndarray:
-        """[gbs] int64: each row's slot for its new token (padded rows -1)."""
-        last = kv - 1  # position of each row's new token
-        slots = table[np.arange(gbs), last // ps].astype(np.int64) * ps + last % ps
-        slots[bs:] = -1
-        return slots

@@ -16,6 +16,13 @@ from kvfit.kvcache.dtypes import KVFormat
 from kvfit.kvcache.spec import KVLayerSpec
 
 
+def required_transforms(fmt: KVFormat) -> frozenset[str]:
+    """The KV transforms (kvcache/kv_transform.py) a backend must apply to read ``fmt`` right:
+    "rotate" for formats stored rotated (int8; its V rotation is folded into the weights, so a
+    backend that ignored it would attend over rotated-only K). K centering is optional."""
+    return frozenset({"rotate"}) if fmt.rotate else frozenset()
+
+
 def _reasons(backend_name: str, pool_cls, fmt: KVFormat, page_size: int, device_type: str,
              head_dims: set[int], assume_installed: bool) -> list[str]:
     why = unavailable_reason(backend_name, device_type, assume_installed)
@@ -27,18 +34,24 @@ def _reasons(backend_name: str, pool_cls, fmt: KVFormat, page_size: int, device_
         out.append(f"{backend_name} does not support the {pool_cls.name} pool "
                    f"(supports {', '.join(sorted(cls.pools))})")
     if fmt.name not in cls.kv_dtypes:
+        why = cls.kv_dtype_refusals.get(fmt.name)
         out.append(f"{backend_name} does not read {fmt.name} KV "
-                   f"(reads {', '.join(sorted(cls.kv_dtypes))})")
+                   f"(reads {', '.join(sorted(cls.kv_dtypes))})" + (f": {why}" if why else ""))
+    missing = required_transforms(fmt) - cls.kv_transforms
+    if fmt.name in cls.kv_dtypes and missing:
+        out.append(f"{backend_name} does not apply the {', '.join(sorted(missing))} transform "
+                   f"{fmt.name} KV needs (kvcache/kv_transform.py)")
     if cls.page_sizes is not None and page_size not in cls.page_sizes:
         out.append(f"{backend_name} does not support page size {page_size} "
                    f"(supports {', '.join(map(str, sorted(cls.page_sizes)))})")
-    wanted = {cls.v_layout(fmt.name, page_size, d) for d in head_dims}
+    wanted = {cls.v_layout(fmt.name, page_size, d, pool_cls.name) for d in head_dims}
     if pool_cls.name in cls.pools and not wanted <= pool_cls.v_layouts:
         out.append(f"{backend_name} reads {', '.join(sorted(wanted))} V pages, the "
                    f"{pool_cls.name} pool stores {', '.join(sorted(pool_cls.v_layouts))}")
-    if cls.head_dims is not None and not head_dims <= cls.head_dims:
-        out.append(f"{backend_name} does not support head_dim {sorted(head_dims - cls.head_dims)}"
-                   f" (supports {', '.join(map(str, sorted(cls.head_dims)))})")
+    dims = cls.head_dims_for(pool_cls.name)
+    if dims is not None and not head_dims <= dims:
+        out.append(f"{backend_name} does not support head_dim {sorted(head_dims - dims)}"
+                   f" (supports {', '.join(map(str, sorted(dims)))})")
     return out
 
 
@@ -50,15 +63,22 @@ def check_combination(backend_name: str, pool_cls, fmt: KVFormat, page_size: int
     installed (``kvfit plan`` for a GPU, from any host)."""
     reasons = []
     if fmt.name not in pool_cls.supported_kv_dtypes:
+        why = pool_cls.kv_dtype_refusals.get(fmt.name)
         reasons.append(f"the {pool_cls.name} pool does not store {fmt.name} "
-                       f"(stores {', '.join(sorted(pool_cls.supported_kv_dtypes))})")
+                       f"(stores {', '.join(sorted(pool_cls.supported_kv_dtypes))})"
+                       + (f": {why}" if why else ""))
+    required = pool_cls.page_size_required
+    pool_ok = not reasons and required in (None, page_size)
+    if required not in (None, page_size):
+        reasons.append(f"the {pool_cls.name} pool ({fmt.name}) needs pages of {required} tokens, "
+                       f"its quantization group (K is quantized per channel over a whole page), "
+                       f"not {page_size}: set --page-size {required} or leave it unset")
     head_dims = {l.head_dim for l in layers}
     reasons += _reasons(backend_name, pool_cls, fmt, page_size, device_type, head_dims,
                         assume_installed)
     if not reasons:
         return
-    working = [b for b in BACKENDS if b != backend_name
-               and fmt.name in pool_cls.supported_kv_dtypes
+    working = [b for b in BACKENDS if b != backend_name and pool_ok
                and not _reasons(b, pool_cls, fmt, page_size, device_type, head_dims,
                                assume_installed)]
     combo = (f"backend={backend_name}, pool={pool_cls.name}, kv_dtype={fmt.name}, "

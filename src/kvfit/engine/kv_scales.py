@@ -96,6 +96,9 @@ def resolve_scales(spec: Optional[str], runner, fmt: KVFormat, tokenizer=None
     if not fmt.quantized:
         log.info("--kv-scales ignored: KV dtype %s stores values unscaled", fmt.name)
         return None, None
+    if fmt.scale_mode != "tensor":
+        log.info("--kv-scales ignored: %s KV keeps its own scales (%s)", fmt.name, fmt.scale_mode)
+        return None, None
     if spec == "auto":
         if tokenizer is not None:
             ids = tokenizer(CALIBRATION_TEXT)["input_ids"]

@@ -50,8 +50,10 @@ class LLMEngine:
         self.vocab_size = self.runner.hf_config.vocab_size
         self.config = config = self.settings.config  # page_size resolved
         self.allocator = self._make_allocator()
+        pool = self.runner.pool
         self.scheduler = Scheduler(self.allocator, config.page_size, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.runner.pool.sliding_pages)
+                                   config.max_num_batched_tokens, pool.sliding_pages,
+                                   pool.residual_slots)
         self.requests: dict[str, Request] = {}
         self.eos_ids = self._eos_ids()
         self._arrival = itertools.count()

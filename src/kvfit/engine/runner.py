@@ -2,7 +2,8 @@
 
 Start-up order: the settings (engine/settings.py: model config, dtypes, pool class, backend, page
 size, V layout, checked by the guard before any weight is loaded) -> load weights -> measure
-activations -> size the pool (``pool_cls.solve_pages``) and allocate it -> KV scales -> CUDA
+activations -> size the pool (``pool_cls.solve_pages``) and allocate it -> KV scales and the KV
+transform (K centering calibration, the int8 V rotation folded into the weights at load) -> CUDA
 graphs. ``execute(items)`` runs one step.
 
 Tensor parallel (``--tensor-parallel-size N``): rank 0's runner starts the workers
@@ -29,15 +30,22 @@ from kvfit.attention.meta_builder import build_metadata, build_step_metadata, to
 from kvfit.config import EngineConfig
 from kvfit.engine import memory
 from kvfit.engine.context import Context
+from kvfit.engine.kv_calibration import resolve_kv_transform
 from kvfit.engine.kv_scales import resolve_scales
 from kvfit.engine.settings import EngineSettings, resolve_settings
 from kvfit.errors import KVBudgetError
 from kvfit.kvcache.sizing import PoolSizing
+from kvfit.models.kv_rotation_fold import fold_v_rotation
 from kvfit.models.weights import WeightSink, init_dummy, iter_gguf, iter_safetensors
 from kvfit.parallel.state import broadcast_from_driver, tp_group
 from kvfit.transfer import to_device
 
 log = logging.getLogger("kvfit")
+
+
+def _one_slot(pool):
+    """A throwaway one-request pool's residual slots (int4: slot 0), None for other pools."""
+    return None if pool.residual_slots is None else [0]
 
 
 @dataclass
@@ -101,13 +109,14 @@ class ModelRunner:
         log.info("model %s (%s): %s", config.model, self.hf_config.model_type, s.describe())
 
         free_before = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
-        self.model = self._load_model()
+        self.model = self._fold_kv_rotation(self._load_model())
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.sizing = self._size_pool(free_before)
         backend_cls = s.backend_cls
         k_scales, v_scales = resolve_scales(config.kv_scales, self, self.kv_format, tokenizer)
         self.pool = self.pool_cls.from_sizing(self.sizing, self.layers, self.kv_format,
                                               self.device, k_scales, v_scales, s.v_layout)
+        self.pool.kv_transform = resolve_kv_transform(self, tokenizer)  # before any store
         self.backend = backend_cls(self.pool, self.dtype, self.model_cls.sm_scale(self.hf_config),
                                    self.model_cls.logit_softcap_of(self.hf_config))
         self.ctx = Context(self.backend, self.pool, self.dtype)
@@ -185,7 +194,7 @@ class ModelRunner:
         model.eval()
         if self.config.load_format == "dummy":
             init_dummy(model, self.config.seed)
-            return model
+            return self._ready(model)
         sink = WeightSink(model)
         if self.source.kind == "gguf":
             items = iter_gguf(self.source.path, self.hf_config)
@@ -195,6 +204,21 @@ class ModelRunner:
             for name, t in items:
                 sink.put(name, t)
         sink.check_complete()
+        return self._ready(model)
+
+    @staticmethod
+    def _ready(model):
+        """The model's own post-load step when it has one (e.g. stacking MoE experts)."""
+        prepare = getattr(model, "prepare_for_inference", None)
+        if prepare is not None:
+            prepare()
+        return model
+
+    def _fold_kv_rotation(self, model):
+        """int8 KV stores V rotated per head: fold H into v_proj/o_proj (mutates the weights)."""
+        if self.kv_format.rotate:
+            n = fold_v_rotation(model)
+            log.info("V Hadamard rotation folded into v_proj/o_proj of %d layers", n)
         return model
 
     def _size_pool(self, free_before: int) -> PoolSizing:
@@ -243,7 +267,8 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        be.prepare(build_metadata([n], [n], [list(range(pages))], ps, self.device))
+        be.prepare(build_metadata([n], [n], [list(range(pages))], ps, self.device,
+                                  residual_slots=_one_slot(pool)))
         ids = torch.randint(0, self.hf_config.vocab_size, (n,), device=self.device)
         h = self.model(ids, torch.arange(n, device=self.device), Context(be, pool, self.dtype))
         self.model.compute_logits(h[-min(n, self.config.max_num_seqs):])
@@ -353,7 +378,8 @@ class ModelRunner:
                                "tensor parallelism")
         n = len(token_ids)
         pages = list(range(-(-n // pool.page_size)))
-        backend.prepare(build_metadata([n], [n], [pages], pool.page_size, self.device))
+        backend.prepare(build_metadata([n], [n], [pages], pool.page_size, self.device,
+                                       residual_slots=_one_slot(pool)))
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         return self.model(ids, torch.arange(n, device=self.device),
                           Context(backend, pool, self.dtype))

@@ -75,7 +75,7 @@ class EngineSettings:
         """The pool's bounds: ``budget_bytes`` unless ``--num-pages``/``--num-tokens`` fix it."""
         c = self.config
         return SizingLimits(budget_bytes, c.num_pages, c.num_tokens, c.max_num_seqs,
-                            c.max_num_batched_tokens)
+                            c.max_num_batched_tokens, self.dtype)
 
     def describe(self) -> str:
         """One line: backend (and how it was chosen), pool, page size, V layout, KV format."""
@@ -117,7 +117,7 @@ def resolve_settings(config: EngineConfig, plan_for: Optional[str] = None) -> En
     dtype = config.resolved_dtype(_config_dtype(hf_config), device.type)
     fmt = config.resolved_kv_dtype(dtype)
     full_layers = tuple(model_cls.kv_layer_specs(hf_config))
-    pool_cls = resolve_pool_class(full_layers)
+    pool_cls = resolve_pool_class(full_layers, fmt)
     tp = config.tensor_parallel_size
     check_tensor_parallel(tp, hf_config, model_cls, pool_cls, device.type, config.kv_scales,
                           torch.cuda.device_count() if plan_for is None or
@@ -129,8 +129,8 @@ def resolve_settings(config: EngineConfig, plan_for: Optional[str] = None) -> En
                                   head_dim, assume_installed=assume_installed)
     backend = backend_class(backend_name)
     page_size = config.page_size
-    if page_size is None:  # the backend's measured default for this KV dtype
-        page_size = backend.default_page_size(fmt.name, head_dim)
+    if page_size is None:  # the pool's only size, else the backend's default for this KV dtype
+        page_size = pool_cls.page_size_required or backend.default_page_size(fmt.name, head_dim)
         config = dataclasses.replace(config, page_size=page_size)
     check_combination(backend_name, pool_cls, fmt, page_size, device.type, layers,
                       assume_installed=assume_installed)
@@ -139,6 +139,7 @@ def resolve_settings(config: EngineConfig, plan_for: Optional[str] = None) -> En
         config=config, source=source, hf_config=hf_config, model_cls=model_cls, device=device,
         dtype=dtype, kv_format=fmt, layers=layers, pool_cls=pool_cls, backend_name=backend_name,
         backend_chosen="auto" if config.attention_backend == "auto" else "requested",
-        page_size=page_size, v_layout=backend.v_layout(fmt.name, page_size, head_dim),
+        page_size=page_size, v_layout=backend.v_layout(fmt.name, page_size, head_dim,
+                                                          pool_cls.name),
         max_model_len=config.max_model_len or ctx_len, assumed_installed=assume_installed,
         full_layers=full_layers)

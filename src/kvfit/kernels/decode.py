@@ -11,14 +11,22 @@ Owns nothing; writes ``out`` (and scratch ``op``/``lse`` when splitting).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
 from kvfit.kernels import decode_kernels
+from kvfit.kernels.pdl import launch_options
 
 LOG2E = 1.4426950408889634
+# page dtypes whose 64-d decode runs packed (kernels/decode_packed.py) by default: measured
+# faster on the H200 for these (docs/kernels.md); empty = the plain tile everywhere
+PACKED_DTYPES: tuple = ()
+I8_CVTS = {"cast": 0, "asm": 1, "bias": 2}  # DecodeConfig.i8_cvt -> the kernels' I8_CVT
+# 8-bit page dtypes: converted to float16 tiles for the MMAs (exact for int8)
+EIGHT_BIT = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 
 
 @dataclass(frozen=True)
@@ -32,14 +40,20 @@ class DecodeConfig:
     num_stages: int
     maxnreg: int | None = None  # register cap per thread (more programs per SM)
     v_t: bool = False  # V pages are token-minor [H, D, P] (pool v_layout "HDN")
+    # int8 tiles -> float16: "asm" (four per inline-asm prmt/sub, GPU), "bias" (the same without
+    # the subtraction: 1152 * sum(q) and 1152 * sum(P) corrected per tile) or "cast" (I2F each)
+    i8_cvt: str = "asm"
+    # > 1: R sub-splits packed into the 16 MMA rows (kernels/decode_packed.py; HND, G <= 16/R)
+    pack: int = 1
 
 
+@functools.lru_cache(maxsize=1024)  # a pure function of hashable arguments, called every step
 def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_kv_len: int,
                   cache_dtype: torch.dtype, q_dtype: torch.dtype, num_sms: int = 132,
                   use_dot: bool | None = None, block_n: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
                   maxnreg: int | None = None, ctas_per_sm: int | None = None,
-                  v_t: bool = False) -> DecodeConfig:
+                  v_t: bool = False, page_size: int | None = None) -> DecodeConfig:
     """Tile, pipeline depth and a wave-aware split count per dtype/layout (docs/kernels.md).
 
     ``batch * kv_heads * splits`` programs run ``ctas_per_sm`` at a time per SM (from each
@@ -50,7 +64,7 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
     fp8 over token-minor V: 64-token tiles, 5 pipeline stages (two tiles in flight) and a
     128-register cap, i.e. 4 programs per SM (2.9-3.05 TB/s against 2.5-2.7 for the HND tile).
     """
-    fp8 = cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    fp8 = cache_dtype in EIGHT_BIT  # int8 pages take the fp8 tiles (same bytes per element)
     if use_dot is None:
         use_dot = q_dtype in (torch.bfloat16, torch.float16) and cache_dtype != torch.float32
     small = head_dim <= 128
@@ -80,13 +94,21 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
             if cost < best[0] - 1e-12:
                 best = (cost, sp)
         splits = best[1]
+    pack = 1
+    if (PACKED_DTYPES and cache_dtype in PACKED_DTYPES and use_dot and not v_t
+            and head_dim <= 64 and group <= 4 and block_n % 64 == 0
+            and (page_size is None or page_size % 4 == 0)):
+        pack = 16 // max(4, 1 << (group - 1).bit_length())  # 4 sub-splits (groups of 3-4)
+    # int8 tiles: the biased conversion measured fastest on 64-d heads (415 vs 435 µs at
+    # 128 x 16k, SmolLM heads), the subtracting one on 128/256-d heads (docs/kernels.md)
+    i8_cvt = "bias" if head_dim <= 64 else "asm"
     return DecodeConfig(splits, block_n, use_dot, num_warps or 4, num_stages, maxnreg or None,
-                        v_t)
+                        v_t, i8_cvt=i8_cvt, pack=pack)
 
 
 def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_scale: float,
                   cfg: DecodeConfig, k_scale: float, v_scale: float, softcap: float | None,
-                  window: int | None):
+                  window: int | None, scale_caches=None, q_bias=None):
     """(jitted split kernel, grid, positional args, launch options) of one decode call."""
     import triton
 
@@ -94,21 +116,78 @@ def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_sc
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
+    if cfg.pack > 1:
+        _check_pack(cfg, group, k_cache.shape[2])
     g_pad = max(triton.next_power_of_2(group), 16 if cfg.use_dot else 1)
     s = cfg.num_splits
-    args = (q, k_cache, v_cache, block_table, kv_lens, out, op, lse,
-            float(sm_scale * k_scale * LOG2E), float(softcap or 0.0), int(window or 0),
+    ks, vs, ssp, ssh = scale_cache_args(k_cache, scale_caches)
+    rows = k_cache.dtype == torch.int8
+    if rows:
+        k_scale = v_scale = 1.0  # the per-token scales replace the per-tensor ones
+    qb = _checked_bias(q_bias, q, k_scale, softcap)
+    args = (q, k_cache, v_cache, ks, vs, q if qb is None else qb, block_table, kv_lens, out, op,
+            lse, float(sm_scale * k_scale * LOG2E), float(softcap or 0.0), int(window or 0),
             float(v_scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), block_table.stride(0), s)
+            k_cache.stride(0), k_cache.stride(1), ssp, ssh, block_table.stride(0),
+            0 if qb is None else qb.stride(0), s)
     opts = dict(G=group, G_PAD=g_pad, D=d, PAGE=k_cache.shape[2], BLOCK_N=cfg.block_n,
                 V_T=cfg.v_t, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-                SINGLE=s == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                SINGLE=s == 1, ROWS=rows, HAS_QBIAS=qb is not None, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, **launch_options(q.device))
     if cfg.maxnreg:
         opts["maxnreg"] = cfg.maxnreg
     if cfg.use_dot:
-        opts["F16"] = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        opts["F16"] = k_cache.dtype in EIGHT_BIT
+        opts["I8_CVT"] = I8_CVTS[cfg.i8_cvt] if rows else 0
+        if cfg.pack > 1:
+            from kvfit.kernels import decode_packed
+
+            del opts["G_PAD"], opts["V_T"]
+            opts.update(GP=16 // cfg.pack, R=cfg.pack)
+            return decode_packed.build(), (b, hkv, s), args, opts
         return split_k, (b, hkv, s), args, opts
     return split_fma, (b, hkv, s), args, opts
+
+
+def _checked_bias(q_bias, q: torch.Tensor, k_scale: float, softcap):
+    """``q_bias`` ``[T, Hq]`` float32 (q . k_mean: what a centered K cache takes off every
+    logit of a row), divided by the per-tensor K scale (the kernels add it to the raw q . k of
+    the stored keys); None unless soft-capping makes it matter."""
+    if q_bias is None or softcap is None:
+        return None
+    if tuple(q_bias.shape) != tuple(q.shape[:2]) or q_bias.dtype != torch.float32:
+        raise ValueError(f"q_bias must be float32 {tuple(q.shape[:2])}, got {q_bias.dtype} "
+                         f"{tuple(q_bias.shape)}")
+    qb = q_bias if k_scale == 1.0 else q_bias / k_scale
+    return qb if qb.stride(1) == 1 else qb.contiguous()
+
+
+def _check_pack(cfg: DecodeConfig, group: int, page_size: int) -> None:
+    """A packed launch needs the tensor-core path, HND V pages, the query group within 16/R rows,
+    R consecutive tokens within a page, and >= 16 tile rows."""
+    r = cfg.pack
+    if (not cfg.use_dot or cfg.v_t or 16 % r or group > 16 // r or page_size % r
+            or cfg.block_n % r or cfg.block_n // r < 16):
+        raise ValueError(f"decode pack={r} does not fit this launch (use_dot={cfg.use_dot}, "
+                         f"v_t={cfg.v_t}, group {group}, page size {page_size}, block_n "
+                         f"{cfg.block_n}); use pack=1")
+
+
+def scale_cache_args(k_cache: torch.Tensor, scale_caches):
+    """(KS, VS, page stride, head stride) of the int8 scale caches ``[pages, Hkv, P]`` float16;
+    the K cache as an unused placeholder for other dtypes."""
+    if k_cache.dtype != torch.int8:
+        return k_cache, k_cache, 0, 0
+    if scale_caches is None:
+        raise ValueError("int8 KV pages need their scale caches (k_scale_cache, v_scale_cache: "
+                         "float16 [pages, kv heads, page size])")
+    ks, vs = scale_caches
+    want = tuple(k_cache.shape[:3])
+    for sc in (ks, vs):
+        if tuple(sc.shape) != want or sc.dtype != torch.float16 or not sc.is_contiguous():
+            raise ValueError(f"int8 scale caches must be contiguous float16 {want}, got "
+                             f"{sc.dtype} {tuple(sc.shape)}")
+    return ks, vs, ks.stride(0), ks.stride(1)
 
 
 def _scratch(q, cfg: DecodeConfig, scratch):
@@ -125,9 +204,17 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_table: torch.Tensor, kv_lens: torch.Tensor, out: torch.Tensor,
                  sm_scale: float, cfg: DecodeConfig, k_scale: float = 1.0, v_scale: float = 1.0,
                  softcap: float | None = None, window: int | None = None,
-                 scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 k_scale_cache: torch.Tensor | None = None,
+                 v_scale_cache: torch.Tensor | None = None,
+                 q_bias: torch.Tensor | None = None) -> torch.Tensor:
     """q ``[B, Hq, D]`` (one token per request) over paged K ``[pages, Hkv, P, D]`` and V (the
     same, or ``[pages, Hkv, D, P]`` when ``cfg.v_t``) -> ``out [B, Hq, D]`` (written).
+
+    int8 pages need ``k_scale_cache``/``v_scale_cache`` (float16 ``[pages, Hkv, P]``, one scale
+    per token and head): key j's logits are multiplied by its K scale, P's column j by its V
+    scale before P@V (``k_scale``/``v_scale`` are then unused). ``q_bias`` ``[B, Hq]`` float32
+    (q . k_mean of a centered K cache) is added back to every logit before the soft-cap.
 
     ``scratch`` = (op ``[>= B*Hq*S, D]`` f32, lse ``[>= B*Hq*S]`` f32) lets CUDA-graph callers pass
     static buffers; otherwise they are allocated here when ``cfg.num_splits > 1``.
@@ -139,21 +226,28 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if single:
         op = lse = out  # unused by the single-split kernel
     kern, grid, args, opts = _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op,
-                                           lse, sm_scale, cfg, k_scale, v_scale, softcap, window)
+                                           lse, sm_scale, cfg, k_scale, v_scale, softcap, window,
+                                           _pair(k_scale_cache, v_scale_cache), q_bias)
     kern[grid](*args, **opts)
     if not single:
         b, hq, d = q.shape
         s = cfg.num_splits
         merge_k = decode_kernels.build()[1]
-        merge_k[(b, hq)](op, lse, out, float(v_scale), out.stride(0), out.stride(1), s, hq,
-                         D=d, S_PAD=triton.next_power_of_2(s), num_warps=4 if d >= 128 else 2)
+        v_out = 1.0 if k_cache.dtype == torch.int8 else float(v_scale)
+        merge_k[(b, hq)](op, lse, out, v_out, out.stride(0), out.stride(1), s, hq,
+                         D=d, S_PAD=triton.next_power_of_2(s), num_warps=4 if d >= 128 else 2,
+                         **launch_options(q.device))
     return out
+
+
+def _pair(k_scale_cache, v_scale_cache):
+    return None if k_scale_cache is None else (k_scale_cache, v_scale_cache)
 
 
 def compiled_split_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_table: torch.Tensor, kv_lens: torch.Tensor, out: torch.Tensor,
                           sm_scale: float, cfg: DecodeConfig, softcap: float | None = None,
-                          window: int | None = None):
+                          window: int | None = None, scale_caches=None):
     """The compiled split kernel that ``paged_decode`` launches for these arguments (Triton's
     ``CompiledKernel``: ``n_regs``, ``metadata.shared``), compiled or looked up without a launch.
 
@@ -163,5 +257,6 @@ def compiled_split_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if op is None:
         op = lse = out
     kern, grid, args, opts = _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op,
-                                           lse, sm_scale, cfg, 1.0, 1.0, softcap, window)
+                                           lse, sm_scale, cfg, 1.0, 1.0, softcap, window,
+                                           scale_caches)
     return kern.warmup(*args, grid=grid, **opts)

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import functools
 
+from kvfit.kernels.interpret import expose_for_interpreter
+
 
 @functools.cache
 def build():
@@ -36,20 +38,22 @@ def build():
 
     from kvfit.kernels.tile_math import build as build_tile_math
 
+    from kvfit.kernels.decode_common import build as build_decode_common
+    from kvfit.kernels.pdl import gdc
+
+    common = build_decode_common()
+    _to_mma, _split_range, _store_split = common.to_mma, common.split_range, common.store_split
     shared = build_tile_math()
+    gdc_wait, gdc_launch_dependents = gdc()
     softcap_logits, tile_logits, softmax_pv = (shared.softcap_logits, shared.tile_logits,
                                                shared.softmax_pv)
 
     @triton.jit
-    def _to_mma(k, v, q, F16: tl.constexpr):
-        if F16:
-            return k.to(tl.float16), v.to(tl.float16)
-        return k.to(q.dtype), v.to(q.dtype)
-
-    @triton.jit
-    def _tile_hnd(q, acc, m_i, l_i, KC, VC, bt_row, head_off, stride_cp, n0, lo, hi,
-                  qk_scale, softcap, D: tl.constexpr, PAGE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, F16: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    def _tile_hnd(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off, s_head, stride_cp,
+                  stride_sp, n0, lo, hi, qk_scale, softcap, qb, qoff, D: tl.constexpr,
+                  PAGE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, F16: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                  ROWS: tl.constexpr, I8_CVT: tl.constexpr):
         # tokens [max(n0, lo), min(n0 + BLOCK_N, hi)) of HND pages, one address per token
         d = tl.arange(0, D)
         n = n0 + tl.arange(0, BLOCK_N)
@@ -58,15 +62,24 @@ def build():
         off = page * stride_cp + head_off + (n % PAGE) * D  # [BLOCK_N]
         k = tl.load(KC + off[:, None] + d[None, :], mask=live[:, None], other=0.0)
         v = tl.load(VC + off[:, None] + d[None, :], mask=live[:, None], other=0.0)
-        k, v = _to_mma(k, v, q, F16)
-        qk = tile_logits(q, k, qk_scale, softcap, HAS_SOFTCAP, "tf32")  # [G_PAD, BLOCK_N]
-        return softmax_pv(qk, v, acc, m_i, l_i, live[None, :], True, "tf32")
+        ks = qk_scale
+        vs = qk_scale
+        if ROWS:  # int8: one float16 scale per token (dead tokens 0: stale bytes may be NaN)
+            soff = page * stride_sp + s_head + n % PAGE
+            ks = tl.load(KS + soff, mask=live, other=0.0).to(tl.float32)
+            vs = tl.load(VS + soff, mask=live, other=0.0).to(tl.float32)
+        k, v = _to_mma(k, v, q, F16, I8_CVT)
+        # [G_PAD, N] logits
+        qk = tile_logits(q, k, ks, qb, qoff, qk_scale, softcap, HAS_SOFTCAP, ROWS, "tf32")
+        return softmax_pv(qk, v, vs, acc, m_i, l_i, live[None, :], True, ROWS, "tf32",
+                          I8_CVT == 2)
 
     @triton.jit
-    def _tile_vt(q, acc, m_i, l_i, KC, VC, bt_row, head_off, stride_cp, n0, lo, hi,
-                 qk_scale, softcap, D: tl.constexpr, PAGE: tl.constexpr,
+    def _tile_vt(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off, s_head, stride_cp,
+                 stride_sp, n0, lo, hi, qk_scale, softcap, qb, qoff, D: tl.constexpr,
+                 PAGE: tl.constexpr,
                  BLOCK_N: tl.constexpr, F16: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 MASKED: tl.constexpr):
+                 ROWS: tl.constexpr, I8_CVT: tl.constexpr, MASKED: tl.constexpr):
         # the BLOCK_N tokens from n0 (a multiple of BLOCK_N); K HND, V token-minor [H, D, P]
         PP: tl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
         NP: tl.constexpr = BLOCK_N // PP
@@ -92,57 +105,39 @@ def build():
             vt = tl.load(vptr)
         k = tl.reshape(k, (BLOCK_N, D))  # [NP, PP, D] -> [BLOCK_N, D]
         v = tl.trans(tl.reshape(vt, (D, BLOCK_N)))  # [D, NP, PP] -> [D, BLOCK_N] -> [BLOCK_N, D]
-        k, v = _to_mma(k, v, q, F16)
-        qk = tile_logits(q, k, qk_scale, softcap, HAS_SOFTCAP, "tf32")  # [G_PAD, BLOCK_N]
-        return softmax_pv(qk, v, acc, m_i, l_i, tl.reshape(live, (BLOCK_N,))[None, :], MASKED,
-                          "tf32")
+        ks = qk_scale
+        vs = qk_scale
+        if ROWS:  # int8: the tokens' float16 scales, [NP, PP] -> [BLOCK_N]
+            sptr = KS + (pg * stride_sp + s_head)[:, None] + (inpg + tp)[None, :]
+            vsptr = VS + (pg * stride_sp + s_head)[:, None] + (inpg + tp)[None, :]
+            if MASKED:
+                ks = tl.load(sptr, mask=live, other=0.0)
+                vs = tl.load(vsptr, mask=live, other=0.0)
+            else:
+                ks = tl.load(sptr)
+                vs = tl.load(vsptr)
+            ks = tl.reshape(ks, (BLOCK_N,)).to(tl.float32)
+            vs = tl.reshape(vs, (BLOCK_N,)).to(tl.float32)
+        k, v = _to_mma(k, v, q, F16, I8_CVT)
+        # [G_PAD, N] logits
+        qk = tile_logits(q, k, ks, qb, qoff, qk_scale, softcap, HAS_SOFTCAP, ROWS, "tf32")
+        return softmax_pv(qk, v, vs, acc, m_i, l_i, tl.reshape(live, (BLOCK_N,))[None, :], MASKED,
+                          ROWS, "tf32", I8_CVT == 2)
 
     @triton.jit
-    def _split_range(KVLEN, b, s, num_splits, window, BLOCK_N: tl.constexpr,
-                     HAS_WINDOW: tl.constexpr):
-        # tokens [lo, hi) of split s of request b; splits start at multiples of BLOCK_N. With a
-        # window the splits share only the window's tiles (from the tile holding its first
-        # token), so a long request's splits all have work and none reads a freed page.
-        kv_len = tl.load(KVLEN + b)
-        base = 0
-        if HAS_WINDOW:
-            base = tl.maximum(kv_len - window, 0) // BLOCK_N * BLOCK_N
-        per = tl.cdiv(tl.cdiv(kv_len - base, num_splits), BLOCK_N) * BLOCK_N
-        lo = base + s * per
-        hi = tl.minimum(lo + per, kv_len)
-        if HAS_WINDOW:
-            lo = tl.maximum(lo, kv_len - window)
-        return lo, hi
-
-    @triton.jit
-    def _store_split(OUT, OP, LSE, acc, m_i, l_i, b, h, s, num_splits, v_scale,
-                     stride_ot, stride_oh, G: tl.constexpr, G_PAD: tl.constexpr,
-                     D: tl.constexpr, SINGLE: tl.constexpr):
-        # normalise; one split: the output (V scale applied), else the partial + its log-sum-exp
-        g = tl.arange(0, G_PAD)
-        d = tl.arange(0, D)
-        gmask = g < G
-        safe_l = tl.where(l_i > 0, l_i, 1.0)
-        o = acc / safe_l[:, None]
-        hq = h * G + g
-        if SINGLE:
-            tl.store(OUT + b * stride_ot + hq[:, None] * stride_oh + d[None, :],
-                     (o * v_scale).to(OUT.dtype.element_ty), mask=gmask[:, None])
-        else:
-            lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
-            row = (b * (tl.num_programs(1) * G) + hq) * num_splits + s  # [G_PAD]
-            tl.store(OP + row[:, None] * D + d[None, :], o, mask=gmask[:, None])
-            tl.store(LSE + row, lse, mask=gmask)
-
-    @triton.jit
-    def _decode_split(Q, KC, VC, BT, KVLEN, OUT, OP, LSE,
+    def _decode_split(Q, KC, VC, KS, VS, QB, BT, KVLEN, OUT, OP, LSE,
                       qk_scale, softcap, window, v_scale,
                       stride_qt, stride_qh, stride_ot, stride_oh,
-                      stride_cp, stride_ch, stride_bt,
+                      stride_cp, stride_ch, stride_sp, stride_sh, stride_bt, stride_qb,
                       num_splits,
                       G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                       BLOCK_N: tl.constexpr, F16: tl.constexpr, V_T: tl.constexpr,
-                      HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, SINGLE: tl.constexpr):
+                      HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, SINGLE: tl.constexpr,
+                      ROWS: tl.constexpr, I8_CVT: tl.constexpr, HAS_QBIAS: tl.constexpr,
+                      PDL: tl.constexpr = False):
+        if PDL:  # programmatic dependent launch (kernels/pdl.py)
+            gdc_wait()
+            gdc_launch_dependents()
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -154,42 +149,56 @@ def build():
                     mask=gmask[:, None], other=0.0)
         if F16:
             q = q.to(tl.float16)
+        qb = 0.0  # q . k_mean per query row, added before the softcap (centered K caches)
+        if HAS_QBIAS:
+            qb = tl.load(QB + b * stride_qb + h * G + g, mask=gmask, other=0.0)[:, None]
+        qoff = 0.0  # biased int8 tiles hold k + 1152: q . k = dot - 1152 * sum(q)
+        if I8_CVT == 2:
+            qoff = 1152.0 * tl.sum(q.to(tl.float32), axis=1)[:, None]
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
         bt_row = BT + b.to(tl.int64) * stride_bt
         head_off = h * stride_ch
+        s_head = h * stride_sh
         if V_T:
             # an unaligned first tile (a window's start), full unmasked tiles, a partial last
             n0 = lo // BLOCK_N * BLOCK_N
             if HAS_WINDOW:
                 if n0 < lo:
-                    acc, m_i, l_i = _tile_vt(q, acc, m_i, l_i, KC, VC, bt_row, head_off,
-                                             stride_cp, n0, lo, hi, qk_scale, softcap, D, PAGE,
-                                             BLOCK_N, F16, HAS_SOFTCAP, True)
+                    acc, m_i, l_i = _tile_vt(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row,
+                                             head_off, s_head, stride_cp, stride_sp, n0, lo, hi,
+                                             qk_scale, softcap, qb, qoff, D, PAGE, BLOCK_N, F16,
+                                             HAS_SOFTCAP, ROWS, I8_CVT, True)
                     n0 += BLOCK_N
             full_end = hi // BLOCK_N * BLOCK_N
             for t0 in range(n0, full_end, BLOCK_N):
-                acc, m_i, l_i = _tile_vt(q, acc, m_i, l_i, KC, VC, bt_row, head_off, stride_cp,
-                                         t0, lo, hi, qk_scale, softcap, D, PAGE, BLOCK_N, F16,
-                                         HAS_SOFTCAP, False)
+                acc, m_i, l_i = _tile_vt(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off,
+                                         s_head, stride_cp, stride_sp, t0, lo, hi, qk_scale,
+                                         softcap, qb, qoff, D, PAGE, BLOCK_N, F16, HAS_SOFTCAP,
+                                         ROWS, I8_CVT, False)
             if (full_end < hi) & (full_end >= n0):
-                acc, m_i, l_i = _tile_vt(q, acc, m_i, l_i, KC, VC, bt_row, head_off, stride_cp,
-                                         full_end, lo, hi, qk_scale, softcap, D, PAGE, BLOCK_N,
-                                         F16, HAS_SOFTCAP, True)
+                acc, m_i, l_i = _tile_vt(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off,
+                                         s_head, stride_cp, stride_sp, full_end, lo, hi,
+                                         qk_scale, softcap, qb, qoff, D, PAGE, BLOCK_N, F16,
+                                         HAS_SOFTCAP, ROWS, I8_CVT, True)
         else:
             # tiles at multiples of BLOCK_N (a window's first tile masked below lo): aligned
             # token indices let the page-id loads and addresses vectorise as without a window
             for t0 in range(lo // BLOCK_N * BLOCK_N, hi, BLOCK_N):
-                acc, m_i, l_i = _tile_hnd(q, acc, m_i, l_i, KC, VC, bt_row, head_off, stride_cp,
-                                          t0, lo, hi, qk_scale, softcap, D, PAGE, BLOCK_N, F16,
-                                          HAS_SOFTCAP)
+                acc, m_i, l_i = _tile_hnd(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off,
+                                          s_head, stride_cp, stride_sp, t0, lo, hi, qk_scale,
+                                          softcap, qb, qoff, D, PAGE, BLOCK_N, F16, HAS_SOFTCAP,
+                                          ROWS, I8_CVT)
         _store_split(OUT, OP, LSE, acc, m_i, l_i, b, h, s, num_splits, v_scale, stride_ot,
                      stride_oh, G, G_PAD, D, SINGLE)
 
     @triton.jit
     def _decode_merge(OP, LSE, OUT, v_scale, stride_ot, stride_oh, num_splits, HQ,
-                      D: tl.constexpr, S_PAD: tl.constexpr):
+                      D: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:  # programmatic dependent launch (kernels/pdl.py)
+            gdc_wait()
+            gdc_launch_dependents()
         b = tl.program_id(0)
         hq = tl.program_id(1)
         sp = tl.arange(0, S_PAD)
@@ -207,15 +216,19 @@ def build():
         tl.store(OUT + b * stride_ot + hq * stride_oh + d, (o * v_scale).to(OUT.dtype.element_ty))
 
     @triton.jit
-    def _decode_split_fma(Q, KC, VC, BT, KVLEN, OUT, OP, LSE,
+    def _decode_split_fma(Q, KC, VC, KS, VS, QB, BT, KVLEN, OUT, OP, LSE,
                           qk_scale, softcap, window, v_scale,
                           stride_qt, stride_qh, stride_ot, stride_oh,
-                          stride_cp, stride_ch, stride_bt,
+                          stride_cp, stride_ch, stride_sp, stride_sh, stride_bt, stride_qb,
                           num_splits,
                           G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                           PAGE: tl.constexpr, BLOCK_N: tl.constexpr, V_T: tl.constexpr,
                           HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                          SINGLE: tl.constexpr):
+                          SINGLE: tl.constexpr, ROWS: tl.constexpr, HAS_QBIAS: tl.constexpr,
+                          PDL: tl.constexpr = False):
+        if PDL:  # programmatic dependent launch (kernels/pdl.py)
+            gdc_wait()
+            gdc_launch_dependents()
         # CUDA-core path for small groups: only the G real query rows are computed. Partial
         # sums stay per (row, token slot, d) across tiles and are reduced once at the end, and
         # the running max is only moved when it grows by more than 2^8 (exact: the final
@@ -231,6 +244,9 @@ def build():
                     mask=gmask[:, None], other=0.0).to(tl.float32)
         if not HAS_SOFTCAP:
             q = q * qk_scale
+        qb = 0.0
+        if HAS_QBIAS:
+            qb = tl.load(QB + b * stride_qb + h * G + g, mask=gmask, other=0.0)[:, None]
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l3 = tl.zeros([G_PAD, BLOCK_N], tl.float32)
         acc3 = tl.zeros([G_PAD, BLOCK_N, D], tl.float32)
@@ -247,9 +263,15 @@ def build():
                 v = tl.load(VC + offv[:, None] + d[None, :] * PAGE, mask=nmask[:, None], other=0.0)
             else:
                 v = tl.load(VC + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
+            vf = v.to(tl.float32)
+            if ROWS:  # int8: dequantize in registers (dead tokens' scales 0)
+                soff = page * stride_sp + h * stride_sh + n % PAGE
+                k = k.to(tl.float32) * tl.load(KS + soff, mask=nmask, other=0.0).to(
+                    tl.float32)[:, None]
+                vf = vf * tl.load(VS + soff, mask=nmask, other=0.0).to(tl.float32)[:, None]
             qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [G_PAD, N]
             if HAS_SOFTCAP:
-                qk = softcap_logits(qk, qk_scale, softcap)
+                qk = softcap_logits(qk + qb, qk_scale, softcap)
             qk = tl.where(nmask[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
             if tl.max(m_new - m_i, axis=0) > 8.0:
@@ -259,8 +281,9 @@ def build():
                 m_i = m_new
             p = tl.exp2(qk - m_i[:, None])
             l3 += p
-            acc3 += p[:, :, None] * v.to(tl.float32)[None, :, :]
+            acc3 += p[:, :, None] * vf[None, :, :]
         _store_split(OUT, OP, LSE, tl.sum(acc3, axis=1), m_i, tl.sum(l3, axis=1), b, h, s,
                      num_splits, v_scale, stride_ot, stride_oh, G, G_PAD, D, SINGLE)
 
+    expose_for_interpreter(globals(), locals())
     return _decode_split, _decode_merge, _decode_split_fma

@@ -22,7 +22,10 @@ from typing import Optional
 
 import torch
 
+from kvfit.kernels.hadamard import fwht, fwht_scale
+from kvfit.kernels.interpret import expose_for_interpreter
 from kvfit.kernels.outputs import check_out
+from kvfit.kernels.pdl import launch_options
 
 
 @functools.cache
@@ -31,9 +34,18 @@ def build():
     import triton
     import triton.language as tl
 
+    from kvfit.kernels.hadamard import build as build_hadamard
+    from kvfit.kernels.row_quant import build as build_row_quant
     from kvfit.kernels.store import build as build_store
 
+    from kvfit.kernels.pdl import gdc
+
+    fwht_rows = build_hadamard()
     quant = build_store()[2]  # the pool's element function, shared with the store kernels
+    rq = build_row_quant()
+    scale_i8, apply_i8, quant_rows_i8 = rq.scale_i8, rq.apply_i8, rq.quant_rows_i8
+    row_amax, max_nan = rq.row_amax, rq.max_nan
+    gdc_wait, gdc_launch_dependents = gdc()
 
     @triton.jit
     def _store_rows(C, base, stride_ch, heads, cols, col_stride, x, mask, inv, max_finite,
@@ -44,13 +56,46 @@ def build():
                  xf.to(C.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _halves(r1, r2, BLOCK_H: tl.constexpr, D: tl.constexpr):
+        # two halves [BLOCK_H, D/2] -> one float32 row [BLOCK_H, D] (r1 first)
+        first = (tl.arange(0, 2) == 0)[None, :, None]
+        x = tl.where(first, r1.to(tl.float32)[:, None, :], r2.to(tl.float32)[:, None, :])
+        return tl.reshape(x, (BLOCK_H, D))  # [BLOCK_H, 2, D/2] -> rows
+
+    @triton.jit
+    def _store_k_rotated(KC, KS, KM, kb, sbase, stride_ch, heads, hm, full, k_inv, max_finite,
+                         D: tl.constexpr, BLOCK_H: tl.constexpr, LOG2D: tl.constexpr,
+                         HSCALE: tl.constexpr, QUANT: tl.constexpr, SCALED: tl.constexpr,
+                         ROWS: tl.constexpr, HAS_KMEAN: tl.constexpr):
+        # k rows [BLOCK_H, D] (float32, after RoPE) -> (k - mu) @ H into the cache rows
+        dd = tl.arange(0, D)
+        fm = hm[:, None] & (dd < D)[None, :]
+        if HAS_KMEAN:
+            full = full - tl.load(KM + heads[:, None] * D + dd[None, :], mask=fm, other=0.0)
+        kr = tl.where(fm, fwht_rows(full, BLOCK_H, D, LOG2D, HSCALE), 0.0)
+        dst = KC + kb + heads[:, None] * stride_ch + dd[None, :]
+        if ROWS:
+            kq, ksc = quant_rows_i8(kr)
+            tl.store(KS + sbase, ksc, mask=hm)
+            tl.store(dst, kq, mask=fm)
+        else:
+            tl.store(dst, quant(kr, k_inv, max_finite, QUANT, SCALED).to(KC.dtype.element_ty),
+                     mask=fm)
+
+    @triton.jit
     def _rope_kernel(Q, K, QO, KO, POS, COS, SIN, QW, KW, sq0, sq1, sk0, sk1, sc, ss, eps, offset,
-                     V, KC, VC, SLOT, sv0, sv1, stride_cp, stride_ch, k_inv, v_inv, max_finite,
+                     V, KC, VC, KS, VS, KM, SLOT, sv0, sv1, stride_cp, stride_ch, stride_sp,
+                     stride_sh, k_inv, v_inv, max_finite,
                      HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_P: tl.constexpr,
                      NORM: tl.constexpr, HAS_OFFSET: tl.constexpr, STORE: tl.constexpr,
                      PAGE: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
-                     SCALED: tl.constexpr, V_T: tl.constexpr):
+                     SCALED: tl.constexpr, V_T: tl.constexpr, ROWS: tl.constexpr,
+                     HAS_KMEAN: tl.constexpr, ROTATE: tl.constexpr, LOG2D: tl.constexpr,
+                     HSCALE: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:  # programmatic dependent launch (kernels/pdl.py)
+            gdc_wait()
+            gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         hb = tl.program_id(1)  # head blocks of q, then of k (then of v, with STORE)
         NQB: tl.constexpr = (HQ + BLOCK_H - 1) // BLOCK_H
@@ -64,13 +109,18 @@ def build():
                     vh = (hb - NQB - NKB) * BLOCK_H + tl.arange(0, BLOCK_H)
                     dd = tl.arange(0, BLOCK_D)
                     vm = (vh < HK)[:, None] & (dd < D)[None, :]
-                    v = tl.load(V + t * sv0 + vh[:, None] * sv1 + dd[None, :], mask=vm)
+                    v = tl.load(V + t * sv0 + vh[:, None] * sv1 + dd[None, :], mask=vm,
+                                other=0.0)
+                    if ROWS:  # int8: the row's scale, then the row as int8
+                        v, vsc = quant_rows_i8(v.to(tl.float32))
+                        tl.store(VS + (slot // PAGE) * stride_sp + vh * stride_sh + off, vsc,
+                                 mask=vh < HK)
                     if V_T:  # token-minor V pages [H, D, P]
                         _store_rows(VC, page_base + off, stride_ch, vh, dd, PAGE, v, vm, v_inv,
-                                    max_finite, QUANT, SCALED)
+                                    max_finite, QUANT and not ROWS, SCALED)
                     else:
                         _store_rows(VC, page_base + off * D, stride_ch, vh, dd, 1, v, vm, v_inv,
-                                    max_finite, QUANT, SCALED)
+                                    max_finite, QUANT and not ROWS, SCALED)
                 return
         pos = tl.load(POS + t).to(tl.int64)
         j = tl.arange(0, BLOCK_HALF)
@@ -124,6 +174,22 @@ def build():
         b2 = (x1 * s2[None, :]).to(ty).to(tl.float32)
         r1 = (a1 + b1).to(ty)
         r2 = (a2 + b2).to(ty)
+        if ROTATE:  # the KV transform's rotation (full rotary, D a power of two)
+            full = _halves(r1, r2, BLOCK_H, D)  # [BLOCK_H, D] float32
+            if hb < NQB:  # q: returned rotated, q @ H
+                dd = tl.arange(0, D)
+                tl.store(OUT + t * (nh * D) + heads[:, None] * D + dd[None, :],
+                         fwht_rows(full, BLOCK_H, D, LOG2D, HSCALE).to(ty),
+                         mask=hm[:, None] & (dd < D)[None, :])
+            else:  # k: returned as RoPE left it; stored as (k - mu) @ H
+                tl.store(dst, r1, mask=m)
+                tl.store(dst + HALF, r2, mask=m)
+                if slot >= 0:
+                    _store_k_rotated(KC, KS, KM, page_base + off * D,
+                                     (slot // PAGE) * stride_sp + heads * stride_sh + off,
+                                     stride_ch, heads, hm, full, k_inv, max_finite, D, BLOCK_H,
+                                     LOG2D, HSCALE, QUANT, SCALED, ROWS, HAS_KMEAN)
+            return
         tl.store(dst, r1, mask=m)
         tl.store(dst + HALF, r2, mask=m)
         if BLOCK_P > 0:
@@ -132,14 +198,40 @@ def build():
             if hb >= NQB:  # k: the rotated values, as store_kv would read them back
                 if slot >= 0:
                     kb = page_base + off * D
-                    _store_rows(KC, kb, stride_ch, heads, j, 1, r1, m, k_inv, max_finite,
-                                QUANT, SCALED)
-                    _store_rows(KC, kb, stride_ch, heads, HALF + j, 1, r2, m, k_inv,
-                                max_finite, QUANT, SCALED)
+                    k1 = r1
+                    k2 = r2
                     if BLOCK_P > 0:
-                        _store_rows(KC, kb, stride_ch, heads, 2 * HALF + p, 1, xp.to(ty), pm,
-                                    k_inv, max_finite, QUANT, SCALED)
+                        kp = xp.to(ty)
+                    if HAS_KMEAN:  # K centering: k - mu[head] in float32
+                        mrow = KM + heads[:, None] * D
+                        k1 = r1.to(tl.float32) - tl.load(mrow + j[None, :], mask=m, other=0.0)
+                        k2 = r2.to(tl.float32) - tl.load(mrow + HALF + j[None, :], mask=m,
+                                                         other=0.0)
+                        if BLOCK_P > 0:
+                            kp = kp.to(tl.float32) - tl.load(mrow + poff, mask=pm, other=0.0)
+                    if ROWS:  # int8: one scale over the whole row (both halves, the tail)
+                        k1 = tl.where(m, k1.to(tl.float32), 0.0)
+                        k2 = tl.where(m, k2.to(tl.float32), 0.0)
+                        amax = max_nan(row_amax(k1), row_amax(k2))
+                        if BLOCK_P > 0:
+                            kp = tl.where(pm, kp.to(tl.float32), 0.0)
+                            amax = max_nan(amax, row_amax(kp))
+                        ksc = scale_i8(amax)
+                        tl.store(KS + (slot // PAGE) * stride_sp + heads * stride_sh + off, ksc,
+                                 mask=hm)
+                        k1 = apply_i8(k1, ksc)
+                        k2 = apply_i8(k2, ksc)
+                        if BLOCK_P > 0:
+                            kp = apply_i8(kp, ksc)
+                    _store_rows(KC, kb, stride_ch, heads, j, 1, k1, m, k_inv, max_finite,
+                                QUANT and not ROWS, SCALED)
+                    _store_rows(KC, kb, stride_ch, heads, HALF + j, 1, k2, m, k_inv,
+                                max_finite, QUANT and not ROWS, SCALED)
+                    if BLOCK_P > 0:
+                        _store_rows(KC, kb, stride_ch, heads, 2 * HALF + p, 1, kp, pm,
+                                    k_inv, max_finite, QUANT and not ROWS, SCALED)
 
+    expose_for_interpreter(globals(), locals())
     return _rope_kernel
 
 
@@ -161,7 +253,12 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
     ``kv_store = (v [T, Hk, D], KVStoreTarget)`` also writes the rotated k and v into the pool's
     pages at the target's slots in the same launch, the same bytes as ``store.store_kv`` would
-    write from the returned k (mutates the target's caches; one launch fewer per layer).
+    write from the returned k (mutates the target's caches; one launch fewer per layer). The
+    target's ``k_mean`` is subtracted from k before it is quantized, and a rotating target
+    (``rotate``: the KV transform's Hadamard rotation) stores ``(k - k_mean) @ H`` and returns
+    ``q @ H`` (k is returned as RoPE left it), by a fast Walsh-Hadamard transform in registers
+    (partial rotary or a head size that is not a power of two: the same in torch after the
+    kernel).
     """
     import triton
 
@@ -176,6 +273,10 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     if rot % 2 or rot > d or sin.shape != cos.shape:
         raise ValueError(f"rotary table of width {rot} (sin {tuple(sin.shape)}) does not fit "
                          f"head_dim {d}: it must be even and <= head_dim")
+    if (kv_store is not None and getattr(kv_store[1], "rotate", False)
+            and (rot != d or d & (d - 1))):
+        return _rope_then_rotated_store(q, k, cos, sin, positions, q_out, k_out, qk_norm,
+                                        kv_store)
     q, k = _last_contig(q), _last_contig(k)
     cos, sin = _last_contig(cos), _last_contig(sin)
     qo, ko = check_out(q_out, q, "q_out"), check_out(k_out, k, "k_out")
@@ -196,8 +297,10 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
             raise ValueError(f"q/k norm weights of shapes {tuple(qw.shape)}, {tuple(kw.shape)} "
                              f"do not match head_dim {d}")
     if kv_store is None:
-        store_args, store_kw = (q, q, q, positions, 0, 0, 0, 0, 1.0, 1.0, 0.0), dict(
-            STORE=False, PAGE=1, BLOCK_D=1, QUANT=False, SCALED=False, V_T=False)
+        store_args, store_kw = (q, q, q, q, q, q, positions, 0, 0, 0, 0, 0, 0, 1.0, 1.0,
+                                0.0), dict(STORE=False, PAGE=1, BLOCK_D=1, QUANT=False,
+                                           SCALED=False, V_T=False, ROWS=False, HAS_KMEAN=False,
+                                           ROTATE=False, LOG2D=0, HSCALE=1.0)
     else:
         store_args, store_kw = _store_arguments(kv_store, k, t, hk, d)
         grid = (t, grid[1] + triton.cdiv(hk, bh))  # + the v head blocks
@@ -205,7 +308,23 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
                   k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), float(eps),
                   float(offset), *store_args, HQ=hq, HK=hk, D=d, HALF=half, BLOCK_H=bh,
                   BLOCK_HALF=bhalf, BLOCK_P=bp, NORM=qk_norm is not None,
-                  HAS_OFFSET=bool(offset), num_warps=num_warps, **store_kw)
+                  HAS_OFFSET=bool(offset), num_warps=num_warps, **store_kw,
+                  **launch_options(q.device))
+    return qo, ko
+
+
+def _rope_then_rotated_store(q, k, cos, sin, positions, q_out, k_out, qk_norm, kv_store):
+    """``apply_rope`` with a rotating store target, unfused: RoPE, then q @ H and the store of
+    (k - k_mean) @ H (torch butterflies, ``kernels.hadamard.fwht``)."""
+    from kvfit.kernels.store import store_kv
+
+    v, target = kv_store
+    qo, ko = apply_rope(q, k, cos, sin, positions, q_out, k_out, qk_norm)
+    qo.copy_(fwht(qo))
+    kt = ko.float() if target.k_mean is None else ko.float() - target.k_mean
+    store_kv(fwht(kt), v, target.k_cache, target.v_cache, target.slot_mapping, target.fmt,
+             target.k_scale, target.v_scale, target.v_layout, k_scale_cache=target.k_scale_cache,
+             v_scale_cache=target.v_scale_cache)
     return qo, ko
 
 
@@ -214,7 +333,7 @@ def _store_arguments(kv_store, k: torch.Tensor, t: int, hk: int, d: int):
     ``store_kv`` checks its inputs (same cache layout rules, same scale arithmetic)."""
     import triton
 
-    from kvfit.kernels.store import _checked
+    from kvfit.kernels.store import _checked, row_scale_args
 
     v, target = kv_store
     if v.shape != (t, hk, d) or v.dtype != k.dtype:
@@ -224,8 +343,14 @@ def _store_arguments(kv_store, k: torch.Tensor, t: int, hk: int, d: int):
     _, v, (quant, scaled, k_inv, v_inv, max_finite) = _checked(
         k, v, kc, vc, target.fmt, target.k_scale, target.v_scale, target.v_layout,
         "apply_rope(kv_store=...)")
-    args = (v, kc, vc, target.slot_mapping, v.stride(0), v.stride(1), kc.stride(0),
-            kc.stride(1), k_inv, v_inv, max_finite)
+    rows, ks, vs, km, ssp, ssh, has_mean = row_scale_args(
+        kc, getattr(target, "k_scale_cache", None), getattr(target, "v_scale_cache", None),
+        getattr(target, "k_mean", None), d, "apply_rope(kv_store=...)")
+    args = (v, kc, vc, ks, vs, km, target.slot_mapping, v.stride(0), v.stride(1), kc.stride(0),
+            kc.stride(1), ssp, ssh, k_inv, v_inv, max_finite)
+    rotate = bool(getattr(target, "rotate", False))
     kw = dict(STORE=True, PAGE=kc.shape[2], BLOCK_D=triton.next_power_of_2(d), QUANT=quant,
-              SCALED=scaled, V_T=target.v_layout == "HDN")
+              SCALED=scaled and not rows, V_T=target.v_layout == "HDN", ROWS=rows,
+              HAS_KMEAN=has_mean, ROTATE=rotate, LOG2D=d.bit_length() - 1,
+              HSCALE=fwht_scale(d) if rotate else 1.0)
     return args, kw

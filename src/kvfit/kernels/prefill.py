@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from kvfit.kernels.interpret import expose_for_interpreter
 from kvfit.transfer import to_device
 
 LOG2E = 1.4426950408889634
@@ -42,17 +43,19 @@ def build():
                                              shared.request_span)
 
     @triton.jit
-    def _tile(acc, m_i, l_i, q, n0, hi, qpos, KC, VC, bt_row, head_off, stride_cp,
-              qk_scale, softcap, window,
+    def _tile(acc, m_i, l_i, q, n0, hi, qpos, KC, VC, KS, VS, bt_row, head_off, s_head,
+              stride_cp, stride_sp, qk_scale, softcap, qb, window,
               D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, V_T: tl.constexpr,
               HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
-              MASKED: tl.constexpr):
+              ROWS: tl.constexpr, MASKED: tl.constexpr):
         # One KV tile [n0, n0 + BLOCK_N) into the online softmax of the block's rows. Unmasked
         # tiles (MASKED False) lie wholly below every row's causal diagonal and inside its
         # window, and below hi: no masks on loads or logits.
         n = n0 + tl.arange(0, BLOCK_N)
         d = tl.arange(0, D)
         nmask = n < hi
+        ks = qk_scale  # int8 (ROWS): the tokens' scales, 0 for dead tokens
+        vs = qk_scale
         if V_T:
             # V pages token-minor [H, D, P]: addresses per page slice, loads masked per page
             # (16-byte vectors), dead tokens of a live page zeroed after the load
@@ -74,6 +77,17 @@ def build():
             else:
                 k = tl.load(kptr)
                 vt = tl.load(vptr)
+            if ROWS:
+                sptr = (pg * stride_sp + s_head)[:, None] + tp[None, :]  # [NP, PP]
+                if MASKED:
+                    smask = (first[:, None] + tl.arange(0, PP)[None, :]) < hi
+                    ks = tl.load(KS + sptr, mask=smask, other=0.0)
+                    vs = tl.load(VS + sptr, mask=smask, other=0.0)
+                else:
+                    ks = tl.load(KS + sptr)
+                    vs = tl.load(VS + sptr)
+                ks = tl.reshape(ks, (BLOCK_N,)).to(tl.float32)
+                vs = tl.reshape(vs, (BLOCK_N,)).to(tl.float32)
             k = tl.reshape(k, (BLOCK_N, D)).to(q.dtype)  # [NP, PP, D] -> [BLOCK_N, D]
             v = tl.trans(tl.reshape(vt, (D, BLOCK_N))).to(q.dtype)  # [D, NP, PP] -> [BLOCK_N, D]
             if MASKED or PP < 8:
@@ -92,25 +106,33 @@ def build():
             else:
                 k = tl.load(KC + off[:, None] + d[None, :])
                 v = tl.load(VC + off[:, None] + d[None, :])
+            if ROWS:
+                soff = page * stride_sp + s_head + n % PAGE
+                if MASKED:
+                    ks = tl.load(KS + soff, mask=nmask, other=0.0).to(tl.float32)
+                    vs = tl.load(VS + soff, mask=nmask, other=0.0).to(tl.float32)
+                else:
+                    ks = tl.load(KS + soff).to(tl.float32)
+                    vs = tl.load(VS + soff).to(tl.float32)
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        qk = tile_logits(q, k, qk_scale, softcap, HAS_SOFTCAP, PREC)  # [BLOCK_M, BLOCK_N]
+        qk = tile_logits(q, k, ks, qb, 0.0, qk_scale, softcap, HAS_SOFTCAP, ROWS, PREC)  # [M, N]
         vis = n[None, :] <= qpos[:, None]  # read only when MASKED
         if MASKED:
             vis = vis & nmask[None, :]
             if HAS_WINDOW:
                 vis = vis & (n[None, :] > qpos[:, None] - window)
-        return softmax_pv(qk, v, acc, m_i, l_i, vis, MASKED, PREC)
+        return softmax_pv(qk, v, vs, acc, m_i, l_i, vis, MASKED, ROWS, PREC, False)
 
     @triton.jit
-    def _prefill(Q, KC, VC, BT, CU, KVLEN, BLK, OUT,
+    def _prefill(Q, KC, VC, KS, VS, QB, BT, CU, KVLEN, BLK, OUT,
                  qk_scale, softcap, window, v_scale,
                  stride_qt, stride_qh, stride_ot, stride_oh,
-                 stride_cp, stride_ch, stride_bt,
+                 stride_cp, stride_ch, stride_sp, stride_sh, stride_bt, stride_qb,
                  G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, HKV: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_T: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
-                 F16: tl.constexpr):
+                 F16: tl.constexpr, ROWS: tl.constexpr, HAS_QBIAS: tl.constexpr):
         # one program per (listed block, KV head); heads vary fastest so the heaviest blocks
         # (listed first by order_prefill_blocks) start first on every head
         pid = tl.program_id(0)
@@ -127,8 +149,13 @@ def build():
         d = tl.arange(0, D)
         q = tl.load(Q + (q_start + tok).to(tl.int64)[:, None] * stride_qt + hq[:, None] * stride_qh
                     + d[None, :], mask=rmask[:, None], other=0.0)
-        if F16:  # fp8 pages: float16 MMAs (one packed cvt per two fp8 values; bf16 needs two)
+        if F16:  # 8-bit pages: float16 MMAs (int8 -> f16 is exact; one packed cvt per two fp8
+            # values, where bf16 needs two)
             q = q.to(tl.float16)
+        qb = 0.0  # q . k_mean per row, added before the softcap (centered K caches)
+        if HAS_QBIAS:
+            qb = tl.load(QB + (q_start + tok).to(tl.int64) * stride_qb + hq, mask=rmask,
+                         other=0.0)[:, None]
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -153,23 +180,28 @@ def build():
             t_diag = tl.maximum(t_diag, t_win)
         bt_row = BT + req.to(tl.int64) * stride_bt
         head_off = h * stride_ch
+        s_head = h * stride_sh
         for t in range(0, t_win):
-            acc, m_i, l_i = _tile(acc, m_i, l_i, q, lo + t * BLOCK_N, hi, qpos, KC, VC, bt_row,
-                                  head_off, stride_cp, qk_scale, softcap, window, D, PAGE,
-                                  BLOCK_N, V_T, HAS_SOFTCAP, HAS_WINDOW, PREC, True)
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q, lo + t * BLOCK_N, hi, qpos, KC, VC, KS, VS,
+                                  bt_row, head_off, s_head, stride_cp, stride_sp, qk_scale,
+                                  softcap, qb, window, D, PAGE, BLOCK_N, V_T, HAS_SOFTCAP,
+                                  HAS_WINDOW, PREC, ROWS, True)
         for t in range(t_win, t_diag):
-            acc, m_i, l_i = _tile(acc, m_i, l_i, q, lo + t * BLOCK_N, hi, qpos, KC, VC, bt_row,
-                                  head_off, stride_cp, qk_scale, softcap, window, D, PAGE,
-                                  BLOCK_N, V_T, HAS_SOFTCAP, HAS_WINDOW, PREC, False)
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q, lo + t * BLOCK_N, hi, qpos, KC, VC, KS, VS,
+                                  bt_row, head_off, s_head, stride_cp, stride_sp, qk_scale,
+                                  softcap, qb, window, D, PAGE, BLOCK_N, V_T, HAS_SOFTCAP,
+                                  HAS_WINDOW, PREC, ROWS, False)
         for t in range(t_diag, n_tiles):
-            acc, m_i, l_i = _tile(acc, m_i, l_i, q, lo + t * BLOCK_N, hi, qpos, KC, VC, bt_row,
-                                  head_off, stride_cp, qk_scale, softcap, window, D, PAGE,
-                                  BLOCK_N, V_T, HAS_SOFTCAP, HAS_WINDOW, PREC, True)
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q, lo + t * BLOCK_N, hi, qpos, KC, VC, KS, VS,
+                                  bt_row, head_off, s_head, stride_cp, stride_sp, qk_scale,
+                                  softcap, qb, window, D, PAGE, BLOCK_N, V_T, HAS_SOFTCAP,
+                                  HAS_WINDOW, PREC, ROWS, True)
         safe_l = tl.where(l_i > 0, l_i, 1.0)
         o = acc / safe_l[:, None] * v_scale
         tl.store(OUT + (q_start + tok).to(tl.int64)[:, None] * stride_ot + hq[:, None] * stride_oh
                  + d[None, :], o.to(OUT.dtype.element_ty), mask=rmask[:, None])
 
+    expose_for_interpreter(globals(), locals())
     return _prefill
 
 
@@ -198,7 +230,7 @@ def prefill_config(head_dim: int, q_dtype: torch.dtype,
         return PrefillConfig(64, 32, 4, 2)
     if head_dim <= 64:
         return PrefillConfig(64, 64, 4, 2)
-    if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8):
         return PrefillConfig(64, 64, 4, 5)
     return PrefillConfig(128, 64, 8, 5)
 
@@ -227,11 +259,20 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor,
                   blocks: torch.Tensor, cfg: PrefillConfig, out: torch.Tensor, sm_scale: float,
                   k_scale: float = 1.0, v_scale: float = 1.0, softcap: float | None = None,
-                  window: int | None = None, v_t: bool = False) -> torch.Tensor:
+                  window: int | None = None, v_t: bool = False,
+                  k_scale_cache: torch.Tensor | None = None,
+                  v_scale_cache: torch.Tensor | None = None,
+                  q_bias: torch.Tensor | None = None) -> torch.Tensor:
     """q ``[T, Hq, D]`` -> ``out [T, Hq, D]`` (written) for the programs listed in ``blocks``
     (``order_prefill_blocks`` with ``cfg.block_m`` rows).
 
-    K pages ``[pages, Hkv, P, D]``; V the same, or token-minor ``[pages, Hkv, D, P]`` if ``v_t``."""
+    K pages ``[pages, Hkv, P, D]``; V the same, or token-minor ``[pages, Hkv, D, P]`` if ``v_t``.
+    int8 pages need ``k_scale_cache``/``v_scale_cache`` (float16 ``[pages, Hkv, P]``), which
+    replace ``k_scale``/``v_scale``: logits of key j times its K scale, P's column j times its V
+    scale before P@V. ``q_bias`` ``[T, Hq]`` float32 (q . k_mean of a centered K cache) is
+    added back to every logit before the soft-cap."""
+    from kvfit.kernels.decode import EIGHT_BIT, _checked_bias, scale_cache_args
+
     kern = build()
     nb = blocks.shape[0]
     if nb == 0:
@@ -239,14 +280,22 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     hq, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[1]
     fp32 = q.dtype == torch.float32 or k_cache.dtype == torch.float32
+    rows = k_cache.dtype == torch.int8
+    ks, vs, ssp, ssh = scale_cache_args(
+        k_cache, None if k_scale_cache is None else (k_scale_cache, v_scale_cache))
+    if rows:
+        k_scale = v_scale = 1.0
+    qb = _checked_bias(q_bias, q, k_scale, softcap)
     kern[(nb * hkv,)](
-        q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, blocks, out,
+        q, k_cache, v_cache, ks, vs, q if qb is None else qb, block_table, cu_seqlens_q,
+        kv_lens, blocks, out,
         float(sm_scale * k_scale * LOG2E), float(softcap or 0.0), int(window or 0), float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
-        G=hq // hkv, D=d, PAGE=k_cache.shape[2], HKV=hkv, BLOCK_M=cfg.block_m,
+        k_cache.stride(0), k_cache.stride(1), ssp, ssh, block_table.stride(0),
+        0 if qb is None else qb.stride(0), G=hq // hkv, D=d, PAGE=k_cache.shape[2], HKV=hkv,
+        BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, V_T=v_t, HAS_SOFTCAP=softcap is not None,
         HAS_WINDOW=window is not None, PREC="ieee" if fp32 else "tf32",
-        F16=k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and not fp32,
+        F16=k_cache.dtype in EIGHT_BIT and not fp32, ROWS=rows, HAS_QBIAS=qb is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import types
 
+from kvfit.kernels.interpret import expose_for_interpreter
+
 
 @functools.cache
 def build() -> types.SimpleNamespace:
@@ -13,6 +15,8 @@ def build() -> types.SimpleNamespace:
     online softmax + P@V) and ``request_span``."""
     import triton
     import triton.language as tl
+
+    globals().update(triton=triton, tl=tl)  # the Triton interpreter looks them up there
 
     @triton.jit
     def softcap_logits(qk, qk_scale, softcap):
@@ -24,19 +28,27 @@ def build() -> types.SimpleNamespace:
         return th * (softcap * 1.4426950408889634)
 
     @triton.jit
-    def tile_logits(q, k, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr, PREC: tl.constexpr):
+    def tile_logits(q, k, ks, qb, qoff, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr,
+                    ROWS: tl.constexpr, PREC: tl.constexpr):
         # q [M, D], k [N, D] in the MMA dtype -> [M, N] f32 base-2 logits (qk_scale =
-        # sm_scale * log2(e), softcap applied when HAS_SOFTCAP)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        # sm_scale * log2(e), softcap applied when HAS_SOFTCAP); ROWS: int8 keys, each column
+        # times its key's scale ks [N] (f32) before the softcap; qb ([M, 1] or 0.0) is added
+        # to the raw logits before the softcap (q . k_mean of a centered K cache); qoff ([M, 1]
+        # or 0.0) is taken off the raw dot first (biased int8 tiles: 1152 * sum(q))
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) - qoff
+        if ROWS:
+            qk = qk * ks[None, :]
         if HAS_SOFTCAP:
-            return softcap_logits(qk, qk_scale, softcap)
+            return softcap_logits(qk + qb, qk_scale, softcap)
         return qk * qk_scale
 
     @triton.jit
-    def softmax_pv(qk, v, acc, m_i, l_i, visible, MASKED: tl.constexpr, PREC: tl.constexpr):
+    def softmax_pv(qk, v, vs, acc, m_i, l_i, visible, MASKED: tl.constexpr, ROWS: tl.constexpr,
+                   PREC: tl.constexpr, VBIAS: tl.constexpr):
         # One tile of logits qk [M, N] into a running softmax: v [N, D] in the MMA dtype, acc
         # [M, D] f32, m_i/l_i [M] (base-2 running max and sum); visible (broadcastable to
-        # [M, N]) is read only when MASKED. Returns the new (acc, m_i, l_i).
+        # [M, N]) is read only when MASKED; ROWS: int8 values, P's column j times vs[j] (f32)
+        # before P@V. Returns the new (acc, m_i, l_i).
         if MASKED:
             qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -47,7 +59,12 @@ def build() -> types.SimpleNamespace:
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(qk - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+        if ROWS:
+            p = p * vs[None, :]
+        p = p.to(v.dtype)
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PREC)
+        if VBIAS:  # v tiles hold v + 1152 (biased int8 conversion)
+            acc -= 1152.0 * tl.sum(p.to(tl.float32), axis=1)[:, None]
         return acc, m_new, l_i
 
     @triton.jit
@@ -57,5 +74,6 @@ def build() -> types.SimpleNamespace:
         q_len = tl.load(CU + req + 1) - q_start
         return q_start, q_len, tl.load(KVLEN + req) - q_len
 
+    expose_for_interpreter(globals(), locals())
     return types.SimpleNamespace(softcap_logits=softcap_logits, tile_logits=tile_logits,
                                  softmax_pv=softmax_pv, request_span=request_span)

@@ -98,14 +98,9 @@ class HybridSWAKVCache(KVPool):
         self.v_caches: list[torch.Tensor] = []
         for spec in self.layers:
             if spec.kind == "full" or num_swa_pages is None:
-                shape = (num_pages, spec.num_kv_heads, page_size, spec.head_dim)
-                make = torch.empty
+                self._add_layer_tensors(spec, num_pages)
             else:  # sliding: zeros so that the null page reads finite
-                shape = (num_swa_pages + 1, spec.num_kv_heads, page_size, spec.head_dim)
-                make = torch.zeros
-            vshape = shape if v_layout == "HND" else (*shape[:2], spec.head_dim, page_size)
-            self.k_caches.append(make(shape, dtype=self.dtype, device=device))
-            self.v_caches.append(make(vshape, dtype=self.dtype, device=device))
+                self._add_layer_tensors(spec, num_swa_pages + 1, make=torch.zeros)
 
     def priced_bytes(self) -> int:
         if self.sliding_pages is None:
@@ -113,8 +108,7 @@ class HybridSWAKVCache(KVPool):
         return hybrid_pool_bytes(self.layers, self.fmt, self.page_size, self.num_pages,
                                  self.num_swa_pages)
 
-    def allocated_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k_caches, *self.v_caches))
+    allocated_bytes = MHAKVCache.allocated_bytes
 
     # same per-layer tensor layout as MHAKVCache: reuse its store and gather
     store_kv = MHAKVCache.store_kv

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from kvfit.kvcache.dtypes import KVFormat
+from kvfit.kvcache.dtypes import KV_FORMATS, KVFormat
 from kvfit.kvcache.pool import KVPool
 from kvfit.kvcache.quant import dequantize, quantize
 from kvfit.kvcache.spec import KVLayerSpec
@@ -32,6 +32,13 @@ class MLAKVCache(KVPool):
 
     name = "MLAKVCache"
     layer_kinds = frozenset({"mla"})
+    supported_kv_dtypes = frozenset(n for n, f in KV_FORMATS.items() if f.scale_mode == "tensor")
+    kv_dtype_refusals = {
+        **KVPool.kv_dtype_refusals,  # int4
+        "int8": "int8 KV relies on a per-head Hadamard rotation of V folded into v_proj/o_proj "
+                "and on K centering per KV head; MLA's latent slab is both K and V of every "
+                "head (and its rope part is shared), so neither applies: use fp8_e4m3 for MLA "
+                "models"}
 
     def __init__(self, layers: Sequence[KVLayerSpec], num_pages: int, page_size: int,
                  fmt: KVFormat, device: torch.device, k_scales=None, v_scales=None,

@@ -9,6 +9,12 @@ page_size, head_dim]`` so one head's page is contiguous (what the decode kernels
 ``v_layout="HDN"`` stores V token-minor instead, ``[num_pages, num_kv_heads, head_dim,
 page_size]``: the layout our fp8 decode kernel reads (P@V's reduction dim, the tokens, contiguous;
 docs/kernels.md). Same bytes per page either way; K is always HND.
+
+int8 pools (``fmt.scale_mode == "token_head"``) also hold ``k_scale_caches[layer]`` and
+``v_scale_caches[layer]``, float16 ``[num_pages, num_kv_heads, page_size]``: one scale per token
+and KV head (kvcache/quant.py ``quantize_int8_rows``); other pools have empty lists.
+``kv_transform`` (kvcache/kv_transform.py) is the K centering / rotation the backend applies
+before storing (None when off); the runner sets it after calibration, before any store.
 """
 
 from __future__ import annotations
@@ -18,11 +24,13 @@ from typing import TYPE_CHECKING, ClassVar, Optional, Sequence
 import torch
 
 from kvfit.kvcache.dtypes import KV_FORMATS, KVFormat
-from kvfit.kvcache.quant import dequantize, quantize
+from kvfit.kvcache.quant import dequantize, dequantize_int8_rows, quantize, quantize_int8_rows
 from kvfit.kvcache.sizing import PoolSizing, SizingLimits, size_by_price
 from kvfit.kvcache.spec import KVLayerSpec, spec_kv_bytes_per_token
 
 if TYPE_CHECKING:
+    from kvfit.kvcache.kv_transform import KVTransform
+    from kvfit.kvcache.int4_residual import ResidualSlots
     from kvfit.kvcache.sliding_pages import SlidingWindowPages
 
 
@@ -33,13 +41,24 @@ class KVPool:
 
     ``sliding_pages`` is the pool's ``SlidingWindowPages`` when its sliding layers have a page
     space of their own (the scheduler drives it, the step metadata reads it), None otherwise.
+    ``residual_slots`` likewise: the int4 pool's ``ResidualSlots`` (one full-precision partial
+    page per running request, kvcache/int4_pool.py), None for every other pool.
     """
 
     name: ClassVar[str] = "KVPool"
     layer_kinds: ClassVar[frozenset[str]] = frozenset()
-    supported_kv_dtypes: ClassVar[frozenset[str]] = frozenset(KV_FORMATS)
+    # every format but int4 (``kivi``), which has a pool of its own (kvcache/int4_pool.py)
+    supported_kv_dtypes: ClassVar[frozenset[str]] = frozenset(
+        n for n, f in KV_FORMATS.items() if f.scale_mode != "kivi")
     v_layouts: ClassVar[frozenset[str]] = frozenset({"HND"})  # how V pages can be ordered
+    # the only page size the pool can use, and why (None: any)
+    page_size_required: ClassVar[Optional[int]] = None
     sliding_pages: Optional[SlidingWindowPages] = None
+    residual_slots: Optional[ResidualSlots] = None
+    kv_transform: Optional[KVTransform] = None  # K centering / rotation, set before any store
+    # why this pool cannot store a KV dtype it leaves out of supported_kv_dtypes (for the guard)
+    kv_dtype_refusals: ClassVar[dict[str, str]] = {
+        "int4": "int4 has a pool of its own (Int4KVCache), for full-attention layers only"}
     # why full pages of this pool cannot be shared by prefix caching (None: they can)
     prefix_caching_refusal: ClassVar[Optional[str]] = None
 
@@ -81,6 +100,20 @@ class KVPool:
         for s in (*self.k_scales, *self.v_scales):
             if not (s > 0 and s < float("inf")):
                 raise ValueError(f"KV scales must be finite and > 0, got {s}")
+        self.k_scale_caches: list[torch.Tensor] = []  # int8: [pages, H, P] float16 per layer
+        self.v_scale_caches: list[torch.Tensor] = []
+        self.token_scales = fmt.scale_mode == "token_head"
+
+    def _add_layer_tensors(self, spec: KVLayerSpec, pages: int, make=torch.empty) -> None:
+        """Allocate one K/V layer of ``pages`` pages (and its int8 scale pages) in this pool's
+        format and V layout; appends to ``k_caches``/``v_caches`` (and the scale lists)."""
+        shape = (pages, spec.num_kv_heads, self.page_size, spec.head_dim)
+        vshape = shape if self.v_layout == "HND" else (*shape[:2], spec.head_dim, self.page_size)
+        self.k_caches.append(make(shape, dtype=self.dtype, device=self.device))
+        self.v_caches.append(make(vshape, dtype=self.dtype, device=self.device))
+        if self.token_scales:
+            for lst in (self.k_scale_caches, self.v_scale_caches):
+                lst.append(make(shape[:3], dtype=torch.float16, device=self.device))
 
     @property
     def num_tokens(self) -> int:
@@ -112,13 +145,12 @@ class MHAKVCache(KVPool):
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
         for spec in self.layers:
-            shape = (num_pages, spec.num_kv_heads, page_size, spec.head_dim)
-            vshape = shape if v_layout == "HND" else (*shape[:2], spec.head_dim, page_size)
-            self.k_caches.append(torch.empty(shape, dtype=self.dtype, device=device))
-            self.v_caches.append(torch.empty(vshape, dtype=self.dtype, device=device))
+            self._add_layer_tensors(spec, num_pages)
 
     def allocated_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k_caches, *self.v_caches))
+        return sum(t.numel() * t.element_size() for t in (*self.k_caches, *self.v_caches,
+                                                          *self.k_scale_caches,
+                                                          *self.v_scale_caches))
 
     def store_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -131,9 +163,16 @@ class MHAKVCache(KVPool):
             k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
         page = slot_mapping // self.page_size
         off = slot_mapping % self.page_size
+        if self.token_scales:  # int8: one float16 scale per (token, head) beside the page
+            kq, ks = quantize_int8_rows(k)
+            vq, vs = quantize_int8_rows(v)
+            self.k_scale_caches[layer_id][page, :, off] = ks  # indexed view [T, kv_heads]
+            self.v_scale_caches[layer_id][page, :, off] = vs
+        else:
+            kq = quantize(k, self.fmt, self.k_scales[layer_id])
+            vq = quantize(v, self.fmt, self.v_scales[layer_id])
         # advanced indices around a slice: the indexed view is [T, kv_heads, head_dim]
-        self.k_caches[layer_id][page, :, off] = quantize(k, self.fmt, self.k_scales[layer_id])
-        vq = quantize(v, self.fmt, self.v_scales[layer_id])
+        self.k_caches[layer_id][page, :, off] = kq
         if self.v_layout == "HND":
             self.v_caches[layer_id][page, :, off] = vq
         else:  # [pages, H, D, P]: the indexed view [T, H, D] takes the token's column
@@ -152,5 +191,9 @@ class MHAKVCache(KVPool):
         h, d = kc.shape[1], kc.shape[3]
         k = kc.transpose(1, 2).reshape(-1, h, d)[:length]  # [n_pages*P, H, D] -> [length, H, D]
         v = vc.transpose(1, 2).reshape(-1, h, d)[:length]
+        if self.token_scales:
+            ks = self.k_scale_caches[layer_id][pages].transpose(1, 2).reshape(-1, h)[:length]
+            vs = self.v_scale_caches[layer_id][pages].transpose(1, 2).reshape(-1, h)[:length]
+            return dequantize_int8_rows(k, ks, dtype), dequantize_int8_rows(v, vs, dtype)
         return (dequantize(k, dtype, self.k_scales[layer_id]),
                 dequantize(v, dtype, self.v_scales[layer_id]))

@@ -43,9 +43,11 @@ PageKey = bytes
 def kv_identity(model: tuple, pool) -> tuple:
     """What makes two pools' pages interchangeable: the model (its weights and compute dtype, as
     the caller identifies them), KV format, page size, V layout and the per-layer K/V scales (a
-    calibration or rotation changes the stored bytes)."""
+    calibration or rotation changes the stored bytes), and the K centering / rotation
+    (``pool.kv_transform``)."""
+    tf = getattr(pool, "kv_transform", None)
     return (model, pool.fmt.name, pool.page_size, getattr(pool, "v_layout", "HND"),
-            tuple(pool.k_scales), tuple(pool.v_scales))
+            tuple(pool.k_scales), tuple(pool.v_scales), None if tf is None else tf.identity())
 
 
 def root_key(identity: tuple) -> PageKey:

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import torch
+
 from kvfit.errors import KVBudgetError
 from kvfit.kvcache.dtypes import KVFormat
 from kvfit.kvcache.spec import (KVLayerSpec, pages_for, solve_num_pages,
@@ -28,13 +30,15 @@ GiB = 1 << 30
 @dataclass(frozen=True)
 class SizingLimits:
     """What bounds a pool: a byte budget, or pages/tokens fixed by flags; and the scheduler's
-    limits (a hybrid pool reserves sliding pages per running request)."""
+    limits (a hybrid pool reserves sliding pages per running request, the int4 pool one
+    full-precision residual page in ``compute_dtype`` per running request)."""
 
     budget_bytes: Optional[int] = None
     num_pages: Optional[int] = None
     num_tokens: Optional[int] = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    compute_dtype: torch.dtype = torch.bfloat16
 
     def fixed_pages(self, page_size: int) -> Optional[int]:
         """Pages fixed by ``--num-pages``/``--num-tokens``, None when the budget decides."""

@@ -23,6 +23,7 @@ one GatedMLP each, loaded from the checkpoints' per-expert names (``mlp.experts.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -112,15 +113,80 @@ class MLAAttention(nn.Module):
         return self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
 
 
+@functools.cache
+def grouped_gemm_available(device: torch.device) -> bool:
+    """``torch._grouped_mm`` on bfloat16 runs here: torch has it, and on CUDA the GPU is sm_90+."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 class RoutedExperts(nn.ModuleList):
     """E gated experts, ``experts.{e}.gate_up_proj``/``down_proj`` (checkpoint names
-    ``experts.{e}.gate_proj/up_proj/down_proj``, as DeepSeek and ``save_pretrained`` write them)."""
+    ``experts.{e}.gate_proj/up_proj/down_proj``, as DeepSeek and ``save_pretrained`` write them).
+
+    Two ways to run them, same result: the loop over the experts a step chose (reads the chosen
+    ids on the host: not CUDA-graph capturable), and, once ``stack_weights`` has put every
+    expert's weights into one tensor per projection (the engine does after loading), grouped
+    GEMMs over the (token, slot) pairs sorted by expert with no host sync (``torch._grouped_mm``;
+    bfloat16 weights), which decode CUDA graphs capture."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, act: str):
         super().__init__(GatedMLP(hidden, inter, act) for _ in range(num_experts))
+        self.act_name = act
+        self.w_gate_up: torch.Tensor | None = None  # [E, 2I, H] after stack_weights
+        self.w_down: torch.Tensor | None = None  # [E, H, I]
+
+    @torch.no_grad()
+    def stack_weights(self) -> None:
+        """Move every expert's weights into ``w_gate_up``/``w_down`` (the experts' parameters
+        become views of them: no extra memory once done). Bias-free experts only."""
+        if self.w_gate_up is not None or any(e.gate_up_proj.bias is not None for e in self):
+            return
+        for name in ("gate_up_proj", "down_proj"):
+            stacked = torch.stack([getattr(e, name).weight for e in self])  # [E, out, in]
+            for i, e in enumerate(self):
+                getattr(e, name).weight = nn.Parameter(stacked[i], requires_grad=False)
+            setattr(self, "w_gate_up" if name == "gate_up_proj" else "w_down", stacked)
+
+    def grouped(self, x, topk_idx, topk_w):
+        """As ``forward``, by grouped GEMMs over the pairs sorted by expert (no host sync)."""
+        t, k = topk_idx.shape
+        e = self.w_gate_up.shape[0]
+        flat = topk_idx.reshape(-1)  # [T*k]
+        order = flat.argsort(stable=True)  # pairs grouped by expert
+        counts = torch.zeros(e, dtype=torch.int32, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = counts.cumsum(0, dtype=torch.int32)  # [E] end of each expert's rows
+        tok = order // k  # [T*k] token of each sorted pair
+        gate_up = torch._grouped_mm(x[tok], self.w_gate_up.transpose(-2, -1), offs=offs)
+        if gate_up.is_cuda:
+            from kvfit.kernels.fused_act import act_and_mul
+
+            h = act_and_mul(gate_up, self.act_name)  # [T*k, I]
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = self[0].act(gate) * up
+        y = torch._grouped_mm(h, self.w_down.transpose(-2, -1), offs=offs)  # [T*k, H]
+        y = y * topk_w.reshape(-1)[order, None].to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, tok, y)
+
+    def every_expert(self, x, topk_idx, topk_w):
+        """As ``forward``, running every expert on every token with the routing weights as a
+        mask (no host sync, any dtype; E times the work: CUDA-graph capture of non-bf16 models)."""
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self):
+            w = (topk_w * (topk_idx == e)).sum(-1, keepdim=True)  # [T, 1], 0 if not routed
+            out += (expert(x) * w).to(out.dtype)
+        return out
 
     def forward(self, x, topk_idx, topk_w):
         """x [T, H], topk_idx/topk_w [T, k] -> [T, H] (weighted sum over each token's experts)."""
+        if (self.w_gate_up is not None and x.dtype == torch.bfloat16
+                and grouped_gemm_available(x.device)):
+            return self.grouped(x, topk_idx, topk_w)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.every_expert(x, topk_idx, topk_w)
         out = torch.zeros_like(x)
         for e in topk_idx.unique().tolist():
             tok, slot = torch.where(topk_idx == e)
@@ -213,6 +279,13 @@ class DeepseekV2ForCausalLM(nn.Module):
     @classmethod
     def logit_softcap_of(cls, cfg):
         return None
+
+    def prepare_for_inference(self) -> None:
+        """After the weights are loaded (the engine calls it): each MoE layer's experts stacked
+        for grouped GEMMs, so a decode step has no host sync and CUDA graphs can capture it."""
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.experts.stack_weights()
 
     def forward(self, input_ids, positions, ctx):
         x = self.model.embed_tokens(input_ids)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from kvfit.kvcache.spec import KVLayerSpec
+from kvfit.models import one_token
 from kvfit.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from kvfit.parallel.layers import (RowParallelLinear, VocabParallelEmbedding,
                                    vocab_parallel_logits)
@@ -50,21 +51,26 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, positions, rotary, ctx):
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attend(self.qkv_proj(x), positions, rotary, ctx))
+
+    def attend(self, qkv, positions, rotary, ctx):
+        """qkv ``[T, q + 2 kv]`` (the projection's output) -> attention output ``[T, q]``, before
+        o_proj. Mutates the KV pool (stores this step's K/V)."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         # q/k norm (Qwen3), then RoPE; on CUDA backends that allow it, the K/V store into the
         # pool runs in the same kernel (one launch per layer fewer)
-        target = ctx.backend.kv_store_target(self.layer_id) if x.is_cuda else None
+        target = ctx.backend.kv_store_target(self.layer_id) if qkv.is_cuda else None
         kv_store = None if target is None else (v, target)
         q, k = rotary(positions, q, k, self.q_norm, self.k_norm, kv_store=kv_store)
         if kv_store is None:
             o = ctx.backend.forward(q, k, v, self.layer_id)  # [T, Hq, D]
         else:
             o = ctx.backend.forward(q, k, v, self.layer_id, kv_stored=True)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return o.reshape(t, self.q_size)
 
 
 class DecoderLayer(nn.Module):
@@ -81,7 +87,10 @@ class DecoderLayer(nn.Module):
         with ``residual`` None, for layer 0) and ``residual`` the stream before it; returns
         ``(mlp_out, residual)``. Each add is fused into the following norm (one kernel on CUDA);
         on the torch path the values equal ``x = x + attn(norm(x)); x = x + mlp(norm(x))`` bit
-        for bit."""
+        for bit. One CUDA token (batch-1 decode) runs ``one_token.layer_forward``: the same
+        values through four fused GEMV launches."""
+        if one_token.applies(self, x, residual):
+            return one_token.layer_forward(self, x, residual, positions, rotary, ctx)
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
@@ -149,4 +158,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden):
         """float32 logits [N, vocab] (every rank gets all of them under tensor parallelism)."""
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if hidden.is_cuda and hidden.shape[0] == 1:
+            out = one_token.logits(hidden, w)  # one rank, one row: the GEMV (float32 out)
+            if out is not None:
+                return out
         return vocab_parallel_logits(hidden, w, self.config.vocab_size)

@@ -43,9 +43,12 @@ class Scheduler:
     and status). Never touches the GPU."""
 
     def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, sliding=None):
+                 max_num_batched_tokens: int, sliding=None, residual=None):
         self.allocator = allocator
         self.sliding = sliding  # the pool's sliding_pages (SlidingWindowPages) or None
+        # the int4 pool's residual_slots (ResidualSlots) or None: a request holds one slot from
+        # its first pages until it releases them (finish, abort, preemption)
+        self.residual = residual
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -64,11 +67,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def grow(self, req: Request, num_tokens: int) -> bool:
-        """Give ``req`` the pages (and sliding-window pages) for ``num_tokens`` cached tokens;
-        False, changing nothing, when they are not free."""
+        """Give ``req`` the pages (and sliding-window pages, and a residual slot) for
+        ``num_tokens`` cached tokens; False, changing nothing, when they are not free."""
         need = self.pages_for(num_tokens) - len(req.pages)
         start, rid = req.num_computed_tokens, req.request_id
         if self.sliding is not None and not self.sliding.can_reserve(rid, start, num_tokens):
+            return False
+        if self.residual is not None and not self.residual.can_assign(rid):
             return False
         if need > 0 and not self.allocator.can_allocate(need):
             return False
@@ -76,6 +81,8 @@ class Scheduler:
             req.pages.extend(self.allocator.allocate(need))
         if self.sliding is not None:
             self.sliding.reserve(rid, start, num_tokens)
+        if self.residual is not None:
+            self.residual.assign(rid)
         return True
 
     def _preempt(self, req: Request) -> None:
@@ -183,12 +190,14 @@ class Scheduler:
             req.num_registered_pages = full
 
     def release(self, req: Request) -> None:
-        """Return every page ``req`` holds (full and sliding)."""
+        """Return every page ``req`` holds (full and sliding) and its residual slot."""
         if req.pages:
             self.allocator.free(req.pages)
             req.pages = []
         if self.sliding is not None:
             self.sliding.free(req.request_id)
+        if self.residual is not None:
+            self.residual.release(req.request_id)
 
     def finish(self, req: Request, reason: str, stop_reason=None) -> None:
         """Mark finished and free its pages at once (also used for aborts)."""

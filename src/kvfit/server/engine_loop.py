@@ -291,12 +291,10 @@ class EngineLoop:
                 if n_new:
                     if stream.last_token_time is None:
                         m.ttft.observe(now - stream.arrival)
-                        for _ in range(n_new - 1):
-                            m.itl.observe(0.0)
+                        if n_new > 1:
+                            m.itl.observe(0.0, n_new - 1)
                     else:
-                        gap = (now - stream.last_token_time) / n_new
-                        for _ in range(n_new):
-                            m.itl.observe(gap)
+                        m.itl.observe((now - stream.last_token_time) / n_new, n_new)
                     stream.last_token_time = now
                 if piece or offset != len(stream.text):
                     stream.text = stream.text[:offset] + piece

@@ -21,6 +21,7 @@ from kvfit.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionCh
                                    CompletionResponse, PromptTokensDetails, UsageInfo,
                                    random_id)
 from kvfit.server.serving import Submission, ensure_serving, gather
+from kvfit.server.sse_chunks import ChunkFormatter
 from kvfit.server.structured_request import structured_outputs_of
 
 logger = logging.getLogger("kvfit.server")
@@ -197,6 +198,9 @@ async def create_completion(req: CompletionRequest, raw: Request, loop: EngineLo
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
+        plain = ChunkFormatter(CompletionResponse(id=rid, created=created, model=model_name,
+                                                  choices=[]))
+
         async def stream():
             prev, offsets, ntok = [""] * len(jobs), [0] * len(jobs), [0] * len(jobs)
             first, cached = [True] * len(jobs), [0] * len(jobs)
@@ -206,6 +210,9 @@ async def create_completion(req: CompletionRequest, raw: Request, loop: EngineLo
                 if first[index]:
                     text, first[index] = echo_text[index] + text, False
                 ntok[index], cached[index] = d.num_tokens, d.num_cached_tokens
+                if lp is None:  # the per-token hot path: no models built
+                    yield plain.completion(index, text, d.finish_reason)
+                    continue
                 yield _sse(CompletionResponse(id=rid, created=created, model=model_name,
                                               choices=[CompletionChoice(
                                                   index=index, text=text, logprobs=lp,
@@ -303,6 +310,9 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, loop:
             return _sse(ChatCompletionChunk(id=rid, created=created, model=model_name,
                                             choices=choices, usage=usage))
 
+        plain = ChunkFormatter(ChatCompletionChunk(id=rid, created=created, model=model_name,
+                                                   choices=[]))
+
         async def stream():
             prev, ntok, cached = [""] * len(jobs), [0] * len(jobs), [0]
             for i in range(len(jobs)):
@@ -313,9 +323,12 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, loop:
                 ntok[index] = d.num_tokens
                 if index == 0:
                     cached[0] = d.num_cached_tokens
-                delta = ChatDelta(content=text) if text or d.finish_reason is None \
-                    else ChatDelta()
+                content = text if text or d.finish_reason is None else None
                 lp = _chat_logprobs(d, tokstr, logprobs or 0)
+                if lp is None:  # the per-token hot path: no models built
+                    yield plain.chat(index, content, d.finish_reason)
+                    continue
+                delta = ChatDelta() if content is None else ChatDelta(content=content)
                 yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=lp,
                                              finish_reason=d.finish_reason)])
             if include_usage:

@@ -153,15 +153,19 @@ class BackgroundServer:
         self.stop()
 
 
-def _serve_child(config, served_model_name: str, port: int, log_level: str) -> None:
-    """A server process's main: uvicorn here, the engine in a process of its own."""
+def _serve_child(config, served_model_name: str, port: int, log_level: str,
+                 engine_factory: Optional[Callable[[], object]] = None) -> None:
+    """A server process's main: uvicorn here, the engine in a process of its own (built by
+    ``engine_factory`` when given, e.g. an engine with a step timer, else from ``config``)."""
     import logging
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    kwargs = engine_launch_kwargs(config, True)
+    if engine_factory is not None:
+        kwargs["engine_factory"] = engine_factory
     server = make_server(served_model_name=served_model_name, host="127.0.0.1", port=port,
-                         log_level=log_level, aliases=(config.model,),
-                         **engine_launch_kwargs(config, True))
+                         log_level=log_level, aliases=(config.model,), **kwargs)
     try:
         server.run()
     finally:
@@ -170,16 +174,19 @@ def _serve_child(config, served_model_name: str, port: int, log_level: str) -> N
 
 class ServerProcess:
     """``kvfit serve`` for an ``EngineConfig`` in a child process on a free loopback port (so a
-    load generator in this process shares no GIL with it); ``with`` starts and stops it."""
+    load generator in this process shares no GIL with it); ``with`` starts and stops it.
+    ``engine_factory``: a picklable builder of the engine instead of the config's (benchmarks:
+    ``kvfit.bench.step_timer.timed_engine``)."""
 
-    def __init__(self, config, served_model_name: str, log_level: str = "warning"):
+    def __init__(self, config, served_model_name: str, log_level: str = "warning",
+                 engine_factory: Optional[Callable[[], object]] = None):
         import multiprocessing as mp
 
         self.host, self.port = "127.0.0.1", free_port()
         # NOTE: not a daemon: a daemonic process may not start the engine process it needs
         self._proc = mp.get_context("spawn").Process(
             target=_serve_child, name="kvfit-server",
-            args=(config, served_model_name, self.port, log_level))
+            args=(config, served_model_name, self.port, log_level, engine_factory))
 
     @property
     def base_url(self) -> str:

@@ -9,14 +9,44 @@ snapshot the engine thread published (the HTTP thread never calls the engine).
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily)
 from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class TokenHistogram(Collector):
+    """A histogram observed once per generated token, by one writer (the thread or event loop
+    that delivers the engine's steps): ``observe(value, count)`` records ``count`` equal
+    observations with one bisect and two additions. prometheus_client's ``Histogram`` takes a
+    lock per call and was a fifth of the server's per-step delivery time at 64 streams. A scrape
+    from another thread reads the counts as they are (no update is ever lost: one writer)."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...]):
+        self.name, self.doc, self.bounds = name, doc, tuple(buckets)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last is +Inf
+        self.total = 0.0
+
+    def observe(self, value: float, count: int = 1) -> None:
+        # le semantics: an observation equal to a bound falls in that bucket
+        self.counts[bisect_left(self.bounds, value)] += count
+        self.total += value * count
+
+    def collect(self):
+        counts, total = list(self.counts), self.total
+        cum, buckets = 0, []
+        for bound, c in zip((*map(str, self.bounds), "+Inf"), counts):
+            cum += c
+            buckets.append((bound, cum))
+        h = HistogramMetricFamily(self.name, self.doc)
+        h.add_metric([], buckets, total)
+        yield h
 
 
 class _EngineCollector(Collector):
@@ -72,9 +102,10 @@ class ServerMetrics:
         self.ttft = Histogram("kvfit_time_to_first_token_seconds",
                               "arrival to first generated token", buckets=_LATENCY_BUCKETS,
                               registry=r)
-        self.itl = Histogram("kvfit_inter_token_latency_seconds",
-                             "gap between consecutive generated tokens of a request",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = TokenHistogram("kvfit_inter_token_latency_seconds",
+                                  "gap between consecutive generated tokens of a request",
+                                  _LATENCY_BUCKETS)
+        r.register(self.itl)
         self.e2e = Histogram("kvfit_e2e_request_latency_seconds", "arrival to finish",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.finished = Counter("kvfit_requests_finished", "engine requests finished, by reason",

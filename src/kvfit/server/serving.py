@@ -101,6 +101,14 @@ class Submission:
     async def _get(self, poll_client: bool):
         # NOTE: the client is checked every _POLL_S whether or not events keep arriving (a busy
         # request never goes idle long enough for an idle-time check).
+        if not poll_client:
+            # Streaming (Starlette cancels the stream when the client leaves): no clock and no
+            # timer per token. The wait cannot hang: the engine loop answers every registered
+            # stream when it dies or stops (``EngineLoop._fail_all``), and a stream is
+            # registered before its first wait.
+            if self.queue.empty() and self.loop.state in ("dead", "stopped"):
+                raise self.loop.unavailable_error()
+            return await self.queue.get()
         while True:
             now = time.monotonic()
             if now >= self._next_check:

@@ -1,0 +1,95 @@
+"""Launch-choice sweep of the MLA decode kernel (kernels/mla.py) on the DeepSeek-V2-Lite shape:
+for each (KV dtype, batch, context) point, time ``decode_config``'s choice and the listed
+(block_n, num_warps, num_stages) variants (split count from the same wave rule), print one table
+of µs and latent TB/s (% of the measured copy bandwidth). Used to pick ``decode_config``'s tiles.
+
+    python3 benchmarks/kernels/mla_sweep.py --points bfloat16:4:32768,fp8_e4m3:4:32768 \
+        --variants 32:4:2,32:8:3,64:8:2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--points", default="bfloat16:4:32768,fp8_e4m3:4:32768")
+    p.add_argument("--variants", default="",
+                   help="block_n:warps:stages[:bytes],... (default only; bytes: fp8 P@C operand "
+                        "from the byte tile instead of 16-bit pairs)")
+    p.add_argument("--prefill-points", default="", help="kv_dtype:batch:prompt_len,...")
+    p.add_argument("--prefill-variants", default="", help="block_m:block_n:warps:stages,...")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    import torch
+
+    from kvfit.bench.kernels import copy_bandwidth
+    from kvfit.bench.kernels_mla import LatentSet, time_mla_decode, time_mla_prefill
+    from kvfit.kernels.mla import MLAConfig, decode_config, prefill_config
+
+    bw = copy_bandwidth(torch.device("cuda"))
+    print(f"GPU {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for point in args.points.split(","):
+        kvd, b, ctx = point.split(":")
+        b, ctx = int(b), int(ctx)
+        page = args.page_size or (32 if kvd.startswith("fp8") else 16)
+        ls = LatentSet(512, 64, kvd, b, ctx, page, "cuda")
+        base = decode_config(b, args.heads, 512, ctx, ls.dtype, torch.bfloat16)
+        cfgs = [("default", base)]
+        for v in filter(None, args.variants.split(",")):
+            parts = v.split(":")  # block_n:warps:stages[:bytes] (bytes: fp8 P@C without pairs)
+            bn, w, st = map(int, parts[:3])
+            cfgs.append((v, dataclasses.replace(base, block_n=bn, num_warps=w, num_stages=st,
+                                                pairs="bytes" not in parts)))
+        for name, cfg in cfgs:
+            try:
+                us = time_mla_decode(ls, args.heads, cfg)
+            except Exception as e:  # noqa: BLE001 - a variant that does not compile/fit
+                print(f"{kvd:>9} b={b:<3} ctx={ctx:<6} {name:>9}: {type(e).__name__} "
+                      f"{str(e)[:120]}", flush=True)
+                continue
+            tbps = ls.bytes / (us * 1e-6) / 1e12
+            rows.append({"kv_dtype": kvd, "batch": b, "context": ctx, "variant": name,
+                         "cfg": str(cfg), "us": us, "tbps": tbps,
+                         "pct_copy": 100 * tbps * 1e12 / bw})
+            print(f"{kvd:>9} b={b:<3} ctx={ctx:<6} {name:>9} splits={cfg.num_splits:<3} "
+                  f"{us:9.1f} us {tbps:5.2f} TB/s ({100 * tbps * 1e12 / bw:4.0f}% of copy)",
+                  flush=True)
+        del ls
+        torch.cuda.empty_cache()
+    for point in filter(None, args.prefill_points.split(",")):
+        kvd, b, n = point.split(":")
+        b, n = int(b), int(n)
+        page = args.page_size or (32 if kvd.startswith("fp8") else 16)
+        ls = LatentSet(512, 64, kvd, b, n, page, "cuda")
+        flops = b * 2 * args.heads * (2 * 512 + 64) * n * (n + 1) / 2
+        cfgs = [("default", prefill_config(args.heads, ls.dtype, torch.bfloat16))]
+        for v in filter(None, args.prefill_variants.split(",")):
+            cfgs.append((v, MLAConfig(*map(int, v.split(":")))))
+        for name, cfg in cfgs:
+            try:
+                us = time_mla_prefill(ls, args.heads, n, cfg)
+            except Exception as e:  # noqa: BLE001
+                print(f"prefill {kvd:>9} b={b} len={n} {name}: {type(e).__name__} "
+                      f"{str(e)[:120]}", flush=True)
+                continue
+            rows.append({"kind": "prefill", "kv_dtype": kvd, "batch": b, "len": n,
+                         "variant": name, "cfg": str(cfg), "us": us,
+                         "tflops": flops / (us * 1e-6) / 1e12})
+            print(f"prefill {kvd:>9} b={b:<3} len={n:<6} {name:>12} {us:9.1f} us "
+                  f"{flops / (us * 1e-6) / 1e12:6.1f} TFLOP/s (absorbed)", flush=True)
+        del ls
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_bw": bw, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

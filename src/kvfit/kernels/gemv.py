@@ -1,0 +1,231 @@
+"""Batch-1 GEMV with the decoder's neighbours fused in: the CUDA path of a one-token decode step.
+
+Owns nothing; returns new tensors. ``y = W @ x`` for ONE token (x ``[1, K]``, W ``[N, K]``
+row-major as ``nn.Linear`` stores it), each program computing ``BLOCK_N`` outputs over the whole
+K (no split-K: no reduce kernel, and every output is summed in one fixed order, so an output does
+not depend on N or on the launch grid). Optional parts, each replacing one launch of the unfused
+step:
+* ``norm`` (``residual``-add + RMSNorm): every program reads the 2-8 KB input row (it is in L2)
+  in the same pass as its weights, ``s = x + residual`` rounded like torch's add (program 0
+  writes it: the new residual), accumulates ``sum(w_norm * s * W)`` and ``sum(s^2)`` together
+  and scales by ``1/rms(s)`` at the end: no norm kernel and no second pass over the row. The
+  normed input is not rounded to the dtype before the product (the unfused path rounds it
+  twice), so outputs agree with the unfused kernels to within about one rounding of the input;
+* ``gated`` epilogue: W holds ``[gate; up]`` (``[2I, K]``, ``GatedMLP.gate_up_proj``) and the
+  output is ``act(gate) * up`` ``[1, I]`` with ``fused_act``'s roundings (activation in float32
+  rounded to the dtype, then the product rounded once).
+The dot products accumulate in float32 and round once to the dtype, like a cuBLAS GEMM; without
+``norm`` only the summation order differs, so outputs agree with ``F.linear`` to within one
+rounding.
+
+At batch 1 a decode step is a chain of such GEMVs: reading the weights at the copy bandwidth is
+the whole cost, and a cuBLAS GEMM of M = 1 reads them at 2.7-3.2 TB/s on the H200 with a split-K
+reduce on ``down_proj`` (docs/benchmarks.md). ``GEMV_CONFIG`` holds the tile per (N, K) class.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from kvfit.kernels.pdl import launch_options
+
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
+GEMV_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def build():
+    """The jitted GEMV kernel, built once per process on first use."""
+    import triton
+    import triton.language as tl
+
+    from kvfit.kernels.pdl import gdc
+
+    gdc_wait, gdc_launch_dependents = gdc()
+
+    @triton.jit
+    def _gemv_kernel(X, R, RO, NW, W, B, OUT, K, N_OUT, stride_w, up_off, eps, offset,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                     ADD: tl.constexpr, HAS_OFFSET: tl.constexpr, GATED: tl.constexpr,
+                     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                     STAGES: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # programmatic dependent launch (kernels/pdl.py)
+            gdc_wait()
+            gdc_launch_dependents()
+        pid = tl.program_id(0)
+        ty = X.dtype.element_ty
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output rows
+        rmask = rows < N_OUT
+        ks = tl.arange(0, BLOCK_K)
+        # element-wise partial sums, reduced once after the loop (no cross-lane reduction per
+        # tile); the loop is software-pipelined (STAGES tiles in flight through cp.async). With
+        # NORM the mean square accumulates in the same pass and scales the sums at the end.
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc2_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        ssq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        w_ptr = W + rows.to(tl.int64)[:, None] * stride_w + ks[None, :]  # [BN, BK]
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            if EVEN_K:
+                xk = tl.load(X + k0 + ks)
+            else:
+                km = (k0 + ks) < K
+                xk = tl.load(X + k0 + ks, mask=km, other=0.0)
+            if NORM:
+                if ADD:  # s = x + residual, rounded like torch's add: the new residual
+                    if EVEN_K:
+                        rk = tl.load(R + k0 + ks)
+                    else:
+                        rk = tl.load(R + k0 + ks, mask=km, other=0.0)
+                    xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(ty)
+                    if pid == 0:
+                        if EVEN_K:
+                            tl.store(RO + k0 + ks, xk)
+                        else:
+                            tl.store(RO + k0 + ks, xk, mask=km)
+                if EVEN_K:
+                    nw = tl.load(NW + k0 + ks).to(tl.float32)
+                else:
+                    nw = tl.load(NW + k0 + ks, mask=km, other=0.0).to(tl.float32)
+                sf = xk.to(tl.float32)
+                ssq += sf * sf
+                if HAS_OFFSET:
+                    xf = (sf * (offset + nw))[None, :]
+                else:
+                    xf = (sf * nw)[None, :]
+            else:
+                xf = xk.to(tl.float32)[None, :]
+            if EVEN_K:
+                w = tl.load(w_ptr + k0, mask=rmask[:, None], other=0.0)
+            else:
+                w = tl.load(w_ptr + k0, mask=rmask[:, None] & km[None, :], other=0.0)
+            acc2 += w.to(tl.float32) * xf
+            if GATED:
+                if EVEN_K:
+                    wu = tl.load(w_ptr + up_off * stride_w + k0, mask=rmask[:, None], other=0.0)
+                else:
+                    wu = tl.load(w_ptr + up_off * stride_w + k0,
+                                 mask=rmask[:, None] & km[None, :], other=0.0)
+                acc2_up += wu.to(tl.float32) * xf
+        acc = tl.sum(acc2, axis=1)  # [BN]
+        acc_up = tl.sum(acc2_up, axis=1)
+        if NORM:  # RMSNorm's 1/rms, a scalar of the row: applied to the finished sums
+            rstd = tl.rsqrt(tl.sum(ssq, axis=0) / K + eps)
+            acc = acc * rstd
+            acc_up = acc_up * rstd
+        if HAS_BIAS:
+            acc += tl.load(B + rows, mask=rmask, other=0.0).to(tl.float32)
+            if GATED:
+                acc_up += tl.load(B + up_off + rows, mask=rmask, other=0.0).to(tl.float32)
+        y = acc.to(ty)
+        if GATED:  # act(gate) * up, as kernels.fused_act rounds it
+            g = y.to(tl.float32)
+            u = acc_up.to(ty).to(tl.float32)
+            if ACT == 0:
+                a = g / (1.0 + tl.exp(-g))
+            elif ACT == 1:
+                z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+                a = g / (1.0 + tl.exp(-2.0 * z))
+            else:
+                a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+            y = (a.to(ty).to(tl.float32) * u).to(ty)
+        tl.store(OUT + rows, y.to(OUT.dtype.element_ty), mask=rmask)  # rounded to ty first
+
+    return _gemv_kernel
+
+
+# (block_n, block_k, num_warps, num_stages) measured best on the H200 for (n_out, k, gated)
+# (benchmarks/kernels/gemv_bench.py, GPU round A of 2026-12-01, Qwen3-1.7B's shapes: TB/s of
+# weights read, best tile against cuBLAS): qkv 2.75 vs 2.43, o 2.74 vs 1.65, gate_up 3.60 vs
+# 3.30, down 3.07 vs 2.29, LM head 4.46 vs 4.04 (with its float32 cast); other shapes take the
+# rule in gemv_config (which picks the first and third of these too)
+GEMV_CONFIG: dict = {(2048, 2048, False): (8, 256, 4, 4), (2048, 6144, False): (4, 512, 4, 4),
+                     (151936, 2048, False): (8, 512, 4, 3)}
+MIN_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): enough tiles in flight
+
+
+def gemv_config(n_out: int, k: int, gated: bool) -> tuple[int, int, int, int]:
+    """The tile for an output of ``n_out`` rows over ``k`` inputs (gated: two weight rows each):
+    the measured one, else the widest row block that still gives ``MIN_PROGRAMS`` programs (at
+    most 8 gated rows: each reads two weight tiles)."""
+    if (n_out, k, gated) in GEMV_CONFIG:
+        return GEMV_CONFIG[(n_out, k, gated)]
+    for bn in ((8,) if gated else (16, 8)):
+        if n_out // bn >= MIN_PROGRAMS:
+            return (bn, 512, 4, 3)
+    return (4, 512, 4, 3)
+
+
+def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in GEMV_DTYPES
+            and weight.dtype == x.dtype and weight.device == x.device and weight.dim() == 2
+            and weight.stride(1) == 1 and x.shape[1] == weight.shape[1])
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when ``gemv`` runs this product on the GPU: one CUDA token row, 16-bit, the weight's
+    dtype, a row-major weight."""
+    return x.is_cuda and _fits(x, weight)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+         norm: Optional[tuple[torch.Tensor, float, float]] = None,
+         residual: Optional[torch.Tensor] = None, gated_act: Optional[str] = None,
+         out_dtype: Optional[torch.dtype] = None,
+         config: Optional[tuple[int, int, int, int]] = None):
+    """One token's ``x [1, K]`` times ``weight [N, K]`` (+ ``bias [N]``) -> ``[1, N]``.
+
+    ``out_dtype=torch.float32`` returns the dtype-rounded values widened to float32 (what
+    ``F.linear(x, w).float()`` gives, in one launch: the LM head's logits).
+    ``norm = (norm_weight [K], eps, offset)``: the input is ``RMSNorm(x)`` (or, with
+    ``residual [1, K]``, ``RMSNorm(x + residual)``), not rounded before the product; returns
+    ``(y, s)`` with the new residual
+    ``s = x + residual`` (``s = x`` without ``residual``, no copy). ``gated_act`` ("silu", ...):
+    ``weight`` is ``[2I, K]`` = [gate; up] and ``y = act(gate) * up`` ``[1, I]``.
+    Never writes its inputs.
+    """
+    import triton
+
+    if not _fits(x, weight):
+        raise ValueError(f"gemv wants one 16-bit row x [1, K] and a row-major weight [N, K] of "
+                         f"its dtype on its device, got x {tuple(x.shape)} {x.dtype} on "
+                         f"{x.device}, weight {tuple(weight.shape)} {weight.dtype}")
+    n, k = weight.shape
+    gated = gated_act is not None
+    if gated and (n % 2 or gated_act not in ACTIVATIONS):
+        raise ValueError(f"gated gemv wants an even row count and an activation in "
+                         f"{sorted(ACTIVATIONS)}, got {n} rows and {gated_act!r}")
+    n_out = n // 2 if gated else n
+    x = x.contiguous()
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise ValueError(f"gemv writes x's dtype or float32, not {out_dtype}")
+    out = torch.empty((1, n_out), dtype=out_dtype or x.dtype, device=x.device)
+    add = norm is not None and residual is not None
+    if norm is None:
+        nw, eps, offset = x, 0.0, 0.0
+    else:
+        nw, eps, offset = norm
+        if nw.shape != (k,):
+            raise ValueError(f"norm weight of shape {tuple(nw.shape)} does not match K={k}")
+    if add:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
+                             f"x {tuple(x.shape)} {x.dtype}")
+        residual = residual.contiguous()
+        res_out = torch.empty_like(x)
+    else:
+        residual, res_out = x, x
+    bn, bk, warps, stages = config or gemv_config(n_out, k, gated)
+    bk = min(bk, triton.next_power_of_2(k))
+    grid = (triton.cdiv(n_out, bn),)
+    build()[grid](x, residual, res_out, nw, weight, weight if bias is None else bias, out, k,
+                  n_out, weight.stride(0), n_out, float(eps), float(offset), BLOCK_N=bn,
+                  BLOCK_K=bk, NORM=norm is not None, ADD=add, HAS_OFFSET=bool(offset),
+                  GATED=gated, ACT=ACTIVATIONS.get(gated_act, 0), HAS_BIAS=bias is not None,
+                  EVEN_K=k % bk == 0, STAGES=stages, num_warps=warps, num_stages=stages,
+                  **launch_options(x.device))
+    if norm is None:
+        return out
+    return out, res_out

@@ -1,0 +1,225 @@
+"""Paged MLA attention over the latent cache (Triton), host side: launch choices and launches.
+
+``mla_decode`` (one query token per request, split-K over the context, every head of a request
+in one program so a latent tile is read once per (request, split)) and ``mla_prefill`` (chunks
+of several tokens, causal over the cached prefix, mixed batches) run the kernel of
+``mla_kernels``; ``store_latent`` writes a step's new slabs into their slots with the pool's
+quantize-on-store. Shapes: q ``[T, H, RANK + ROPE]`` (absorbed query ``[q_lat ; q_pe]``), cache
+``[num_pages, P, RANK + ROPE]``, out ``[T, H, RANK]`` (the attention-weighted latent).
+
+Decode launches depend only on (batch, splits): no host syncs, CUDA-graph capturable.
+Owns nothing; writes ``out`` (and split scratch) or the cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvfit.kernels import decode_kernels, mla_kernels
+
+LOG2E = 1.4426950408889634
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Launch choices of one MLA attention call (decode: fixed per CUDA-graph batch size)."""
+
+    block_m: int  # rows (token x head pairs) per program
+    block_n: int  # latent tokens per tile
+    num_warps: int
+    num_stages: int
+    num_splits: int = 1
+    pairs: bool = True  # fp8: P@C operand from 16-bit words converted in registers
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _interpreting() -> bool:
+    """Triton's CPU interpreter (TRITON_INTERPRET=1) runs the kernels: no inline PTX there."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _exact(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    return q_dtype == torch.float32 or cache_dtype == torch.float32
+
+
+def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
+                  cache_dtype: torch.dtype, q_dtype: torch.dtype, num_sms: int = 132,
+                  block_n: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None, num_splits: int | None = None) -> MLAConfig:
+    """Rows: every head of a request (at least 16 for the MMA, at most 32 per program: a
+    [64, 512] float32 accumulator spills; larger head counts take several programs per request,
+    adjacent in the grid so their shared latent tiles come from L2). Splits: the fewest waves per unit of work
+    over ``num_sms`` SMs at the programs per SM each tile allows, splits of >= 256 tokens, 1%
+    merge cost per split. Ranks that are not a power
+    of two keep one split (the merge kernel reads whole rows)."""
+    exact = _exact(q_dtype, cache_dtype)
+    block_m = 16 if exact else min(32, max(16, _pow2(num_heads)))
+    hblk = math.ceil(num_heads / block_m)
+    # (block_n, warps, stages, programs per SM) from the sm_90 compile of each variant
+    # (benchmarks/kernels/inspect_mla.py): 16-bit 32-token tiles take 104 registers and 56 KB of
+    # shared memory (2 per SM), 428 instructions per warp and tile; 8-bit tiles read as 16-bit
+    # words and converted in registers (PAIRS) take 196 registers and 123 KB at 64 tokens (1 per
+    # SM), 683 instructions per warp and tile (11 per token; 17 at 32-token tiles)
+    if exact:
+        tile = (16, 4, 1, 1)
+    elif cache_dtype in FP8:
+        tile = (64, 8, 3, 1)
+    else:
+        tile = (32, 8, 2, 2)
+    max_splits = int(min(64, max(1, math.ceil(max(1, max_kv_len) / 256))))
+    if num_splits is None:
+        num_splits = 1
+        if rank == _pow2(rank):
+            slots = num_sms * tile[3]
+            programs = max(1, batch * hblk)
+            best = (float("inf"), 1)
+            for sp in range(1, max_splits + 1):
+                cost = math.ceil(programs * sp / slots) / sp * (1 + 0.01 * sp)
+                if cost < best[0] - 1e-12:
+                    best = (cost, sp)
+            num_splits = best[1]
+    return MLAConfig(block_m, block_n or tile[0], num_warps or tile[1], num_stages or tile[2],
+                     num_splits)
+
+
+def prefill_config(num_heads: int, cache_dtype: torch.dtype, q_dtype: torch.dtype) -> MLAConfig:
+    """Rows: 32 (token, head) pairs per program (16 for float32), 32-token latent tiles, 8
+    warps, 3 stages: the sm_90 compile of 64-row programs spills (a [64, 512] float32
+    accumulator and the [64, 576] query), 32 rows do not (199 registers for 16-bit latents, 254
+    for fp8; benchmarks/kernels/inspect_mla.py)."""
+    if _exact(q_dtype, cache_dtype):
+        return MLAConfig(16, 16, 4, 1)
+    return MLAConfig(32, 32, 8, 3)
+
+
+def order_mla_blocks(q_lens, kv_lens, num_heads: int, block_m: int, device) -> torch.Tensor:
+    """[NB, 2] int32 (request, first row) per prefill program, heaviest (longest visible
+    context) first so the long blocks start in the first wave. Host work, one copy."""
+    from kvfit.transfer import to_device
+
+    work = []
+    for i, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
+        for r0 in range(0, ql * num_heads, block_m):
+            last = min((r0 + block_m - 1) // num_heads, ql - 1)
+            work.append((kl - ql + last, i, r0))
+    work.sort(key=lambda w: -w[0])
+    flat = [x for _, i, r0 in work for x in (i, r0)]
+    return to_device(np.asarray(flat, dtype=np.int32).reshape(-1, 2), torch.device(device))
+
+
+def _check(q, cache, out, rank: int):
+    t, h, slab = q.shape
+    if cache.dim() != 3 or cache.shape[2] != slab or cache.stride(2) != 1 or cache.stride(1) != slab:
+        raise ValueError(f"MLA attention needs a contiguous latent cache [pages, P, {slab}], got "
+                         f"{tuple(cache.shape)}")
+    if out.shape != (t, h, rank) or out.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError(f"MLA attention: q {tuple(q.shape)} and out {tuple(out.shape)} must be "
+                         f"[T, H, {slab}] and [T, H, {rank}] with contiguous last dims")
+
+
+def _launch(q, cache, block_table, cu_seqlens_q, kv_lens, blocks, out, op, lse, rank: int,
+            sm_scale: float, scale: float, cfg: MLAConfig, grid0: int, decode: bool):
+    h, slab = q.shape[1], q.shape[2]
+    rope = slab - rank
+    exact = _exact(q.dtype, cache.dtype)
+    single = cfg.num_splits == 1
+    kern = mla_kernels.build()[0]
+    kern[(grid0, cfg.num_splits)](
+        q, cache, block_table, cu_seqlens_q, kv_lens, blocks, out,
+        out if single else op, out if single else lse,
+        float(sm_scale * scale * LOG2E), float(scale),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), cache.stride(0),
+        block_table.stride(0), cfg.num_splits,
+        H=h, RANK=rank, ROPE=rope, DC=_pow2(rank), DR=max(16, _pow2(rope)), SLAB=slab,
+        PAGE=cache.shape[1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        HBLK=math.ceil(h / cfg.block_m), DECODE=decode, SINGLE=single,
+        F16=cache.dtype in FP8 and not exact, PREC="ieee" if exact else "tf32",
+        PAIRS=cache.dtype in FP8 and not exact and cfg.pairs and rank % 2 == 0,
+        E5M2=cache.dtype == torch.float8_e5m2, ASM=not _interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+               cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, out: torch.Tensor, rank: int,
+               sm_scale: float, cfg: MLAConfig, scale: float = 1.0,
+               scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """q ``[B, H, slab]`` (one token per request; ``cu_seqlens_q`` = 0..B) -> out ``[B, H,
+    rank]`` (written). ``scratch`` = (op ``[>= B*H*S, rank]`` f32, lse ``[>= B*H*S]`` f32) lets
+    CUDA-graph callers pass static buffers; otherwise allocated when ``cfg.num_splits > 1``."""
+    _check(q, cache, out, rank)
+    b, h, _ = q.shape
+    if b == 0:
+        return out
+    s = cfg.num_splits
+    op = lse = None
+    if s > 1:
+        if rank != _pow2(rank):
+            raise ValueError(f"split MLA decode needs a power-of-two rank, got {rank}: use "
+                             f"num_splits=1 (decode_config does)")
+        if scratch is None:
+            scratch = (torch.empty((b * h * s, rank), dtype=torch.float32, device=q.device),
+                       torch.empty((b * h * s,), dtype=torch.float32, device=q.device))
+        op, lse = scratch
+    _launch(q, cache, block_table, cu_seqlens_q, kv_lens, kv_lens, out, op, lse, rank,
+            sm_scale, scale, cfg, b * math.ceil(h / cfg.block_m), True)
+    if s > 1:
+        import triton
+
+        merge = decode_kernels.build()[1]
+        s_pad = triton.next_power_of_2(s)
+        # the merge holds all S_PAD x rank partials of a row: <= 128 float32 registers a thread
+        warps = min(8, max(2, rank * s_pad // 4096))
+        merge[(b, h)](op, lse, out, float(scale), out.stride(0), out.stride(1), s, h, D=rank,
+                      S_PAD=s_pad, num_warps=warps)
+    return out
+
+
+def mla_prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, blocks: torch.Tensor,
+                out: torch.Tensor, rank: int, sm_scale: float, cfg: MLAConfig,
+                scale: float = 1.0) -> torch.Tensor:
+    """q ``[T, H, slab]`` of a flat batch (``cu_seqlens_q``; request i's tokens at positions
+    ``kv_lens[i] - q_len_i ..``) -> out ``[T, H, rank]`` (written) for the programs listed in
+    ``blocks`` (``order_mla_blocks`` with ``cfg.block_m``), causal over each request's cache."""
+    _check(q, cache, out, rank)
+    if blocks.shape[0] == 0:
+        return out
+    if cfg.num_splits != 1:
+        raise ValueError("mla_prefill runs one split per program")
+    _launch(q, cache, block_table, cu_seqlens_q, kv_lens, blocks, out, None, None, rank,
+            sm_scale, scale, cfg, blocks.shape[0], False)
+    return out
+
+
+def store_latent(kv: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, fmt,
+                 scale: float = 1.0) -> None:
+    """kv ``[T, slab]`` -> cache ``[num_pages, P, slab]`` at ``slot_mapping`` (slots < 0
+    skipped), ``cast(clamp(x / scale))`` as ``kvcache.quant.quantize``. Mutates ``cache``."""
+    import triton
+
+    t, slab = kv.shape
+    if t == 0:
+        return
+    if kv.stride(-1) != 1:
+        kv = kv.contiguous()
+    if cache.shape[2] != slab or cache.stride(2) != 1 or cache.stride(1) != slab:
+        raise ValueError(f"store_latent needs a contiguous cache [pages, P, {slab}], got "
+                         f"{tuple(cache.shape)}")
+    quant = bool(fmt.quantized)
+    inv = float(np.float32(1.0) / np.float32(scale))
+    block = triton.next_power_of_2(slab)
+    mla_kernels.build()[1][(t,)](kv, cache, slot_mapping, inv,
+                                 float(fmt.max_finite) if quant else 0.0, kv.stride(0),
+                                 cache.stride(0), SLAB=slab, PAGE=cache.shape[1], BLOCK=block,
+                                 QUANT=quant, SCALED=scale != 1.0,
+                                 num_warps=4 if block >= 512 else 1)

@@ -1,0 +1,164 @@
+"""The batch-1 GEMV kernel (kernels/gemv.py) on the CPU under the Triton interpreter, against
+float64 references on small shapes: plain, with bias, with the residual-add + RMSNorm prologue,
+and with the gated activation epilogue; K not a multiple of the tile; bad input is refused.
+
+float16 is compared at one rounding of the output (the interpreter rounds float16 like the GPU);
+bfloat16 at two (the interpreter's float32 -> bfloat16 conversion truncates)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if torch.cuda.is_available():  # the interpreter flag is process-wide: never set it next to a GPU
+    pytest.skip("Triton-interpreter tests run on CPU-only machines; the GPU runs "
+                "tests/gpu/test_gemv_cuda.py", allow_module_level=True)
+os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from kvfit.kernels.gemv import gemv  # noqa: E402
+from kvfit.models.layers import RMSNorm  # noqa: E402
+
+ULP = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}  # relative, per rounding
+ROUNDINGS = {torch.float16: 1, torch.bfloat16: 2}
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor, dtype, extra: float = 0.0) -> None:
+    """|y - ref| within the dtype's roundings of |ref| (+ a floor for values near zero)."""
+    tol = ROUNDINGS[dtype] * ULP[dtype] * ref.abs() + extra + 1e-3 * ref.abs().max()
+    bad = (y.double() - ref).abs() > tol
+    assert not bad.any(), (y[bad][:5], ref[bad][:5])
+
+
+def _data(k: int, n: int, dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    return x, w, g
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("k,block_k", [(96, 32), (80, 32)])  # 80: K not a multiple of the tile
+def test_plain_and_bias(dtype, k, block_k):
+    x, w, g = _data(k, 20, dtype, 1)
+    bias = torch.randn(20, generator=g).to(dtype)
+    y = gemv(x, w, config=(8, block_k, 4, 1))  # 20 rows: the last program is partial
+    assert y.shape == (1, 20) and y.dtype == dtype
+    _close(y, x.double() @ w.double().t(), dtype)
+    yb = gemv(x, w, bias, config=(8, block_k, 4, 1))
+    _close(yb, x.double() @ w.double().t() + bias.double(), dtype)
+    y32 = gemv(x, w, out_dtype=torch.float32, config=(8, block_k, 4, 1))  # LM-head logits
+    assert y32.dtype == torch.float32 and torch.equal(y32, y.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_prologue(dtype, with_residual):
+    k = 64
+    x, w, g = _data(k, 24, dtype, 2)
+    r = torch.randn(1, k, generator=g).to(dtype)
+    norm = RMSNorm(k, 1e-6)
+    norm.weight.data = (1 + 0.2 * torch.randn(k, generator=g)).to(dtype)
+    res = r if with_residual else None
+    y, s = gemv(x, w, norm=(norm.weight.data, 1e-6, 0.0), residual=res, config=(8, 32, 4, 1))
+    with torch.no_grad():
+        h, s_ref = norm(x, r) if with_residual else (norm(x), x)
+    if dtype == torch.float16:
+        assert torch.equal(s, s_ref)  # the new residual is x + r rounded once
+    else:
+        _close(s, s_ref.double(), dtype)
+    assert not with_residual or s.data_ptr() not in (x.data_ptr(), r.data_ptr())
+    # the kernel's math, exactly: W (w_norm * s) / rms(s), s the rounded residual sum it returned
+    s64 = s.double()
+    h64 = s64 * torch.rsqrt((s64 * s64).mean() + 1e-6) * norm.weight.data.double()
+    _close(y, h64 @ w.double().t(), dtype)
+    # and the unfused path (input rounded twice) to within a rounding of the input
+    ref = h.double() @ w.double().t()
+    assert (y.double() - ref).norm() <= 4 * ULP[dtype] * ref.norm()
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_gated_epilogue(act):
+    dtype, k, inter = torch.float16, 64, 24
+    x, w, g = _data(k, 2 * inter, dtype, 3)
+    norm = RMSNorm(k, 1e-6)
+    norm.weight.data = (1 + 0.2 * torch.randn(k, generator=g)).to(dtype)
+    y, _ = gemv(x, w, norm=(norm.weight.data, 1e-6, 0.0), gated_act=act, config=(8, 32, 4, 1))
+    assert y.shape == (1, inter)
+    x64 = x.double()
+    h64 = x64 * torch.rsqrt((x64 * x64).mean() + 1e-6) * norm.weight.data.double()
+    gate, up = (h64 @ w.double().t()).chunk(2, dim=-1)
+    fn = F.silu if act == "silu" else (lambda t: F.gelu(t, approximate="tanh"))
+    ref = fn(gate) * up
+    _close(y, ref, dtype, extra=4 * ULP[dtype] * ref.abs().max().item())
+
+
+def test_refuses_what_it_cannot_run():
+    x = torch.randn(2, 16).half()
+    w = torch.randn(8, 16).half()
+    with pytest.raises(ValueError, match="one 16-bit row"):
+        gemv(x, w)
+    with pytest.raises(ValueError, match="one 16-bit row"):
+        gemv(x[:1], w.float())
+    with pytest.raises(ValueError, match="even row count"):
+        gemv(x[:1], w[:7], gated_act="silu")
+    with pytest.raises(ValueError, match="float32, not"):
+        gemv(x[:1], w, out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="norm weight"):
+        gemv(x[:1], w, norm=(torch.ones(8).half(), 1e-6, 0.0))
+
+
+def test_one_token_layer_path_equals_the_batched_path(monkeypatch):
+    """models/one_token.py wired into a tiny float16 Llama on the CPU (the GEMVs interpreted,
+    the torch attention backend): a decode step through the one-token path gives the hidden
+    state of the batched path to within a few roundings, and both store the same K/V."""
+    from transformers import LlamaConfig
+
+    from kvfit.attention.meta_builder import build_metadata
+    from kvfit.attention.torch_ref import TorchRefBackend
+    from kvfit.engine.context import Context
+    from kvfit.kernels import gemv as gemv_mod
+    from kvfit.kvcache.dtypes import kv_format
+    from kvfit.kvcache.pool import MHAKVCache
+    from kvfit.models import one_token
+    from kvfit.models.llama import LlamaForCausalLM
+    from kvfit.models.weights import init_dummy
+
+    dtype = torch.float16
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=97,
+                      max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg, 64).to(dtype).eval()
+    with torch.no_grad():
+        init_dummy(model, 0)
+        for layer in model.model.layers:  # non-trivial norm weights
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.normal_(1.0, 0.2)
+
+    def run(one_token_on: bool):
+        pool = MHAKVCache(model.kv_layer_specs(cfg), 8, 4, kv_format("float16"), "cpu")
+        ctx = Context(TorchRefBackend(pool, dtype, model.sm_scale(cfg)), pool, dtype)
+        prompt = torch.tensor([5, 17, 3, 44, 9, 60])
+        table = [[2, 5]]
+        with torch.inference_mode():
+            ctx.backend.prepare(build_metadata([6], [6], table, 4, "cpu"))
+            model(prompt, torch.arange(6), ctx)
+            with monkeypatch.context() as m:
+                if one_token_on:  # the GPU path's dispatch, on the CPU under the interpreter
+                    m.setattr(gemv_mod, "supports", gemv_mod._fits)
+                assert one_token.applies(model.model.layers[0],
+                                         torch.zeros(1, 64, dtype=dtype),
+                                         torch.zeros(1, 64, dtype=dtype)) == one_token_on
+                ctx.backend.prepare(build_metadata([1], [7], table, 4, "cpu"))
+                hidden = model(torch.tensor([11]), torch.tensor([6]), ctx)
+        return hidden.double(), pool.k_caches[0][5, :, 2].double()
+
+    h_ref, k_ref = run(False)
+    h, k = run(True)
+    scale = h_ref.abs().max()
+    assert (h - h_ref).abs().max() <= 8 * ULP[dtype] * scale
+    assert (k - k_ref).abs().max() <= 8 * ULP[dtype] * k_ref.abs().max()
