@@ -47,10 +47,11 @@ class Int4Sizing(PoolSizing):
     def pool_bytes(self) -> int:
         return self.tokens * self.bytes_per_token + self.residual_bytes
 
-    def capacity_line(self, fmt: KVFormat, max_model_len: int) -> str:
+    def capacity_line(self, fmt: KVFormat, max_model_len: int, tp_size: int = 1,
+                      full_layers=()) -> str:
         """The start-up line, with the residual buffer's share."""
         dtype = str(self.residual_dtype).replace("torch.", "")
-        return (super().capacity_line(fmt, max_model_len)
+        return (super().capacity_line(fmt, max_model_len, tp_size, full_layers)
                 + f"; residual buffer {self.residual_slots} x {self.page_size} tokens in "
                   f"{dtype}, {self.residual_bytes / GiB:.3f} GiB (included)")
 
