@@ -287,6 +287,9 @@ def test_silu_and_mul_alias():
 class _CausalAttention:
     """A backend stand-in: causal attention over this call's tokens (one sequence)."""
 
+    def kv_store_target(self, layer_id):
+        return None  # no pool: the model calls forward with k and v (the unfused path)
+
     def forward(self, q, k, v, layer_id):
         g = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)

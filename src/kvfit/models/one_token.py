@@ -10,8 +10,15 @@ kernels, four cuBLAS GEMMs (one with a split-K reduce) and the activation kernel
 
 One rank only (``tp_group().size == 1``): under tensor parallelism the batched path runs, with
 its all-reduces. Same values as the batched path to within about one rounding per product (the
-GEMMs' summation order differs, and the normed input is not rounded before its product). ``ENABLED`` switches it off for
-A/B measurements (benchmarks/engine/ab_decode_step.py); it is on by default. ``LM_HEAD``: the
+GEMMs' summation order differs, and the normed input is not rounded before its product).
+
+``ENABLED`` is OFF by default: a request's logits must not depend on whether it is alone in its
+decode step (batch invariance: a seeded sampled request gives the same tokens alone and batched,
+and overlap scheduling, which keeps a stopping request one step longer, changes batch sizes). On
+the H200 the merged engine's tests/gpu/test_overlap_cuda.py failed with it on (a seeded sampled
+row diverged after ~30 tokens between overlap on and off). Turn it on for A/B measurements
+(benchmarks/engine/ab_decode_step.py ``--one-token on``); making it batch-invariant means running
+every decode row through the same GEMV reduction order. ``LM_HEAD``: the
 one-row LM head as a GEMV writing float32 logits (one launch instead of cuBLAS + a cast; 139.6
 against 154.1 us on the H200 at Qwen3-1.7B's 151,936 x 2,048).
 """
@@ -24,7 +31,7 @@ import torch
 
 from kvfit.parallel.state import tp_group
 
-ENABLED = True
+ENABLED = False
 LM_HEAD = True
 
 
