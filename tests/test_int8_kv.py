@@ -317,7 +317,9 @@ def test_cli_flags_come_from_the_config():
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    c = config_from_args(p.parse_args(["--kv-dtype", "int8", "--no-kv-k-centering",
+    c = config_from_args(p.parse_args(["--kv-dtype", "int8", "--kv-k-centering", "off",
                                        "--kv-calibration", "k.json"]))
-    assert c.kv_dtype == "int8" and c.kv_k_centering is False and c.kv_calibration == "k.json"
-    assert config_from_args(p.parse_args([])).kv_k_centering is True
+    assert c.kv_dtype == "int8" and c.kv_k_centering == "off" and c.kv_calibration == "k.json"
+    assert config_from_args(p.parse_args([])).kv_k_centering == "auto"
+    with pytest.raises(SystemExit):  # argparse refuses a value outside the choices
+        p.parse_args(["--kv-k-centering", "maybe"])

@@ -24,6 +24,7 @@ Backend = Literal["auto", "torch", "fi", "triton"]
 LoadFormat = Literal["auto", "dummy"]
 Device = Literal["auto", "cpu", "cuda"]
 AsyncMode = Literal["auto", "on", "off"]
+KCentering = Literal["auto", "on", "off"]
 
 assert set(typing.get_args(KVDtype)) == set(KV_DTYPE_CHOICES)  # one table, checked at import
 
@@ -49,9 +50,11 @@ class EngineConfig:
                            aliases=("--kv-cache-dtype",))
     kv_scales: Optional[str] = _f(None, "per-tensor KV scales: 'auto' (calibrate at start) or a "
                                   "JSON file {\"k_scale\": [...], \"v_scale\": [...]}; default 1.0")
-    kv_k_centering: bool = _f(True, "subtract a calibrated per-(layer, KV head, channel) mean "
-                              "from K before storing fp8 or int8 KV (exact for softmax; on "
-                              "backends that apply it); off: --no-kv-k-centering")
+    kv_k_centering: KCentering = _f("auto", "subtract a calibrated per-(layer, KV head, channel) "
+                                    "mean from K before storing (exact for softmax; on backends "
+                                    "that apply it): auto = on for int8 (its format relies on "
+                                    "it), off for fp8 (not measured never-worse: greedy "
+                                    "agreement with bf16 KV fell on SmolLM2); on/off force it")
     kv_calibration: Optional[str] = _f(None, "JSON file of the K means (written by python -m "
                                        "kvfit.engine.write_kv_calibration); default: calibrate "
                                        "at start on shipped text")
@@ -92,6 +95,9 @@ class EngineConfig:
                      "tensor_parallel_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_k_centering not in typing.get_args(KCentering):
+            raise ValueError(f"kv_k_centering must be one of {typing.get_args(KCentering)}, "
+                             f"got {self.kv_k_centering!r}")
         if self.async_scheduling not in typing.get_args(AsyncMode):
             raise ValueError(f"async_scheduling must be one of {typing.get_args(AsyncMode)}, "
                              f"got {self.async_scheduling!r}")

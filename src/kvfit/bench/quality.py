@@ -8,7 +8,7 @@ float32 on CPU) gets one row:
       divergence position),
   (c) mean and max next-token KL divergence vs the baseline over the shipped text, top-1
       agreement of those next-token distributions, and perplexity.
-An entry may carry options after a colon, comma-separated: ``int8:nocenter`` (K centering off),
+An entry may carry options after a colon, comma-separated: ``int8:nocenter`` (K centering off), ``fp8_e4m3:center`` (on),
 ``fp8_e4m3:cal=PATH`` (K means from a ``--kv-calibration`` file), ``fp8_e4m3:auto-scales``.
 The compute dtype is the engine's: only the KV storage changes between rows. A progress line
 follows each stage. Quick on a CPU (minutes): --context 1024 --keys 1 --agree-tokens 16
@@ -145,14 +145,16 @@ def parse_variant(entry: str) -> tuple[str, dict]:
     kw: dict = {}
     for opt in filter(None, opts.split(",")):
         if opt == "nocenter":
-            kw["kv_k_centering"] = False
+            kw["kv_k_centering"] = "off"
+        elif opt == "center":
+            kw["kv_k_centering"] = "on"
         elif opt.startswith("cal="):
             kw["kv_calibration"] = opt[4:]
         elif opt == "auto-scales":
             kw["kv_scales"] = "auto"
         else:
-            raise ValueError(f"unknown option {opt!r} in {entry!r}; known: nocenter, cal=PATH, "
-                             "auto-scales")
+            raise ValueError(f"unknown option {opt!r} in {entry!r}; known: nocenter, center, "
+                             "cal=PATH, auto-scales")
     return name, kw
 
 
@@ -299,7 +301,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--kv-dtypes", nargs="+",
                    default=["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"],
-                   help="KV formats, each optionally with :nocenter, :cal=PATH, :auto-scales; "
+                   help="KV formats, each optionally with :nocenter, :center, :cal=PATH, :auto-scales; "
                         "the first is the baseline for agreement, KL and top-1 (auto = the "
                         "compute dtype, float32 on CPU)")
     p.add_argument("--budget", type=parse_memory, default=2**30,

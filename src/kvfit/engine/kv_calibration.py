@@ -11,7 +11,7 @@ how much the result depends on the text).
 Which formats get what (``resolve_kv_transform``): int8 is rotated (its ``KVFormat.rotate``) and
 centered; fp8 is centered only (rotation measured unsafe for fp8); 16-bit formats and int4 (whose
 per-channel zero point absorbs a K mean) get nothing.
-Centering needs a backend that declares ``"k_mean"`` in ``kv_transforms``; ``--no-kv-k-centering``
+Centering needs a backend that declares ``"k_mean"`` in ``kv_transforms``; ``--kv-k-centering off``
 turns it off.
 """
 
@@ -114,7 +114,9 @@ def resolve_kv_transform(runner, tokenizer=None) -> Optional[KVTransform]:
     fmt, config, backend = runner.kv_format, runner.config, runner.settings.backend_cls
     rotate = fmt.rotate
     # int4 (kivi) is not centered: its per-channel zero point over each page absorbs a K mean
-    center = (fmt.quantized and fmt.scale_mode != "kivi" and config.kv_k_centering
+    mode = config.kv_k_centering  # auto: int8 only (fp8 centering is opt-in, see config.py)
+    wanted = mode == "on" or (mode == "auto" and fmt.scale_mode == "token_head")
+    center = (fmt.quantized and fmt.scale_mode != "kivi" and wanted
               and "mla" not in {l.kind for l in runner.layers})
     if center and "k_mean" not in backend.kv_transforms:
         log.info("K centering off: the %s backend does not apply it", backend.name)
