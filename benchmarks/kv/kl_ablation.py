@@ -24,7 +24,7 @@ from kvfit import LLM
 from kvfit.bench.quality import parse_variant, quality_text, sequence_logprobs
 from kvfit.engine.kv_calibration import calibrate_k_mean, save_calibration
 
-DEFAULT = ["int8", "fp8_e4m3", "fp8_e4m3:nocenter", "int8:nocenter"]
+DEFAULT = ["int8", "fp8_e4m3", "fp8_e4m3:center", "int8:nocenter"]
 
 
 def main() -> None:
