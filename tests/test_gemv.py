@@ -150,6 +150,7 @@ def test_one_token_layer_path_equals_the_batched_path(monkeypatch):
             with monkeypatch.context() as m:
                 if one_token_on:  # the GPU path's dispatch, on the CPU under the interpreter
                     m.setattr(gemv_mod, "supports", gemv_mod._fits)
+                m.setattr(one_token, "ENABLED", one_token_on)  # off by default (batch invariance)
                 assert one_token.applies(model.model.layers[0],
                                          torch.zeros(1, 64, dtype=dtype),
                                          torch.zeros(1, 64, dtype=dtype)) == one_token_on
