@@ -19,38 +19,14 @@ from kvfit.attention.triton_backend import TritonBackend
 from kvfit.bench.kernels import LAYOUTS, KVSet, ours_v_caches, ours_v_layout, scale_kwargs
 from kvfit.kernels.decode import choose_config, paged_decode
 
+from graph_timing import graph_us  # benchmarks/kernels/, the script's own folder
+
 LAYOUTS = {**LAYOUTS, "d256": (8, 4, 256)}
 POINTS = [("qwen3-1.7b", 32, 16384), ("qwen3-1.7b", 128, 16384), ("qwen3-1.7b", 8, 16384),
           ("llama-3.1-8b", 32, 16384), ("smollm2", 32, 16384), ("smollm2", 128, 16384),
           ("d256", 32, 16384)]
 QUICK = [("smollm2", 128, 16384), ("qwen3-1.7b", 128, 16384), ("qwen3-1.7b", 32, 16384),
          ("d256", 32, 16384)]
-
-
-def graph_us(fns, iters=10):
-    """Median over 5 timings of ``iters`` replays of a graph holding every call of ``fns``."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (iters * len(fns)))
-    return sorted(times)[len(times) // 2]
 
 
 def variants(kvd: str, d: int, group: int):

@@ -22,31 +22,9 @@ from kvfit.attention.base import KVStoreTarget
 from kvfit.kernels.fused_rope import apply_rope
 from kvfit.kernels.store import store_kv
 
+from graph_timing import graph_us  # benchmarks/kernels/, the script's own folder
+
 LAYERS = 28
-
-
-def graph_us(fn, iters=20):
-    """Median over 5 timings of one replay of a graph of ``fn`` (all layers), in µs."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / iters)
-    return sorted(times)[2]
 
 
 def main():
@@ -96,7 +74,7 @@ def main():
                 store_kv(kt, v, kc, vc, slots, fmt, v_layout="HDN", k_scale_cache=ks,
                          v_scale_cache=vs)
 
-        f_us, u_us = graph_us(fused) / LAYERS, graph_us(unfused) / LAYERS
+        f_us, u_us = graph_us([fused], 20) / LAYERS, graph_us([unfused], 20) / LAYERS
         res.append(dict(tokens=t, fused_us_per_layer=f_us, unfused_us_per_layer=u_us))
         print(f"{t:>6} {f_us:15.2f} {u_us:17.2f} {u_us / f_us:14.2f}", flush=True)
     out = os.environ.get("OUT_DIR", "/tmp")
