@@ -76,8 +76,11 @@ def test_guard_refuses_before_loading(smol_shape):
         _settings(smol_shape, 12)
     from kvfit.bench.configs import config_path
 
-    with pytest.raises(UnsupportedCombinationError, match="MLA"):
-        _settings(config_path("deepseek-v2-lite"), 2)
+    # DeepSeek-V2-Lite (16 query heads, MoE): its own rule (heads and experts' sizes)
+    assert _settings(config_path("deepseek-v2-lite"), 2).tp_size == 2
+    with pytest.raises(UnsupportedCombinationError, match="does not divide the model's 16 query "
+                       "heads.*experts' intermediate size"):
+        _settings(config_path("deepseek-v2-lite"), 3)
     with pytest.raises(UnsupportedCombinationError, match="kv-scales auto"):
         _settings(smol_shape, 3, kv_scales="auto")
 

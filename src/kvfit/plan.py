@@ -115,11 +115,14 @@ def format_plan(memory_bytes: int, rows: list[PlanRow]) -> str:
                      f"{r.max_concurrency:.2f} |")
     if s0.tp_size > 1:
         kv = s0.full_layers[0].num_kv_heads
-        lines += ["", f"Tensor parallel over {s0.tp_size} GPUs: each GPU stores "
-                  f"{s0.layers[0].num_kv_heads} of the {kv} KV heads for every token, so "
-                  f"bytes/token and pool GiB are per GPU and the tokens are the engine's (the "
-                  f"same on every GPU); the pools of all GPUs take {s0.tp_size}x pool GiB. "
-                  f"Per dtype, per GPU and in total:", ""]
+        stores = (f"the whole MLA latent (shared by all query heads, so the KV capacity per "
+                  f"GPU does not grow with tensor parallelism)"
+                  if s0.full_layers[0].kind == "mla" else
+                  f"{s0.layers[0].num_kv_heads} of the {kv} KV heads")
+        lines += ["", f"Tensor parallel over {s0.tp_size} GPUs: each GPU stores {stores} for "
+                  f"every token, so bytes/token and pool GiB are per GPU and the tokens are the "
+                  f"engine's (the same on every GPU); the pools of all GPUs take "
+                  f"{s0.tp_size}x pool GiB. Per dtype, per GPU and in total:", ""]
         lines += [f"- {r.capacity_line()}" for r in rows]
     explicit = s0.config.max_model_len
     short = [r.kv_dtype for r in rows if explicit and r.sizing.tokens < explicit]

@@ -129,19 +129,41 @@ def build_hybrid_metadata(q_lens: Sequence[int], kv_lens: Sequence[int],
                                                        swa.num_pages_cpu, first_live))
 
 
+@dataclasses.dataclass(frozen=True)
+class RequestLookups:
+    """What a step's metadata reads from the pool's host bookkeeping, per request (batch order):
+    the sliding page lists (``SlidingWindowPages.table``, None for pools without a sliding page
+    space) and the int4 residual slots (None for other pools). Under tensor parallelism rank 0
+    resolves them and sends them in the step message: only its pool's bookkeeping is driven by
+    the scheduler."""
+
+    swa_tables: list | None = None
+    residual_slots: list | None = None
+
+
+def request_lookups(pool: KVPool, request_ids: Sequence[str]) -> RequestLookups:
+    """``pool``'s per-request bookkeeping for the step's requests (the pool's own lists, not
+    copies: valid until the scheduler's next step)."""
+    sliding = pool.sliding_pages
+    swa = None if sliding is None else [sliding.table(rid) for rid in request_ids]
+    slots = (None if pool.residual_slots is None
+             else [pool.residual_slots.slot(rid) for rid in request_ids])
+    return RequestLookups(swa, slots)
+
+
 def build_step_metadata(pool: KVPool, q_lens: Sequence[int], kv_lens: Sequence[int],
                         page_tables: Sequence[Sequence[int]], request_ids: Sequence[str],
-                        device: torch.device) -> AttentionMetadata:
-    """The step's metadata for ``pool``: the sliding layers' tables come from
-    ``pool.sliding_pages`` when the pool has one (looked up by request id), else none; the int4
-    store plan from ``pool.residual_slots`` (each request's slot, by request id)."""
+                        device: torch.device,
+                        lookups: RequestLookups | None = None) -> AttentionMetadata:
+    """The step's metadata for ``pool``: the sliding layers' tables when the pool has a sliding
+    page space, the int4 store plan when it has residual slots. Both come from ``lookups`` when
+    given (a tensor-parallel worker: rank 0's, from the step message), else from ``pool``'s own
+    bookkeeping by request id (``request_lookups``)."""
+    if lookups is None:
+        lookups = request_lookups(pool, request_ids)
     sliding = pool.sliding_pages
     if sliding is None:
-        slots = None
-        if pool.residual_slots is not None:
-            slots = [pool.residual_slots.slot(rid) for rid in request_ids]
         return build_metadata(q_lens, kv_lens, page_tables, pool.page_size, device,
-                              residual_slots=slots)
-    swa_tables = [sliding.table(rid) for rid in request_ids]
-    return build_hybrid_metadata(q_lens, kv_lens, page_tables, swa_tables, pool.page_size,
-                                 sliding.window, sliding.null_page, device)
+                              residual_slots=lookups.residual_slots)
+    return build_hybrid_metadata(q_lens, kv_lens, page_tables, lookups.swa_tables,
+                                 pool.page_size, sliding.window, sliding.null_page, device)

@@ -90,29 +90,22 @@ def check_combination(backend_name: str, pool_cls, fmt: KVFormat, page_size: int
                                       + "; ".join(reasons) + hint)
 
 
-def check_tensor_parallel(size: int, hf_config, model_cls, pool_cls, device_type: str,
+def check_tensor_parallel(size: int, hf_config, model_cls, device_type: str,
                           kv_scales, devices_here: int | None) -> None:
     """Refuse a ``--tensor-parallel-size`` the model or the host cannot run, before any weight
     is loaded (raises UnsupportedCombinationError listing every reason and the fix).
-    ``devices_here``: CUDA devices on this host (None when planning for another host)."""
-    from kvfit.parallel.layout import tp_refusals
-
+    ``devices_here``: CUDA devices on this host (None when planning for another host).
+    The model class says what its shapes allow (``tensor_parallel_refusals(hf_config, size)``);
+    a class without that method is not sharded."""
     if size == 1:
         return
-    reasons = []
-    if not getattr(model_cls, "supports_tensor_parallel", False):
-        why = {"MLAKVCache": "MLA (DeepSeek-V2) caches one latent slab that every head reads, "
-                             "so splitting heads would not split its KV cache; its latent "
-                             "projections and experts are not sharded",
-               "HybridSWAKVCache": "sliding-window pages are handed out by rank 0's scheduler "
-                                   "and are not sent to the other ranks"}.get(
-            pool_cls.name, "its layers are not sharded")
-        reasons.append(f"tensor parallelism shards the Llama family (Llama, Mistral, Qwen2, "
-                       f"Qwen3, SmolLM2); {hf_config.model_type} runs on one GPU: {why}")
+    refusals = getattr(model_cls, "tensor_parallel_refusals", None)
+    if refusals is None:
+        reasons = [f"{hf_config.model_type} runs on one GPU: its layers are not sharded "
+                   f"(tensor parallelism shards Llama, Mistral, Qwen2/3, SmolLM2, Gemma 2/3 "
+                   f"and DeepSeek-V2)"]
     else:
-        heads = hf_config.num_attention_heads
-        kv = getattr(hf_config, "num_key_value_heads", None) or heads
-        reasons += tp_refusals(heads, kv, hf_config.intermediate_size, size)
+        reasons = list(refusals(hf_config, size))
     if kv_scales == "auto":
         reasons.append("--kv-scales auto calibrates on one rank; give a JSON file of scales")
     if device_type == "cuda" and devices_here is not None and devices_here < size:

@@ -26,7 +26,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from kvfit.attention.meta_builder import build_metadata, build_step_metadata, token_positions
+from kvfit.attention.meta_builder import (RequestLookups, build_metadata, build_step_metadata,
+                                          request_lookups, token_positions)
 from kvfit.config import EngineConfig
 from kvfit.engine import memory
 from kvfit.engine.context import Context
@@ -63,7 +64,9 @@ class StepPlan:
     parallelism): token ids and positions (host, int64 [T] each), the attention lists,
     ``carried`` = [(token index, row of the previous step's sampled ids)] for ids only rank 0's
     device has (broadcast separately), the rows that sample, and (batch index, first row,
-    rows, start position) of each chunk that wants prompt logprobs."""
+    rows, start position) of each chunk that wants prompt logprobs; ``lookups``: the pool's
+    per-request bookkeeping (sliding page lists, int4 residual slots) as rank 0's scheduler
+    keeps it (None: look it up in this rank's pool)."""
 
     ids: np.ndarray
     positions: np.ndarray
@@ -74,6 +77,7 @@ class StepPlan:
     carried: list
     sample_rows: list
     prompt_chunks: list
+    lookups: Optional[RequestLookups] = None
 
 
 class ModelRunner:
@@ -236,12 +240,8 @@ class ModelRunner:
         self.kv_budget_bytes = budget  # None when --num-pages/--num-tokens fix the pool
         sizing = self.pool_cls.solve_pages(self.layers, self.kv_format, c.page_size,
                                            self.settings.sizing_limits(budget))
-        if tp_group().size > 1 and budget is not None:  # every rank: the same pages
-            import torch.distributed as dist
-
-            pages = torch.tensor([sizing.num_pages], dtype=torch.int64)
-            dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=tp_group().cpu_group)
-            sizing = dataclasses.replace(sizing, num_pages=int(pages))
+        if tp_group().size > 1 and budget is not None:
+            sizing = _same_pages_on_every_rank(sizing)
         capacity = sizing.tokens
         if self.max_model_len > capacity:
             if c.max_model_len is not None:
@@ -294,10 +294,12 @@ class ModelRunner:
         for i, (req, n) in enumerate(items):
             if prompt_lp[i]:
                 chunks.append((i, ends[i] - n, n, req.num_computed_tokens))
+        rids = [req.request_id for req, _ in items]
         return StepPlan(np.asarray(ids, dtype=np.int64), positions, q_lens, kv_lens,
-                        [req.pages for req, _ in items], [req.request_id for req, _ in items],
+                        [req.pages for req, _ in items], rids,
                         list(carried[1]) if carried is not None else [],
-                        [ends[i] - 1 for i in range(len(items)) if sample_mask[i]], chunks)
+                        [ends[i] - 1 for i in range(len(items)) if sample_mask[i]], chunks,
+                        request_lookups(self.pool, rids))
 
     def _inputs(self, plan: StepPlan, prev_ids) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids [T] and positions [T] on the device (one host->device copy); carried ids
@@ -326,13 +328,21 @@ class ModelRunner:
         host has not read yet (overlap scheduling). Launches work; never waits for the GPU
         (under tensor parallelism: after handing the step to the workers)."""
         plan = self._plan(items, sample_mask, prompt_lp, carried)
+        return self.run_plan(plan, carried[0] if carried is not None else None)
+
+    @torch.inference_mode()
+    def run_plan(self, plan: StepPlan, prev_ids=None) -> StepResult:
+        """Run one step given as a ``StepPlan`` on every rank (rank 0 hands it to the workers
+        first). ``execute`` builds the plan from the scheduler's requests; benchmarks build
+        their own (synthetic page tables). ``prev_ids``: the previous step's device ids that
+        ``plan.carried`` indexes."""
         workers = self.workers
         if workers is None:
-            return self._run(plan, carried[0] if carried is not None else None)
+            return self._run(plan, prev_ids)
         workers.in_step = True
         try:
             self._send(plan)
-            return self._run(plan, carried[0] if carried is not None else None)
+            return self._run(plan, prev_ids)
         except RuntimeError:
             workers.check(wait_s=5.0)  # a collective failed because a worker died
             raise
@@ -344,14 +354,13 @@ class ModelRunner:
         input_ids, positions = self._inputs(plan, prev_ids)
         q_lens, kv_lens = plan.q_lens, plan.kv_lens
         bs = len(q_lens)
+        lookups = plan.lookups or request_lookups(self.pool, plan.request_ids)
         if self.graphs is not None and all(q == 1 for q in q_lens) and self.graphs.can_run(bs):
-            sliding = self.pool.sliding_pages
-            swa = (None if sliding is None
-                   else [sliding.table(rid) for rid in plan.request_ids])
-            hidden = self.graphs.run(input_ids, positions, kv_lens, plan.tables, swa)
+            hidden = self.graphs.run(input_ids, positions, kv_lens, plan.tables,
+                                     lookups.swa_tables)
         else:
             meta = build_step_metadata(self.pool, q_lens, kv_lens, plan.tables,
-                                       plan.request_ids, self.device)
+                                       plan.request_ids, self.device, lookups)
             self.backend.prepare(meta)
             hidden = self.model(input_ids, positions, self.ctx)
         rows = plan.sample_rows
@@ -383,6 +392,20 @@ class ModelRunner:
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         return self.model(ids, torch.arange(n, device=self.device),
                           Context(backend, pool, self.dtype))
+
+
+def _same_pages_on_every_rank(sizing: PoolSizing) -> PoolSizing:
+    """The smallest page counts any rank's budget holds (one MIN all-reduce): the scheduler's
+    page ids, full and sliding, must be valid in every rank's pool."""
+    import torch.distributed as dist
+
+    swa = sizing.sliding_reservation
+    counts = torch.tensor([sizing.num_pages] + ([swa.num_swa_pages] if swa else []),
+                          dtype=torch.int64)
+    dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=tp_group().cpu_group)
+    if swa is None:
+        return dataclasses.replace(sizing, num_pages=int(counts[0]))
+    return dataclasses.replace(sizing, num_pages=int(counts[0]), num_swa_pages=int(counts[1]))
 
 
 def _shut_down(channel, workers) -> None:

@@ -119,7 +119,7 @@ def resolve_settings(config: EngineConfig, plan_for: Optional[str] = None) -> En
     full_layers = tuple(model_cls.kv_layer_specs(hf_config))
     pool_cls = resolve_pool_class(full_layers, fmt)
     tp = config.tensor_parallel_size
-    check_tensor_parallel(tp, hf_config, model_cls, pool_cls, device.type, config.kv_scales,
+    check_tensor_parallel(tp, hf_config, model_cls, device.type, config.kv_scales,
                           torch.cuda.device_count() if plan_for is None or
                           torch.cuda.is_available() else None)
     layers = tuple(dataclasses.replace(l, num_kv_heads=local_kv_heads(l.num_kv_heads, tp))

@@ -91,6 +91,14 @@ def tp_capacity_line(sizing: PoolSizing, fmt: KVFormat, tp_size: int,
                      full_layers: Sequence[KVLayerSpec]) -> str:
     """Per-GPU and total KV of a tensor-parallel pool: every GPU holds the same tokens, each
     for its share of the KV heads, so the engine's tokens are those of one GPU's pool."""
+    if any(l.kind == "mla" for l in full_layers):
+        return (f"KV cache: {sizing.tokens:,} tokens over {tp_size} GPUs ({sizing.num_pages:,} "
+                f"pages x {sizing.page_size} on each GPU); MLA's latent is shared by all heads, "
+                f"so every GPU keeps the whole latent cache of every token: per GPU "
+                f"{sizing.pool_bytes / GiB:.2f} GiB, {sizing.bytes_per_token:,} B/token, the "
+                f"same tokens as one GPU with the same budget (1.00x: tensor parallelism splits "
+                f"MLA's heads and weights, not its KV cache); total "
+                f"{tp_size * sizing.pool_bytes / GiB:.2f} GiB, {fmt.name}")
     whole = spec_kv_bytes_per_token(full_layers, fmt) if full_layers else 0
     one_gpu = (sizing.pool_bytes // (whole * sizing.page_size)) * sizing.page_size if whole else 0
     heads_here = {l.num_kv_heads for l in full_layers}
@@ -182,16 +190,25 @@ class HybridBudget(PoolSizing):
 
     def capacity_line(self, fmt: KVFormat, max_model_len: int, tp_size: int = 1,
                       full_layers: Sequence[KVLayerSpec] = ()) -> str:
-        """What the full layers hold, what the windows cost (one rank: the guard refuses
-        tensor parallelism for sliding-window pools)."""
+        """What the full layers hold, what the windows cost; under tensor parallelism
+        (``tp_size`` > 1: this is one rank's pool, each rank the same pages for its share of
+        the KV heads) also the total over the GPUs."""
         conc = self.tokens / max(1, max_model_len)
+        tp = ""
+        if tp_size > 1:
+            here = self.bytes_per_token + self.swa_bytes_per_token
+            whole = spec_kv_bytes_per_token(full_layers, fmt) if full_layers else here
+            tp = (f"; tensor parallel over {tp_size} GPUs: the figures above are per GPU, each "
+                  f"holding {here / whole:.0%} of every token's KV (its share of the KV heads), "
+                  f"total {tp_size * self.pool_bytes / GiB:.2f} GiB")
         return (f"KV cache: {self.tokens:,} tokens ({self.num_pages:,} pages x "
                 f"{self.page_size}) on {self.num_full_layers} full layers, "
                 f"{self.full_bytes / GiB:.2f} GiB, {self.bytes_per_token:,} B/token; "
                 f"{self.num_sliding_layers} sliding layers (window {self.window}): "
                 f"{self.num_swa_pages:,} pages reserved (~{self.window_requests} requests at the "
                 f"window), {self.swa_bytes / GiB:.2f} GiB, {self.swa_bytes_per_token:,} B/token; "
-                f"{fmt.name}; max concurrency at {max_model_len:,} tokens/request: {conc:.2f}x")
+                f"{fmt.name}; max concurrency at {max_model_len:,} tokens/request: {conc:.2f}x"
+                + tp)
 
 
 def solve_hybrid_pages(budget_bytes: int, layers: Sequence[KVLayerSpec], fmt: KVFormat,

@@ -19,6 +19,19 @@ RoPE is DeepSeek's interleaved (complex-pair) rotation on the rope dims, with HF
 MLP: dense ``GatedMLP`` for the first ``first_k_dense_replace`` layers, then MoE (softmax router,
 greedy or group-limited top-k, ``routed_scaling_factor``, shared experts); routed experts are
 one GatedMLP each, loaded from the checkpoints' per-expert names (``mlp.experts.{e}.gate_proj``).
+
+Tensor parallel (``kvfit/parallel``):
+* attention: the query heads split over the ranks (``q_proj``/``q_b_proj`` and ``kv_b_proj``
+  rows, ``o_proj`` columns: one all-reduce); the latent ``[c ; k_pe]`` is shared by all heads,
+  so every rank computes it (``q_a_proj``, ``kv_a_proj_with_mqa`` replicated) and caches it
+  whole: the KV capacity per GPU does not grow with the number of ranks;
+* MoE: every expert's intermediate is sharded (each rank holds ``moe_intermediate_size / N``
+  rows of every routed and shared expert), not expert parallelism: a decode step's weight reads
+  split evenly over the ranks whatever the router chose (with experts on ranks, a rank whose
+  experts were chosen more waits for nobody but keeps the others waiting), the loader's rule
+  and the grouped GEMM are the dense MLP's, and the routed and shared experts' partial sums
+  share one all-reduce per layer;
+* embedding and LM head vocabulary-parallel, as Llama's.
 """
 
 from __future__ import annotations
@@ -32,6 +45,10 @@ from torch import nn
 
 from kvfit.kvcache.spec import KVLayerSpec
 from kvfit.models.layers import GatedMLP, RMSNorm, _rope_inv_freq
+from kvfit.parallel.layers import (RowParallelLinear, VocabParallelEmbedding,
+                                   vocab_parallel_logits)
+from kvfit.parallel.layout import divide_refusals, even_shard, head_refusals
+from kvfit.parallel.state import all_reduce, tp_group
 
 _ACT = {"silu": F.silu, "gelu": F.gelu}
 
@@ -69,12 +86,16 @@ def mla_sm_scale(cfg) -> float:
 
 
 class MLAAttention(nn.Module):
-    """Latent projection, absorbed query, ``ctx.backend.forward_mla``, value up-projection."""
+    """Latent projection, absorbed query, ``ctx.backend.forward_mla``, value up-projection.
+    Tensor parallel: the rank's heads [head_start, head_start + num_heads) in the per-head
+    projections; the latent whole (see the module docstring)."""
 
     def __init__(self, cfg, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = h = cfg.num_attention_heads
+        g = tp_group()
+        self.head_start, self.num_heads = even_shard(cfg.num_attention_heads, g.rank, g.size)
+        h = self.num_heads
         self.nope, self.rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         self.v_dim, self.rank = cfg.v_head_dim, cfg.kv_lora_rank
         bias = bool(getattr(cfg, "attention_bias", False))
@@ -89,7 +110,19 @@ class MLAAttention(nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, self.rank + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.rank, 1e-6)
         self.kv_b_proj = nn.Linear(self.rank, h * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(h * self.v_dim, cfg.hidden_size, bias=bias)
+        self.o_proj = RowParallelLinear(h * self.v_dim, cfg.hidden_size, bias=bias)
+
+    def tp_slice(self, leaf: str, kind: str):
+        """(dim, start, length) of checkpoint tensor ``{leaf}.{kind}`` this rank holds (its
+        heads' rows of the query and kv_b projections, their columns of o_proj), None when it
+        holds all of it (the latent projections)."""
+        per_head = {"q_proj": self.nope + self.rope, "q_b_proj": self.nope + self.rope,
+                    "kv_b_proj": self.nope + self.v_dim}.get(leaf)
+        if per_head is not None:
+            return 0, self.head_start * per_head, self.num_heads * per_head
+        if leaf == "o_proj" and kind == "weight":
+            return 1, self.head_start * self.v_dim, self.num_heads * self.v_dim
+        return None
 
     def forward(self, x, positions, rotary, ctx):
         t = x.shape[0]
@@ -132,7 +165,8 @@ class RoutedExperts(nn.ModuleList):
     bfloat16 weights), which decode CUDA graphs capture."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, act: str):
-        super().__init__(GatedMLP(hidden, inter, act) for _ in range(num_experts))
+        # tensor parallel: each expert's intermediate sharded, partial sums (the MoE reduces)
+        super().__init__(GatedMLP(hidden, inter, act, reduce=False) for _ in range(num_experts))
         self.act_name = act
         self.w_gate_up: torch.Tensor | None = None  # [E, 2I, H] after stack_weights
         self.w_down: torch.Tensor | None = None  # [E, H, I]
@@ -211,7 +245,8 @@ class MoE(nn.Module):
                                      cfg.moe_intermediate_size, cfg.hidden_act)
         self.shared_experts = GatedMLP(cfg.hidden_size,
                                        cfg.moe_intermediate_size * cfg.n_shared_experts,
-                                       cfg.hidden_act, bias=bool(getattr(cfg, "mlp_bias", False)))
+                                       cfg.hidden_act, bias=bool(getattr(cfg, "mlp_bias", False)),
+                                       reduce=False)
 
     def forward(self, x):
         scores = F.linear(x.float(), self.gate.weight.float()).softmax(dim=-1)  # [T, E]
@@ -223,7 +258,8 @@ class MoE(nn.Module):
             mask = keep[:, :, None].expand(t, self.n_group, self.num_experts // self.n_group)
             scores = scores.masked_fill(~mask.reshape(t, -1).bool(), 0.0)
         w, idx = torch.topk(scores, self.top_k, dim=-1, sorted=False)
-        return self.experts(x, idx, w * self.scaling) + self.shared_experts(x)
+        # tensor parallel: both are the rank's partial sums; one all-reduce for the layer
+        return all_reduce(self.experts(x, idx, w * self.scaling) + self.shared_experts(x))
 
 
 class DeepseekV2DecoderLayer(nn.Module):
@@ -246,7 +282,7 @@ class DeepseekV2DecoderLayer(nn.Module):
 class DeepseekV2Model(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DeepseekV2DecoderLayer(cfg, i)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -264,8 +300,23 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.model = DeepseekV2Model(cfg)
         self.rotary = InterleavedRotary(cfg, max_positions)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        # vocabulary-parallel like the embedding: the rank's (padded) rows of the head
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False)
+            cfg.hidden_size, self.model.embed_tokens.num_embeddings, bias=False)
+        self.num_q_heads_per_rank = self.model.layers[0].self_attn.num_heads
+
+    @classmethod
+    def tensor_parallel_refusals(cls, cfg, size: int) -> list[str]:
+        """Why this model cannot split over ``size`` ranks: its query heads (the latent is not
+        split), the dense MLP and the experts' intermediate sizes must divide evenly."""
+        if size == 1:
+            return []
+        parts = {"the dense MLP's intermediate size": cfg.intermediate_size}
+        if cfg.n_routed_experts:
+            parts["the experts' intermediate size (moe_intermediate_size)"] = \
+                cfg.moe_intermediate_size
+        return (head_refusals(cfg.num_attention_heads, 1, size)
+                + divide_refusals(size, parts))
 
     @classmethod
     def kv_layer_specs(cls, cfg) -> list[KVLayerSpec]:
@@ -294,5 +345,6 @@ class DeepseekV2ForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden):
+        """float32 logits [N, vocab] (every rank gets all of them under tensor parallelism)."""
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.matmul(hidden, w.t()).float()
+        return vocab_parallel_logits(hidden, w, self.config.vocab_size)

@@ -15,6 +15,11 @@ What differs from Llama, each checked against HF transformers:
   (``attn_logit_softcapping``, carried by the backend: ``logit_softcap_of(cfg)``) and final logits
   (``final_logit_softcapping``, applied in ``compute_logits``);
 * GeLU-tanh gated MLP; tied embeddings.
+
+Tensor parallel: sharded like Llama (the same ``Attention`` and ``GatedMLP``; a
+vocabulary-parallel embedding and LM head, the final soft-cap applied after the gather); each
+rank's hybrid pool holds its KV heads of both page spaces, and the sliding page lists, kept by
+rank 0's scheduler, travel in the step message.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from torch import nn
 from kvfit.kvcache.spec import KVLayerSpec
 from kvfit.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from kvfit.models.llama import Attention, head_dim_of
+from kvfit.parallel.layers import VocabParallelEmbedding, vocab_parallel_logits
+from kvfit.parallel.layout import tp_refusals
 
 
 def _layer_types(cfg) -> list[str]:
@@ -60,7 +67,7 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaModel(nn.Module):
     def __init__(self, cfg, qk_norm: bool):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i, qk_norm)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
@@ -88,8 +95,16 @@ class Gemma3ForCausalLM(nn.Module):
             self.rotary = nn.ModuleDict({lt: one for lt in sorted(set(self.layer_types))})
         self.final_softcap: Optional[float] = getattr(cfg, "final_logit_softcapping", None)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
+        # vocabulary-parallel like the embedding: the rank's (padded) rows of the head
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False)
+            cfg.hidden_size, self.model.embed_tokens.num_embeddings, bias=False)
+        self.num_q_heads_per_rank = self.model.layers[0].self_attn.num_heads
+
+    @classmethod
+    def tensor_parallel_refusals(cls, cfg, size: int) -> list[str]:
+        """Why this model cannot split over ``size`` ranks (heads and MLP as Llama's)."""
+        return tp_refusals(cfg.num_attention_heads, cfg.num_key_value_heads,
+                           cfg.intermediate_size, size)
 
     @classmethod
     def kv_layer_specs(cls, cfg) -> list[KVLayerSpec]:
@@ -116,8 +131,9 @@ class Gemma3ForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden):
+        """float32 logits [N, vocab] (every rank gets all of them under tensor parallelism)."""
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.matmul(hidden, w.t()).float()
+        logits = vocab_parallel_logits(hidden, w, self.config.vocab_size)  # [N, vocab]
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -151,16 +151,30 @@ class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul (and, on CUDA, the
     activation and the product fused into one kernel). Tensor parallel: the rank holds
     ``inter / size`` gate/up rows (column-parallel) and those columns of ``down_proj``
-    (row-parallel: one all-reduce)."""
+    (row-parallel: one all-reduce; ``reduce=False``: the rank's partial sum, the caller
+    all-reduces, as a MoE layer does once for all its experts)."""
 
-    def __init__(self, hidden: int, inter: int, act: str = "silu", bias: bool = False):
+    def __init__(self, hidden: int, inter: int, act: str = "silu", bias: bool = False,
+                 reduce: bool = True):
         super().__init__()
-        inter //= tp_group().size
+        g = tp_group()
+        inter //= g.size
+        self.inter_start = g.rank * inter  # the rank's rows of the checkpoint's gate/up
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
-        self.down_proj = RowParallelLinear(inter, hidden, bias=bias)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=bias, reduce=reduce)
         self.act_name = act
         self.act = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
                     "gelu": F.gelu}[act]
+
+    def tp_slice(self, leaf: str, kind: str):
+        """(dim, start, length) of checkpoint tensor ``{leaf}.{kind}`` this rank holds (its
+        gate/up rows, its down_proj columns), None when it holds all of it."""
+        n = self.down_proj.weight.shape[1]
+        if leaf in ("gate_proj", "up_proj"):
+            return 0, self.inter_start, n
+        if leaf == "down_proj" and kind == "weight":
+            return 1, self.inter_start, n
+        return None
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)  # [T, 2I]

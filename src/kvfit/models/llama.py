@@ -12,7 +12,7 @@ from kvfit.models import one_token
 from kvfit.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from kvfit.parallel.layers import (RowParallelLinear, VocabParallelEmbedding,
                                    vocab_parallel_logits)
-from kvfit.parallel.layout import shard_heads
+from kvfit.parallel.layout import shard_heads, tp_refusals
 from kvfit.parallel.state import tp_group
 
 
@@ -49,6 +49,18 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=norm_offset)
         else:
             self.q_norm = self.k_norm = None
+
+    def tp_slice(self, leaf: str, kind: str):
+        """(dim, start, length) of checkpoint tensor ``{leaf}.{kind}`` this rank holds (its
+        heads' rows of q/k/v, their columns of o_proj), None when it holds all of it."""
+        d, sh = self.head_dim, self.shard
+        if leaf == "q_proj":
+            return 0, sh.q_start * d, sh.q_count * d
+        if leaf in ("k_proj", "v_proj"):
+            return 0, sh.kv_start * d, sh.kv_count * d
+        if leaf == "o_proj" and kind == "weight":
+            return 1, sh.q_start * d, sh.q_count * d
+        return None
 
     def forward(self, x, positions, rotary, ctx):
         return self.o_proj(self.attend(self.qkv_proj(x), positions, rotary, ctx))
@@ -130,8 +142,12 @@ class LlamaForCausalLM(nn.Module):
             cfg.hidden_size, self.model.embed_tokens.num_embeddings, bias=False)
         self.num_q_heads_per_rank = self.model.layers[0].self_attn.num_heads
 
-    # tensor parallelism: what this family shards (kvfit/parallel); others run on one rank
-    supports_tensor_parallel = True
+    @classmethod
+    def tensor_parallel_refusals(cls, cfg, size: int) -> list[str]:
+        """Why this model cannot split over ``size`` ranks (empty when it can)."""
+        heads = cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        return tp_refusals(heads, kv, cfg.intermediate_size, size)
 
     @classmethod
     def kv_layer_specs(cls, cfg) -> list[KVLayerSpec]:

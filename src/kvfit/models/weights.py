@@ -50,9 +50,6 @@ def _materialise(t) -> torch.Tensor:
     return t.read() if isinstance(t, LazyTensor) else t
 
 
-# checkpoint projections whose rows (dim 0) / input columns (dim 1) split over ranks
-_ROW_SHARDED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-_COL_SHARDED = ("o_proj", "down_proj")
 _VOCAB_SHARDED = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -71,24 +68,21 @@ class WeightSink:
 
     def _rank_part(self, name: str, tensor):
         """The rank's slice of checkpoint tensor ``name`` (the whole tensor with one rank or for
-        replicated weights), read from the file only now when lazy."""
+        replicated weights), read from the file only now when lazy. The module holding the
+        projection says which slice (its ``tp_slice(leaf, kind)``: attention heads, MLP and
+        expert rows, MLA heads), so a new sharded layer brings its own rule."""
         if self.tp.size == 1:
             return _materialise(tensor)
-        m = re.match(r"(.*)\.(self_attn|mlp)\.(\w+_proj)\.(weight|bias)$", name)
+        m = re.match(r"(.*)\.(\w+_proj)\.(weight|bias)$", name)
         if m:
-            block, leaf, kind = f"{m.group(1)}.{m.group(2)}", m.group(3), m.group(4)
-            mod = self.model.get_submodule(block)
-            if leaf in ("q_proj", "k_proj", "v_proj"):
-                d, sh = mod.head_dim, mod.shard
-                start, count = ((sh.q_start, sh.q_count) if leaf == "q_proj"
-                                else (sh.kv_start, sh.kv_count))
-                return tensor.narrow(0, start * d, count * d)
-            if leaf in ("gate_proj", "up_proj"):
-                n = mod.gate_up_proj.weight.shape[0] // 2
-                return tensor.narrow(0, self.tp.rank * n, n)
-            if leaf in _COL_SHARDED and kind == "weight":
-                n = getattr(mod, leaf).weight.shape[1]
-                return tensor.narrow(1, self.tp.rank * n, n)
+            try:
+                mod = self.model.get_submodule(m.group(1))
+            except AttributeError:
+                mod = None  # not in the model: put() names it
+            rule = getattr(mod, "tp_slice", None)
+            cut = rule(m.group(2), m.group(3)) if rule is not None else None
+            if cut is not None:
+                return tensor.narrow(*cut)
         return _materialise(tensor)
 
     def _shard_rows(self, fused_param: str, module_path: str) -> list[int]:

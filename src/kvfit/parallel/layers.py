@@ -17,11 +17,22 @@ from kvfit.parallel.state import all_gather_last_dim, all_reduce, tp_group
 
 class RowParallelLinear(nn.Linear):
     """``y = all_reduce(x_local @ W_local^T) + b``: the rank holds the input columns of its
-    heads / MLP slice; the bias (replicated) is added once, after the sum."""
+    heads / MLP slice; the bias (replicated) is added once, after the sum.
+
+    ``reduce=False``: returns the rank's partial sum (bias on rank 0 only), for a caller that
+    adds several partial sums and all-reduces once (a MoE layer: routed + shared experts)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 reduce: bool = True):
+        super().__init__(in_features, out_features, bias=bias)
+        self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if tp_group().size == 1:
+        g = tp_group()
+        if g.size == 1:
             return F.linear(x, self.weight, self.bias)
+        if not self.reduce:
+            return F.linear(x, self.weight, self.bias if g.rank == 0 else None)
         y = all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 

@@ -6,7 +6,10 @@
   replicated on ``size / num_kv_heads`` ranks (``num_kv_heads`` must divide ``size``). Either
   way rank r's query heads [r*Hq/N, (r+1)*Hq/N) read exactly its KV heads (grouped-query
   attention groups never straddle ranks).
-* MLP: ``intermediate_size / size`` gate/up rows and down_proj columns per rank.
+* MLP: ``intermediate_size / size`` gate/up rows and down_proj columns per rank (MoE: the same
+  for every routed and shared expert).
+* MLA (DeepSeek-V2): query heads split as above; the latent (one slab per token, read by every
+  head) is computed and cached whole on every rank.
 * Vocabulary: ``ceil(vocab / size)`` embedding / LM-head rows per rank; the last rank's tail is
   padding (zero rows whose logits are cut off after the gather).
 """
@@ -65,10 +68,8 @@ def shard_vocab(vocab: int, rank: int, size: int) -> VocabShard:
     return VocabShard(start, max(0, min(vocab, start + per) - start), per)
 
 
-def tp_refusals(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> list[str]:
-    """Why a model of these shapes cannot split over ``size`` ranks (empty when it can)."""
-    if size == 1:
-        return []
+def head_refusals(num_heads: int, num_kv_heads: int, size: int) -> list[str]:
+    """Why the query/KV heads cannot split over ``size`` ranks (empty when they can)."""
     out = []
     if size > num_heads:
         out.append(f"{size} ranks is more than the model's {num_heads} query heads")
@@ -79,6 +80,19 @@ def tp_refusals(num_heads: int, num_kv_heads: int, intermediate_size: int, size:
     if num_kv_heads < size and size % num_kv_heads:
         out.append(f"the model's {num_kv_heads} KV heads do not divide {size} ranks (each KV "
                    f"head must be replicated on the same number of ranks)")
-    if intermediate_size % size:
-        out.append(f"{size} ranks does not divide the MLP's intermediate size {intermediate_size}")
     return out
+
+
+def divide_refusals(size: int, parts: dict[str, int]) -> list[str]:
+    """``parts`` = {"the MLP's intermediate size": 14336, ...}: one reason per part that
+    ``size`` ranks do not divide."""
+    return [f"{size} ranks does not divide {what} {n}" for what, n in parts.items() if n % size]
+
+
+def tp_refusals(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> list[str]:
+    """Why a Llama-family model of these shapes cannot split over ``size`` ranks (empty when
+    it can)."""
+    if size == 1:
+        return []
+    return (head_refusals(num_heads, num_kv_heads, size)
+            + divide_refusals(size, {"the MLP's intermediate size": intermediate_size}))
