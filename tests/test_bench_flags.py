@@ -45,11 +45,12 @@ def test_seed_defaults_are_the_engine_defaults():
 def test_seed_engine_flags_and_aliases_reach_the_config():
     args = bench_seed.parser().parse_args([
         "--attention-backend", "triton", "--block-size", "32", "--gpu-memory-utilization", "0.8",
-        "--no-cuda-graph", "--dtype", "float16", "--seed", "7", "--model", "x/config.json"])
+        "--no-cuda-graph", "--dtype", "float16", "--seed", "7", "--model", "x/config.json",
+        "--tp-size", "2"])
     cfg = bench_seed.engine_config(args, "bfloat16", 1024, 512, 4)
     assert (cfg.attention_backend, cfg.page_size, cfg.memory_ratio, cfg.enforce_eager,
-            cfg.dtype, cfg.seed, cfg.model) == ("triton", 32, 0.8, True, "float16", 7,
-                                                "x/config.json")
+            cfg.dtype, cfg.seed, cfg.model, cfg.tensor_parallel_size) == (
+        "triton", 32, 0.8, True, "float16", 7, "x/config.json", 2)
 
 
 @pytest.mark.parametrize("argv", [["--attention-backend", "cuda"], ["--page-size", "0"],

@@ -81,3 +81,38 @@ def test_tp2_equals_tp1(tmp_path, kind, pool, kv_heads):
         assert sum(heads_two) * 2 == sum(heads_one)  # each rank holds half of the KV heads
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
     assert _max_logprob_gap(two, one) < LOGPROB_TOL
+
+
+def test_bench_seed_points_run_every_rank(tmp_path, monkeypatch):
+    """``kvfit bench seed --tensor-parallel-size 2``'s path on CPU: ``collective_call`` fills
+    every rank's pool (poisoned with NaN first: every rank's pool is finite afterwards), the
+    timed points run through ``run_plan`` (rank 0's sliding lists sent to the worker) and
+    the runner closes cleanly."""
+    import math
+    import os
+
+    import tp_probe
+
+    from kvfit.bench.seed_points import decode_point, fill_pool_of, prefill_point
+    from kvfit.config import EngineConfig
+    from kvfit.engine.runner import ModelRunner
+
+    here = os.path.dirname(os.path.abspath(__file__))  # the worker imports tp_probe
+    monkeypatch.setenv("PYTHONPATH", here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    path, _ = _checkpoint(tmp_path, "gemma3")
+    cfg = EngineConfig(model=path, device="cpu", num_pages=32, page_size=PAGE,
+                       max_model_len=64, max_num_batched_tokens=32, tensor_parallel_size=2)
+    runner = ModelRunner(cfg)
+    try:
+        runner.collective_call(tp_probe.poison_pool)
+        assert all(math.isnan(s) for s in runner.collective_call(tp_probe.pool_sums))
+        runner.collective_call(fill_pool_of)
+        sums = runner.collective_call(tp_probe.pool_sums)
+        assert len(sums) == 2 and all(math.isfinite(s) and s > 0 for s in sums)
+        assert decode_point(runner, 2, 9, 2) > 0
+        assert prefill_point(runner, 20, repeats=2) > 0
+        assert runner.pool.sliding_pages.num_used == 0
+        sums = runner.collective_call(tp_probe.pool_sums)  # every rank still in step
+        assert all(math.isfinite(s) for s in sums)
+    finally:
+        runner.close()

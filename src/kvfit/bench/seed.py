@@ -14,6 +14,9 @@ Per KV dtype (bfloat16, fp8_e4m3, fp8_e5m2 by default) it builds the engine's Mo
   and the measured fraction of it;
 - with ``--baseline hf``: HF transformers ``generate()`` on the same random-weight shape (decode
   tok/s at ~1k context, batch 1 and 64, prefill time subtracted).
+Every step runs as the engine runs it (``ModelRunner.run_plan``, bench/seed_points.py), so
+``--tensor-parallel-size N`` times the N-GPU group (rank 0 hands each step to the workers;
+every rank's pool is filled; KV tokens and roofline are per GPU, the GPUs working in parallel).
 Writes ``seed.md`` (markdown table), ``seed.json`` and ``seed.png`` under ``--out``.
 """
 
@@ -33,11 +36,7 @@ DEFAULT_CONFIG = config_path("qwen3-1.7b")
 # differently; every other engine flag comes from EngineConfig as in `kvfit generate`
 BENCH_SETS = ("model", "kv_dtype", "device", "load_format", "tokenizer", "num_pages", "num_tokens",
               "max_model_len", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs",
-              "cpu_kv_space_gib",
-              # drives one rank's model directly (graph replays, synthetic page tables): tensor
-              # parallelism is measured through the engine, `kvfit bench throughput
-              # --tensor-parallel-size N` (docs/tensor_parallel.md)
-              "tensor_parallel_size")
+              "cpu_kv_space_gib")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -76,122 +75,6 @@ def _sync():
     torch.cuda.synchronize()
 
 
-def fill_pool(pool) -> None:
-    """Random KV in every page (never time on uninitialised memory: NaN patterns, zeros); a
-    hybrid pool's sliding null page stays zero, as the pool keeps it."""
-    import torch
-
-    g = torch.Generator(device=pool.device).manual_seed(0)
-    # MLA pools hold one latent slab per token (kv_caches), the others K and V
-    caches = getattr(pool, "kv_caches", None) or (*pool.k_caches, *pool.v_caches)
-    for t in caches:
-        flat = t.view(-1)
-        step = 1 << 28
-        for i in range(0, flat.numel(), step):
-            chunk = torch.randn(min(step, flat.numel() - i), generator=g, device=pool.device)
-            flat[i:i + step] = chunk.to(t.dtype)
-    if pool.sliding_pages is not None:
-        for spec, kc, vc in zip(pool.layers, pool.k_caches, pool.v_caches):
-            if spec.kind == "sliding":
-                kc[pool.null_page] = 0
-                vc[pool.null_page] = 0
-
-
-def sliding_tables(pool, rids: list[str], ctx: int, end: int,
-                   max_num_batched_tokens: int) -> list[list[int]] | None:
-    """A hybrid pool's sliding page lists for requests whose first ``ctx`` tokens are cached
-    and that will decode up to position ``end``: reserved in prefill chunks as the scheduler
-    does (pages behind the window released as it goes, chunks sharing the step's token budget),
-    so only the window's pages are held. None for other pools."""
-    sliding = pool.sliding_pages
-    if sliding is None:
-        return None
-    ps = pool.page_size
-    chunk = max(ps, max_num_batched_tokens // len(rids) // ps * ps)
-    for rid in rids:
-        for s in range(0, ctx, chunk):
-            sliding.reserve(rid, s, min(s + chunk, ctx))
-        sliding.reserve(rid, ctx, end)
-    return [sliding.table(rid) for rid in rids]
-
-
-def free_sliding(pool, rids: list[str]) -> None:
-    if pool.sliding_pages is not None:
-        for rid in rids:
-            pool.sliding_pages.free(rid)
-
-
-def decode_point(runner, batch: int, ctx: int, steps: int) -> float:
-    """tok/s of ``steps`` decode steps of ``batch`` requests at context ``ctx`` (pages filled)."""
-    import torch
-
-    from kvfit.attention.meta_builder import build_step_metadata
-
-    ps = runner.pool.page_size
-    per = -(-(ctx + steps + 4) // ps)
-    tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
-    rids = [f"bench{i}" for i in range(batch)]
-    swa = sliding_tables(runner.pool, rids, ctx, ctx + steps + 4,
-                         runner.config.max_num_batched_tokens)
-    dev = runner.device
-    toks = torch.randint(0, runner.hf_config.vocab_size, (batch,), device=dev)
-    lens = [ctx] * batch
-
-    def step():
-        nonlocal toks
-        for i in range(batch):
-            lens[i] += 1
-        pos = torch.tensor([n - 1 for n in lens], device=dev)
-        if runner.graphs is not None and runner.graphs.can_run(batch):
-            hidden = runner.graphs.run(toks, pos, lens, tables, swa)
-        else:
-            meta = build_step_metadata(runner.pool, [1] * batch, lens, tables, rids, dev)
-            runner.backend.prepare(meta)
-            hidden = runner.model(toks, pos, runner.ctx)
-        toks = runner.model.compute_logits(hidden).argmax(-1)
-
-    try:
-        with torch.inference_mode():
-            for _ in range(3):
-                step()
-            _sync()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            _sync()
-    finally:
-        free_sliding(runner.pool, rids)
-    return batch * steps / (time.perf_counter() - t0)
-
-
-def prefill_point(runner, n: int) -> float:
-    import torch
-
-    from kvfit.attention.meta_builder import build_step_metadata
-
-    ps = runner.pool.page_size
-    pages = list(range(-(-n // ps)))
-    if runner.pool.sliding_pages is not None:  # the sliding layers' pages of the prompt
-        runner.pool.sliding_pages.reserve("bench-prefill", 0, n)
-    meta = build_step_metadata(runner.pool, [n], [n], [pages], ["bench-prefill"], runner.device)
-    free_sliding(runner.pool, ["bench-prefill"])  # the tables are built: the pages may go back
-    ids = torch.randint(0, runner.hf_config.vocab_size, (n,), device=runner.device)
-    pos = torch.arange(n, device=runner.device)
-    times = []
-    with torch.inference_mode():
-        # best of 7 after a warm-up: at a few thousand tokens the step is partly host-bound
-        # (Python launch overhead ~ GPU time), so single steps vary with host jitter
-        for _ in range(8):
-            _sync()
-            t0 = time.perf_counter()
-            runner.backend.prepare(meta)
-            hidden = runner.model(ids, pos, runner.ctx)
-            runner.model.compute_logits(hidden[-1:])
-            _sync()
-            times.append(time.perf_counter() - t0)
-    return n / min(times[1:])
-
-
 def hf_baseline(model_path: str, contexts, batches, steps: int) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM
@@ -223,15 +106,17 @@ def hf_baseline(model_path: str, contexts, batches, steps: int) -> list[dict]:
     return rows
 
 
-def _estimate_weight_bytes(c) -> int:
-    """bf16 bytes of the model of config ``c`` (to size the pool before loading): its class
-    built on the meta device, else (no class) a Llama-family decoder's count."""
+def _estimate_weight_bytes(c, tp_size: int = 1) -> int:
+    """bf16 bytes of the model of config ``c`` on one GPU (rank 0's shard under tensor
+    parallelism), to size the pool before loading: its class built on the meta device, else
+    (no class) a Llama-family decoder's count."""
     import torch
 
     from kvfit.models import registry as models
+    from kvfit.parallel.state import rank0_shapes
 
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), rank0_shapes(tp_size):
             model = models.model_class_for(c)(c, 16)
         return 2 * sum(p.numel() for p in model.parameters())
     except Exception:  # noqa: BLE001 - an estimate only; fall back to the Llama formula
@@ -241,12 +126,16 @@ def _estimate_weight_bytes(c) -> int:
     per_layer = (c.hidden_size * hd * (c.num_attention_heads * 2 + kv * 2)
                  + 3 * c.hidden_size * c.intermediate_size)
     emb = c.vocab_size * c.hidden_size * (1 if getattr(c, "tie_word_embeddings", False) else 2)
-    return 2 * (c.num_hidden_layers * per_layer + emb)
+    return 2 * (c.num_hidden_layers * per_layer + emb) // tp_size
 
 
 def run_dtype(args, kvd: str, contexts, batches, bw: float) -> dict:
+    """One KV dtype's column: build the runner (and, under ``--tensor-parallel-size N``, its
+    workers: every figure is then the group's, the KV tokens those of each GPU's pool), fill
+    every rank's pool, time the points, close the runner."""
     import torch
 
+    from kvfit.bench.seed_points import decode_point, fill_pool_of, prefill_point
     from kvfit.engine.runner import ModelRunner
     from kvfit.engine.settings import resolve_settings
     from kvfit.kvcache.dtypes import kv_format
@@ -256,65 +145,70 @@ def run_dtype(args, kvd: str, contexts, batches, bw: float) -> dict:
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     fmt = kv_format(kvd)
+    tp = args.tensor_parallel_size
     ps = args.page_size or 32  # sizing only: the largest default page rounds up the most
     # size the pool for the largest point that fits the card's ratio
     max_ctx = max(contexts)
     need = max(b * (-(-(c + args.steps + 4) // ps)) * ps for b in batches for c in contexts)
-    from kvfit.models import registry as models
-
-    hf_cfg = models.load_hf_config(models.resolve_model(args.model))
-    layers = models.model_class_for(hf_cfg).kv_layer_specs(hf_cfg)
+    planned = resolve_settings(engine_config(args, kvd, need, max_ctx + args.steps + 8,
+                                             max(batches)))
+    layers = planned.layers  # one rank's: its share of the KV heads
     per_tok = spec_kv_bytes_per_token(layers, fmt)
     t0 = time.time()
-    weight_bytes = _estimate_weight_bytes(hf_cfg)
+    weight_bytes = _estimate_weight_bytes(planned.hf_config, tp)
     card_budget = int(free * args.memory_ratio) - weight_bytes - 2 * GiB  # 2 GiB activations
     fit_tokens = card_budget // per_tok
     tokens = min(need, fit_tokens)
     cfg = engine_config(args, kvd, tokens, max_ctx + args.steps + 8, max(batches))
     settings = resolve_settings(cfg)
     runner = ModelRunner(settings)
-    ps = runner.pool.page_size
+    try:
+        ps = runner.pool.page_size
 
-    def budget_tokens(budget: int) -> int:
-        return settings.pool_cls.solve_pages(layers, fmt, ps, SizingLimits(budget)).tokens
+        def budget_tokens(budget: int) -> int:
+            return settings.pool_cls.solve_pages(layers, fmt, ps, SizingLimits(budget)).tokens
 
-    fill_pool(runner.pool)
-    rec = {"kv_dtype": kvd, "kv_bytes_per_token": per_tok, "weight_bytes": runner.weight_bytes,
-           "backend": runner.backend_name, "page_size": ps,
-           "startup_s": time.time() - t0,
-           "budget_tokens_fixed": budget_tokens(int(args.budget_gib * GiB)),
-           "budget_tokens_card": budget_tokens(int(free * args.memory_ratio)
-                                               - runner.weight_bytes),
-           "decode": [], "prefill_tok_s": None}
-    cap = runner.pool.num_pages * ps
-    for ctx in contexts:
-        for b in batches:
-            pt = {"batch": b, "context": ctx}
-            if b * (-(-(ctx + args.steps + 4) // ps)) * ps > cap:
-                pt["note"] = (f"does not fit: needs {b * (ctx + args.steps) * per_tok / GiB:.1f} "
-                              f"GiB of KV, the card's budget holds {cap:,} tokens")
-            else:
-                pt["tok_s"] = decode_point(runner, b, ctx, args.steps)
-                if b == 1:
-                    step_bytes = runner.weight_bytes + per_tok * ctx
-                    pt["roofline_tok_s"] = bw / step_bytes
-                    pt["pct_roofline"] = 100 * pt["tok_s"] / pt["roofline_tok_s"]
-            rec["decode"].append(pt)
-            print(f"  {kvd:>9} decode b={b:<3} ctx={ctx:<6} "
-                  + (f"{pt['tok_s']:10.1f} tok/s" if "tok_s" in pt else pt["note"])
-                  + (f"  ({pt['pct_roofline']:.0f}% of {pt['roofline_tok_s']:.0f} roofline)"
-                     if "pct_roofline" in pt else ""), flush=True)
-    if args.prefill_len <= cap:
-        rec["prefill_tok_s"] = prefill_point(runner, args.prefill_len)
-        print(f"  {kvd:>9} prefill {args.prefill_len}: {rec['prefill_tok_s']:.0f} tok/s",
-              flush=True)
+        runner.collective_call(fill_pool_of)
+        rec = {"kv_dtype": kvd, "tensor_parallel_size": tp, "kv_bytes_per_token": per_tok,
+               "weight_bytes": runner.weight_bytes, "backend": runner.backend_name,
+               "page_size": ps, "startup_s": time.time() - t0,
+               "budget_tokens_fixed": budget_tokens(int(args.budget_gib * GiB)),
+               "budget_tokens_card": budget_tokens(int(free * args.memory_ratio)
+                                                   - runner.weight_bytes),
+               "decode": [], "prefill_tok_s": None}
+        cap = runner.pool.num_pages * ps
+        for ctx in contexts:
+            for b in batches:
+                pt = {"batch": b, "context": ctx}
+                if b * (-(-(ctx + args.steps + 4) // ps)) * ps > cap:
+                    pt["note"] = (f"does not fit: needs {b * (ctx + args.steps) * per_tok / GiB:.1f}"
+                                  f" GiB of KV per GPU, the card's budget holds {cap:,} tokens")
+                else:
+                    pt["tok_s"] = decode_point(runner, b, ctx, args.steps)
+                    if b == 1:  # per GPU: its weights and its KV, read in parallel
+                        step_bytes = runner.weight_bytes + per_tok * ctx
+                        pt["roofline_tok_s"] = bw / step_bytes
+                        pt["pct_roofline"] = 100 * pt["tok_s"] / pt["roofline_tok_s"]
+                rec["decode"].append(pt)
+                print(f"  {kvd:>9} tp={tp} decode b={b:<3} ctx={ctx:<6} "
+                      + (f"{pt['tok_s']:10.1f} tok/s" if "tok_s" in pt else pt["note"])
+                      + (f"  ({pt['pct_roofline']:.0f}% of {pt['roofline_tok_s']:.0f} roofline)"
+                         if "pct_roofline" in pt else ""), flush=True)
+        if args.prefill_len <= cap:
+            rec["prefill_tok_s"] = prefill_point(runner, args.prefill_len)
+            print(f"  {kvd:>9} tp={tp} prefill {args.prefill_len}: "
+                  f"{rec['prefill_tok_s']:.0f} tok/s", flush=True)
+    finally:
+        runner.close()  # tensor parallel: stop the workers, leave the group
     del runner
     torch.cuda.empty_cache()
     return rec
 
 
 def table(res: dict) -> str:
-    dts = [r["kv_dtype"] for r in res["dtypes"]]
+    dts = [r["kv_dtype"] + (f", TP={r['tensor_parallel_size']}"
+                            if r.get("tensor_parallel_size", 1) > 1 else "")
+           for r in res["dtypes"]]
     lines = ["| metric | " + " | ".join(dts) + " |", "|---|" + "---|" * len(dts)]
     first = res["dtypes"][0]
 
@@ -393,6 +287,7 @@ def main(argv: list[str]) -> int:
     res = {"model": args.model, "backend": args.attention_backend, "gpu":
            torch.cuda.get_device_name(), "copy_bw": bw, "budget_gib": args.budget_gib,
            "memory_ratio": args.memory_ratio, "free_gib": free / GiB,
+           "tensor_parallel_size": args.tensor_parallel_size,
            "prefill_len": args.prefill_len, "dtypes": []}
     for kvd in args.kv_dtypes.split(","):
         res["dtypes"].append(run_dtype(args, kvd, contexts, batches, bw))

@@ -39,6 +39,7 @@ from kvfit.kvcache.sizing import PoolSizing
 from kvfit.models.kv_rotation_fold import fold_v_rotation
 from kvfit.models.weights import WeightSink, init_dummy, iter_gguf, iter_safetensors
 from kvfit.parallel.state import broadcast_from_driver, tp_group
+from kvfit.parallel.step_channel import RankCall
 from kvfit.transfer import to_device
 
 log = logging.getLogger("kvfit")
@@ -171,6 +172,13 @@ class ModelRunner:
         self.workers.check()
         self._channel.send(plan)
 
+    def collective_call(self, fn, *args):
+        """``fn(runner, *args)`` on every rank (rank 0 hands it to the workers first; ``fn`` a
+        module-level function); returns rank 0's result. Without tensor parallelism, a call."""
+        if self.workers is not None:
+            self._send(RankCall(fn, args))
+        return fn(self, *args)
+
     def serve_steps(self) -> None:
         """A worker's life after start-up: run every step rank 0 sends, until it sends None."""
         from kvfit.parallel.group_init import leave_group
@@ -180,7 +188,10 @@ class ModelRunner:
                 plan = self._channel.recv()
                 if plan is None:
                     break
-                self._run(plan, None)
+                if isinstance(plan, RankCall):
+                    plan.fn(self, *plan.args)
+                else:
+                    self._run(plan, None)
         leave_group()
 
     def close(self) -> None:
@@ -298,8 +309,7 @@ class ModelRunner:
         return StepPlan(np.asarray(ids, dtype=np.int64), positions, q_lens, kv_lens,
                         [req.pages for req, _ in items], rids,
                         list(carried[1]) if carried is not None else [],
-                        [ends[i] - 1 for i in range(len(items)) if sample_mask[i]], chunks,
-                        request_lookups(self.pool, rids))
+                        [ends[i] - 1 for i in range(len(items)) if sample_mask[i]], chunks)
 
     def _inputs(self, plan: StepPlan, prev_ids) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids [T] and positions [T] on the device (one host->device copy); carried ids
@@ -339,6 +349,8 @@ class ModelRunner:
         workers = self.workers
         if workers is None:
             return self._run(plan, prev_ids)
+        if plan.lookups is None:  # the workers' pools keep no bookkeeping: send rank 0's
+            plan = dataclasses.replace(plan, lookups=request_lookups(self.pool, plan.request_ids))
         workers.in_step = True
         try:
             self._send(plan)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pickle
 import struct
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -21,8 +22,9 @@ _LEN = struct.Struct("<Q")
 
 
 class StepChannel:
-    """Rank 0 ``send``s, every other rank ``recv``s the same sequence of objects (``None``
-    means stop). Every rank must call in the same order (it is a collective)."""
+    """Rank 0 ``send``s, every other rank ``recv``s the same sequence of objects (a step plan,
+    a ``RankCall``, ``None`` meaning stop). Every rank must call in the same order (it is a
+    collective)."""
 
     def __init__(self, cpu_group, header_bytes: int = HEADER_BYTES):
         self.group = cpu_group
@@ -54,3 +56,12 @@ class StepChannel:
             dist.broadcast(rest, src=0, group=self.group)
             data += rest.numpy().tobytes()
         return pickle.loads(data)
+
+
+@dataclass(frozen=True)
+class RankCall:
+    """A message that is not a step: every rank runs ``fn(runner, *args)`` (``fn`` a
+    module-level function, pickled by name), e.g. a benchmark filling every rank's pool."""
+
+    fn: Callable[..., Any]
+    args: tuple = ()
