@@ -67,3 +67,16 @@ def test_kernels_page_size_is_the_engine_flag():
     assert p.parse_args(["--block-size", "64"]).page_size == 64
     with pytest.raises(SystemExit):
         p.parse_args(["--kv-scales", "auto"])  # not a kernel flag
+
+
+def test_kernels_time_one_ranks_heads_under_tensor_parallelism(capsys):
+    p = bench_kernels.parser()
+    assert p.parse_args([]).tensor_parallel_size == 1
+    assert p.parse_args(["--tp-size", "2"]).tensor_parallel_size == 2
+    assert bench_kernels.rank_heads("llama-3.1-8b", 2) == (16, 4, 128)
+    assert bench_kernels.rank_heads("smollm2", 3) == (3, 1, 64)  # one KV head per rank
+    # refused before any GPU work, naming the layout and why
+    assert bench_kernels.main(["--layouts", "llama-3.1-8b,smollm2", "--tp-size", "2"]) == 2
+    out = capsys.readouterr().out
+    assert "smollm2: 2 ranks does not divide the model's 9 query heads" in out
+    assert "llama-3.1-8b" not in out.split(":", 1)[1]

@@ -11,6 +11,8 @@ of their points also times our kernels over the window (``swa_us``) and prints i
 the full layer's at the same context (``swa/full``: ~1 inside the window, < 1 beyond it).
 MLA layouts (``deepseek-v2-lite``, ``deepseek-v2``: a latent cache, bench/kernels_mla.py) time
 our MLA kernels only.
+``--tensor-parallel-size N`` times the shapes one rank of an N-GPU group runs (its query heads,
+its KV heads: ``parallel/layout.py``; MLA: its query heads over the whole latent).
 """
 
 from __future__ import annotations
@@ -60,11 +62,31 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fi", action="store_true", help="skip FlashInfer")
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--no-decode", action="store_true")
-    # the one engine flag that shapes a kernel call: --page-size (default: the engine's choice
-    # per KV dtype and head size on the triton backend)
+    # the engine flags that shape a kernel call: --page-size (default: the engine's choice
+    # per KV dtype and head size on the triton backend) and --tensor-parallel-size (one rank's
+    # heads)
     add_engine_args(p, skip=tuple(f.name for f in dataclasses.fields(EngineConfig)
-                                  if f.name != "page_size"))
+                                  if f.name not in ("page_size", "tensor_parallel_size")))
     return p
+
+
+def rank_heads(layout: str, tp_size: int) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) one of ``tp_size`` ranks runs for ``layout``."""
+    from kvfit.parallel.layout import local_kv_heads
+
+    hq, hkv, d = LAYOUTS[layout]
+    return hq // tp_size, local_kv_heads(hkv, tp_size), d
+
+
+def tp_refusals(layouts: list[str], tp_size: int) -> list[str]:
+    """Layouts whose heads do not split over ``tp_size`` ranks, with the reason."""
+    from kvfit.parallel.layout import head_refusals
+
+    out = []
+    for layout in layouts:
+        hq, hkv = (MLA_LAYOUTS[layout][0], 1) if layout in MLA_LAYOUTS else LAYOUTS[layout][:2]
+        out += [f"{layout}: {r}" for r in head_refusals(hq, hkv, tp_size)] if tp_size > 1 else []
+    return out
 
 
 def _torch_dtype(name):
@@ -225,7 +247,7 @@ def run_decode(args, device, copy_bw, results):
         if layout in MLA_LAYOUTS:
             run_mla_decode(args, layout, device, copy_bw, results)
             continue
-        hq, hkv, d = LAYOUTS[layout]
+        hq, hkv, d = rank_heads(layout, args.tensor_parallel_size)
         for b in map(int, args.batches.split(",")):
             for ctx in map(int, args.contexts.split(",")):
                 row = {}
@@ -343,7 +365,7 @@ def run_prefill(args, device, results):
         if layout in MLA_LAYOUTS:
             run_mla_prefill(args, layout, device, results)
             continue
-        hq, hkv, d = LAYOUTS[layout]
+        hq, hkv, d = rank_heads(layout, args.tensor_parallel_size)
         for ctx in map(int, args.prefill_contexts.split(",")):
             b = max(1, 16384 // ctx)
             for kvd in args.kv_dtypes.split(","):
@@ -417,6 +439,10 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"unknown layout(s) {', '.join(sorted(unknown))}; known: "
               f"{', '.join([*LAYOUTS, *MLA_LAYOUTS])}")
+        return 2
+    refused = tp_refusals(args.layouts.split(","), args.tensor_parallel_size)
+    if refused:
+        print(f"--tensor-parallel-size {args.tensor_parallel_size}: " + "; ".join(refused))
         return 2
     import torch
 

@@ -111,6 +111,7 @@ def run_mla_decode(args, layout: str, device, copy_bw, results) -> None:
     from kvfit.kernels.mla import decode_config
 
     heads, rank, rope = MLA_LAYOUTS[layout]
+    heads //= args.tensor_parallel_size  # one rank's query heads; the latent is whole
     for b in map(int, args.batches.split(",")):
         for ctx in map(int, args.contexts.split(",")):
             row = {}
@@ -141,6 +142,7 @@ def run_mla_decode(args, layout: str, device, copy_bw, results) -> None:
 
 def run_mla_prefill(args, layout: str, device, results) -> None:
     heads, rank, rope = MLA_LAYOUTS[layout]
+    heads //= args.tensor_parallel_size  # one rank's query heads; the latent is whole
     for ctx in map(int, args.prefill_contexts.split(",")):
         b = max(1, 16384 // ctx)
         for kvd in args.kv_dtypes.split(","):
