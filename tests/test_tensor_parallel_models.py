@@ -19,9 +19,9 @@ from test_tensor_parallel import LOGPROB_TOL, _max_logprob_gap
 PAGE = 4
 
 
-def _checkpoint(tmp_path, kind: str) -> tuple[str, int]:
-    """A random HF model of the tiny ``kind`` config saved as safetensors (+ a tokenizer);
-    (directory, vocabulary size)."""
+def _checkpoint(tmp_path, kind: str, **overrides) -> tuple[str, int]:
+    """A random HF model of the tiny ``kind`` config (fields replaced by ``overrides``) saved as
+    safetensors (+ a tokenizer); (directory, vocabulary size). float32."""
     import transformers
 
     if kind.startswith("gemma"):
@@ -31,6 +31,8 @@ def _checkpoint(tmp_path, kind: str) -> tuple[str, int]:
     else:
         cfg = mla_cfg(kind.split("-")[1])
         cls = transformers.DeepseekV2ForCausalLM
+    for name, value in overrides.items():
+        setattr(cfg, name, value)
     torch.manual_seed(7)
     hf = cls(cfg).eval()
     with torch.no_grad():  # fresh, not-small weights everywhere (norms included)
