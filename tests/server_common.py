@@ -84,3 +84,96 @@ def tiny_config(tmp_dir) -> str:
     with open(path, "w") as f:
         json.dump(TINY_LLAMA, f)
     return path
+
+
+def tiny_engine_config(tmp_dir, **kw):
+    """The fault tests' engine: the tiny Llama with dummy weights on CPU, 64 pages, 512 tokens."""
+    from kvfit.config import make_config
+
+    return make_config(**{**dict(model=tiny_config(tmp_dir), load_format="dummy", device="cpu",
+                                 num_pages=64, max_model_len=512), **kw})
+
+
+class ServerProcess:
+    """``python -m kvfit.server.main`` on the tiny dummy-weight Llama (what ``kvfit serve``
+    runs), this tree's ``src`` first on its path; ``extra`` flags appended. Entering waits until
+    /health answers 200 (failing with the server's output if it exits first); leaving kills it
+    if it still runs. ``proc`` (stdout and stderr merged into one pipe) and ``base`` (its URL)."""
+
+    def __init__(self, tmp_dir, *extra: str, start_timeout: float = 120.0):
+        import os
+        import sys
+
+        from kvfit.server.launch import free_port
+
+        port = free_port()
+        self.base = f"http://127.0.0.1:{port}"
+        self.cmd = [sys.executable, "-m", "kvfit.server.main", "--model", tiny_config(tmp_dir),
+                    "--load-format", "dummy", "--device", "cpu", "--num-pages", "64",
+                    "--max-model-len", "512", "--port", str(port), "--log-level", "warning",
+                    *extra]
+        self.env = dict(os.environ)
+        src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+        self.env["PYTHONPATH"] = src + os.pathsep + self.env.get("PYTHONPATH", "")
+        self.start_timeout = start_timeout
+        self.proc = None
+
+    def __enter__(self) -> "ServerProcess":
+        import subprocess
+        import time
+
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.output()
+            try:
+                if httpx.get(self.base + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"the server did not answer /health within {self.start_timeout} s")
+
+    def output(self) -> str:
+        """What the server printed (once it has exited)."""
+        return self.proc.stdout.read().decode(errors="replace")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def stream_lines(url: str, body: dict, out: list, first) -> None:
+    """POST a streaming request; append the status code then every non-empty SSE line to
+    ``out`` (an ``httpx.HTTPError`` instead when the connection fails); set the
+    ``threading.Event`` ``first`` at the first line and at the end (a thread's target)."""
+    try:
+        with httpx.stream("POST", url, json=body, timeout=60) as r:
+            out.append(r.status_code)
+            for line in r.iter_lines():
+                if line:
+                    out.append(line)
+                    first.set()
+    except httpx.HTTPError as e:
+        out.append(e)
+    first.set()
+
+
+def start_stream(url: str, body: dict):
+    """``stream_lines`` in a daemon thread: (thread, lines, first-line event)."""
+    import threading
+
+    lines, first = [], threading.Event()
+    thread = threading.Thread(target=stream_lines, args=(url, {**body, "stream": True}, lines,
+                                                         first), daemon=True)
+    thread.start()
+    return thread, lines, first
+
+
+def stream_error(lines: list) -> dict:
+    """The error object a stream ended with: the stream started (200), its last event is an
+    ``error`` and it closed with ``[DONE]``."""
+    assert lines[0] == 200 and lines[-1] == "data: [DONE]", lines[-3:]
+    return json.loads(lines[-2][len("data: "):])["error"]

@@ -5,47 +5,31 @@ in-flight streams ended)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 
 import httpx
 import pytest
-from server_common import tiny_config
+from server_common import (ServerProcess, start_stream, stream_error, tiny_config,
+                           tiny_engine_config)
 
-from kvfit.server.launch import BackgroundServer, free_port
+from kvfit.server.launch import BackgroundServer
 
 
-def _tiny_engine(path: str):
-    from kvfit.config import make_config
+def _tiny_engine(tmp_dir):
     from kvfit.engine.llm_engine import LLMEngine
 
-    return LLMEngine(make_config(model=path, load_format="dummy", device="cpu", num_pages=64,
-                                 max_model_len=512))
-
-
-def _stream_lines(url: str, body: dict, out: list, first: threading.Event) -> None:
-    try:
-        with httpx.stream("POST", url, json=body, timeout=60) as r:
-            out.append(r.status_code)
-            for line in r.iter_lines():
-                if line:
-                    out.append(line)
-                    first.set()
-    except httpx.HTTPError as e:
-        out.append(e)
-    first.set()
+    return LLMEngine(tiny_engine_config(tmp_dir))
 
 
 def test_503_while_starting(tmp_path):
-    path, gate = tiny_config(tmp_path), threading.Event()
+    gate = threading.Event()
 
     def slow_factory():
         gate.wait(60)
-        return _tiny_engine(path)
+        return _tiny_engine(tmp_path)
 
     srv = BackgroundServer(slow_factory, "tiny")
     thread = threading.Thread(target=srv.server.run, daemon=True)
@@ -70,13 +54,10 @@ def test_503_while_starting(tmp_path):
 
 
 def test_engine_death_answers_everyone(tmp_path):
-    with BackgroundServer(lambda: _tiny_engine(tiny_config(tmp_path)), "tiny") as srv:
+    with BackgroundServer(lambda: _tiny_engine(tmp_path), "tiny") as srv:
         url = srv.base_url + "/v1/completions"
         body = {"prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True}
-        lines, first = [], threading.Event()
-        streamer = threading.Thread(target=_stream_lines, args=(
-            url, {**body, "stream": True}, lines, first), daemon=True)
-        streamer.start()
+        streamer, lines, first = start_stream(url, body)
         non_stream: list = []
         poster = threading.Thread(target=lambda: non_stream.append(
             httpx.post(url, json=body, timeout=60)), daemon=True)
@@ -91,8 +72,7 @@ def test_engine_death_answers_everyone(tmp_path):
         streamer.join(30)
         poster.join(30)
         assert not streamer.is_alive() and not poster.is_alive()
-        assert lines[0] == 200 and lines[-1] == "data: [DONE]"
-        err = json.loads(lines[-2][len("data: "):])["error"]
+        err = stream_error(lines)
         assert "injected fault" in err["message"] and err["type"] == "service_unavailable"
         assert non_stream[0].status_code == 503
         assert "injected fault" in non_stream[0].json()["error"]["message"]
@@ -106,41 +86,16 @@ def test_engine_death_answers_everyone(tmp_path):
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_sigterm_graceful_exit_zero(tmp_path):
-    port = free_port()
-    env = dict(os.environ)
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "kvfit.server.main", "--model", tiny_config(tmp_path),
-           "--load-format", "dummy", "--device", "cpu", "--num-pages", "64",
-           "--max-model-len", "512", "--port", str(port), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        lines, first = [], threading.Event()
-        streamer = threading.Thread(target=_stream_lines, args=(
-            base + "/v1/completions", {"prompt": [3, 4], "max_tokens": 500, "ignore_eos": True,
-                                       "stream": True}, lines, first), daemon=True)
-        streamer.start()
+    with ServerProcess(tmp_path) as server:
+        streamer, lines, first = start_stream(server.base + "/v1/completions", {
+            "prompt": [3, 4], "max_tokens": 500, "ignore_eos": True})
         assert first.wait(30)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0, proc.stdout.read().decode()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0, server.output()
         streamer.join(10)
         assert not streamer.is_alive()
-        assert lines[0] == 200 and lines[-1] == "data: [DONE]"  # the stream was ended cleanly
-        err = json.loads(lines[-2][len("data: "):])["error"]  # ... by the shutdown
+        err = stream_error(lines)  # the stream was ended cleanly by the shutdown
         assert "shutting down" in err["message"] and err["type"] == "service_unavailable"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_bench_serve_runs_and_stops(tmp_path, capsys):
@@ -167,11 +122,11 @@ def test_ready_logged_only_when_the_engine_is(tmp_path, caplog):
     engine is up, and 'engine ready' comes after the start-up capacity line."""
     import logging
 
-    path, gate = tiny_config(tmp_path), threading.Event()
+    gate = threading.Event()
 
     def slow_factory():
         gate.wait(60)
-        return _tiny_engine(path)
+        return _tiny_engine(tmp_path)
 
     caplog.set_level(logging.INFO, logger="kvfit")
     caplog.set_level(logging.INFO, logger="uvicorn.error")

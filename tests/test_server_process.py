@@ -6,53 +6,31 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import os
 import signal
-import threading
 
 import httpx
-from server_common import tiny_config
+from server_common import start_stream, stream_error, tiny_engine_config
 
 from kvfit.server.engine_loop import Delta
 from kvfit.server.launch import BackgroundServer
 from kvfit.server.serving import MERGE_BACKLOG, Submission, merge_deltas
 
 
-def _tiny_kwargs(path: str) -> dict:
-    from kvfit.config import make_config
+def test_killed_engine_process_answers_everyone(tmp_path):
     from kvfit.server.launch import engine_launch_kwargs
 
-    return engine_launch_kwargs(make_config(model=path, load_format="dummy", device="cpu",
-                                            num_pages=64, max_model_len=512))
-
-
-def test_killed_engine_process_answers_everyone(tmp_path):
-    with BackgroundServer(served_model_name="tiny", **_tiny_kwargs(tiny_config(tmp_path))) as srv:
+    kwargs = engine_launch_kwargs(tiny_engine_config(tmp_path))
+    with BackgroundServer(served_model_name="tiny", **kwargs) as srv:
         url = srv.base_url + "/v1/completions"
         assert srv.engine_loop.engine is None  # it lives in the other process
-        lines: list = []
-        first = threading.Event()
-
-        def stream():
-            with httpx.stream("POST", url, json={"prompt": [5, 6, 7], "max_tokens": 480,
-                                                 "ignore_eos": True, "stream": True},
-                              timeout=60) as r:
-                lines.append(r.status_code)
-                for line in r.iter_lines():
-                    if line:
-                        lines.append(line)
-                        first.set()
-            first.set()
-
-        t = threading.Thread(target=stream, daemon=True)
-        t.start()
+        t, lines, first = start_stream(url, {"prompt": [5, 6, 7], "max_tokens": 480,
+                                             "ignore_eos": True})
         assert first.wait(60)
         os.kill(srv.engine_loop._channel.proc.pid, signal.SIGKILL)
         t.join(30)
         assert not t.is_alive()
-        assert lines[0] == 200 and lines[-1] == "data: [DONE]"
-        err = json.loads(lines[-2][len("data: "):])["error"]
+        err = stream_error(lines)
         assert "exited unexpectedly" in err["message"] and err["type"] == "service_unavailable"
         health = httpx.get(srv.base_url + "/health")
         assert health.status_code == 503 and "died" in health.json()["error"]["message"]

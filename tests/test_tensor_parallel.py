@@ -210,70 +210,45 @@ def _descendants_running(root: int, needle: str) -> list[int]:
 
 
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="/proc")
-def test_dead_worker_gives_503_and_the_server_exits_nonzero(tmp_path):
-    """Kill rank 1 mid-stream: the stream ends with a 503 error naming the lost rank, and the
-    server stops by itself with a non-zero status (never hangs)."""
+@pytest.mark.parametrize("when", ["decode", "prefill"])
+def test_dead_worker_gives_503_and_the_server_exits_nonzero(tmp_path, when):
+    """Kill rank 1 while a request decodes (after its first streamed token) or while its
+    prompt is being prefilled (the worker is frozen first, so rank 0 is inside the prefill
+    step, waiting on the worker's collective, when the kill lands): the request is answered
+    503 naming the lost rank (an error event ending the stream, or the response itself when
+    nothing was streamed yet), and the server stops by itself with a non-zero status (never
+    hangs)."""
     import json
     import os
     import signal
-    import subprocess
-    import sys
-    import threading
     import time
 
-    import httpx
-    from server_common import tiny_config
+    from server_common import ServerProcess, start_stream, stream_error
 
-    from kvfit.server.launch import free_port
-
-    port = free_port()
-    env = dict(os.environ)
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "kvfit.server.main", "--model", tiny_config(tmp_path),
-           "--load-format", "dummy", "--device", "cpu", "--num-pages", "64",
-           "--max-model-len", "512", "--port", str(port), "--log-level", "warning",
-           "--tp-size", "2"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        workers = _descendants_running(proc.pid, "kvfit.engine.tp_worker")
+    with ServerProcess(tmp_path, "--tp-size", "2") as server:
+        workers = _descendants_running(server.proc.pid, "kvfit.engine.tp_worker")
         assert len(workers) == 1
-        lines, first = [], threading.Event()
-
-        def stream():
-            with httpx.stream("POST", base + "/v1/completions", timeout=60, json={
-                    "prompt": [3, 4], "max_tokens": 500, "ignore_eos": True,
-                    "stream": True}) as r:
-                lines.append(r.status_code)
-                for line in r.iter_lines():
-                    if line:
-                        lines.append(line)
-                        first.set()
-            first.set()
-
-        streamer = threading.Thread(target=stream, daemon=True)
-        streamer.start()
-        assert first.wait(60)
+        body = {"prompt": [3, 4], "max_tokens": 500, "ignore_eos": True}
+        if when == "prefill":
+            os.kill(workers[0], signal.SIGSTOP)
+            body.update(prompt=[(7 * i) % 250 + 1 for i in range(300)], max_tokens=100)
+        streamer, lines, first = start_stream(server.base + "/v1/completions", body)
+        if when == "decode":
+            assert first.wait(60)
+            assert any('"text"' in line for line in lines[1:])  # tokens streamed
+        else:
+            time.sleep(1.5)  # rank 0 hands the first step over and blocks in its collective
+            assert not first.is_set(), lines  # nothing streamed: the prompt is not prefilled
         os.kill(workers[0], signal.SIGKILL)
-        code = proc.wait(90)
+        code = server.proc.wait(90)
         streamer.join(10)
-        assert code != 0, proc.stdout.read().decode()
-        assert lines[0] == 200 and lines[-1] == "data: [DONE]"
-        err = json.loads(lines[-2][len("data: "):])["error"]
+        assert code != 0, server.output()
+        if when == "decode":  # the stream had started: it ends with an error event
+            err = stream_error(lines)
+        else:  # nothing was streamed yet: the response is the error
+            assert lines[0] == 503 and len(lines) == 2, lines
+            err = json.loads(lines[1])["error"]
         assert err["type"] == "service_unavailable" and "rank 1" in err["message"]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_plan_reports_per_gpu_and_total():
