@@ -118,3 +118,41 @@ def test_bench_seed_points_run_every_rank(tmp_path, monkeypatch):
         assert all(math.isfinite(s) for s in sums)
     finally:
         runner.close()
+
+
+@pytest.fixture(scope="module")
+def llama_hd32(tmp_path_factory):
+    """A tiny Llama with 32-wide heads (int4 packs K per 32 channels) and a tokenizer."""
+    from modelhelpers import make_hf_model
+
+    d = tmp_path_factory.mktemp("tp-llama-hd32")
+    make_hf_model("llama", d, hidden_size=128, head_dim=32)
+    tiny_tokenizer_dir(d, 256)
+    return str(d)
+
+
+@pytest.mark.parametrize("kv_dtype,calibration", [("int8", "start"), ("int8", "file"),
+                                                  ("int4", None)])
+def test_tp2_equals_tp1_int8_and_int4(llama_hd32, tmp_path, kv_dtype, calibration):
+    """int8: the K means calibrated at start by every rank together (rank 0's text ids, each
+    rank its KV heads) or loaded from a whole-model file (each rank its heads' rows), the V
+    rotation folded into each rank's v/o shards; int4: the residual slots rank 0's scheduler
+    assigns travel in the step message. Greedy tokens and logprobs as at TP=1."""
+    kw = dict(kv_dtype=kv_dtype, page_size=32, num_tokens=512, max_model_len=256,
+              max_num_batched_tokens=16)
+    if calibration == "file":
+        from kvfit.engine.write_kv_calibration import main as write_calibration
+
+        path = str(tmp_path / "k_mean.json")
+        assert write_calibration(["--model", llama_hd32, "--out", path, "--device", "cpu"]) == 0
+        kw["kv_calibration"] = path
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (40, 9)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    outs = {}
+    for tp in (1, 2):
+        with LLM(llama_hd32, device="cpu", tensor_parallel_size=tp, **kw) as llm:
+            outs[tp] = llm.generate(prompts, params, use_tqdm=False)
+    assert ([o.outputs[0].token_ids for o in outs[2]]
+            == [o.outputs[0].token_ids for o in outs[1]])
+    assert _max_logprob_gap(outs[2], outs[1]) < LOGPROB_TOL

@@ -108,6 +108,41 @@ def load_calibration(path: str, layers) -> list[Optional[torch.Tensor]]:
     return out
 
 
+def _rank0_ids(ids: list[int]) -> list[int]:
+    """Rank 0's calibration ids on every rank (only rank 0 has the tokenizer): under tensor
+    parallelism every rank runs the calibration forward together (its collectives pair up),
+    each recording the means of its own KV heads."""
+    from kvfit.parallel.state import tp_group
+
+    g = tp_group()
+    if g.size == 1:
+        return ids
+    import torch.distributed as dist
+
+    box = [ids]
+    dist.broadcast_object_list(box, src=0, group=g.cpu_group)
+    return box[0]
+
+
+def _rank_share(k_mean: list[Optional[torch.Tensor]], runner) -> list[Optional[torch.Tensor]]:
+    """The rank's KV heads of whole-model means ``[num_kv_heads, head_dim]`` per layer (the
+    heads its pool stores, parallel/layout.py); the means unchanged with one rank."""
+    from kvfit.parallel.layout import shard_heads
+    from kvfit.parallel.state import tp_group
+
+    g = tp_group()
+    if g.size == 1:
+        return k_mean
+    out: list[Optional[torch.Tensor]] = []
+    for m in k_mean:
+        if m is None:
+            out.append(None)
+            continue
+        sh = shard_heads(runner.hf_config.num_attention_heads, m.shape[0], g.rank, g.size)
+        out.append(m[sh.kv_start:sh.kv_start + sh.kv_count].contiguous())
+    return out
+
+
 def resolve_kv_transform(runner, tokenizer=None) -> Optional[KVTransform]:
     """The pool's ``KVTransform`` for the runner's KV format, backend and flags (None when none
     applies); calibrates (or loads) the K means when centering is on. Logs what it did."""
@@ -130,11 +165,12 @@ def resolve_kv_transform(runner, tokenizer=None) -> Optional[KVTransform]:
     if center:
         t0 = time.monotonic()
         if config.kv_calibration is not None:
-            k_mean = load_calibration(config.kv_calibration, runner.layers)
+            k_mean = _rank_share(load_calibration(config.kv_calibration,
+                                                  runner.settings.full_layers), runner)
             source = f"from {config.kv_calibration}"
         else:
             ids = calibration_ids(tokenizer, runner.hf_config.vocab_size, config.seed)
-            ids = ids[: runner.max_model_len]  # the model's RoPE tables end there
+            ids = _rank0_ids(ids[: runner.max_model_len])  # RoPE tables end at max_model_len
             k_mean = calibrate_k_mean(runner, ids)
             what = "shipped prose/code text" if tokenizer is not None else "random tokens"
             source = f"calibrated on {len(ids)} tokens of {what}"

@@ -392,11 +392,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_tokens(self, token_ids: list[int], pool, backend) -> torch.Tensor:
         """Hidden states of one sequence prefilled from scratch into a given pool/backend
-        (calibration and tests). pool/backend are throwaways owned by the caller. One rank
-        only (the guard refuses calibration under tensor parallelism)."""
-        if tp_group().size > 1:
-            raise RuntimeError("forward_tokens runs the model on one rank; not available under "
-                               "tensor parallelism")
+        (calibration and tests). pool/backend are throwaways owned by the caller. Under tensor
+        parallelism every rank must call it with the same ids at the same point (its
+        collectives pair up), as the start-up K-mean calibration does."""
         n = len(token_ids)
         pages = list(range(-(-n // pool.page_size)))
         backend.prepare(build_metadata([n], [n], [pages], pool.page_size, self.device,
