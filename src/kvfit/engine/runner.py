@@ -38,7 +38,7 @@ from kvfit.errors import KVBudgetError
 from kvfit.kvcache.sizing import PoolSizing
 from kvfit.models.kv_rotation_fold import fold_v_rotation
 from kvfit.models.weights import WeightSink, init_dummy, iter_gguf, iter_safetensors
-from kvfit.parallel.state import broadcast_from_driver, tp_group
+from kvfit.parallel.state import broadcast_from_driver, min_over_ranks, tp_group
 from kvfit.parallel.step_channel import RankCall
 from kvfit.transfer import to_device
 
@@ -145,7 +145,7 @@ class ModelRunner:
         """Start the workers (rank 0) and join the group; the settings on this rank's device."""
         from kvfit.parallel.group_init import join_group
         from kvfit.parallel.step_channel import StepChannel
-        from kvfit.parallel.workers import WorkerGroup
+        from kvfit.parallel.workers import WorkerGroup, shut_down
 
         if tp_group().size > 1:
             raise RuntimeError("a tensor-parallel engine is already running in this process: "
@@ -162,7 +162,7 @@ class ModelRunner:
             raise
         self._channel = StepChannel(group.cpu_group)
         if rank == 0:  # at close(), at garbage collection or at exit, whichever comes first
-            self._finalizer = weakref.finalize(self, _shut_down, self._channel, self.workers)
+            self._finalizer = weakref.finalize(self, shut_down, self._channel, self.workers)
         if settings.device.type == "cuda":
             settings = dataclasses.replace(settings, device=torch.device("cuda", rank))
         return settings
@@ -252,7 +252,11 @@ class ModelRunner:
         sizing = self.pool_cls.solve_pages(self.layers, self.kv_format, c.page_size,
                                            self.settings.sizing_limits(budget))
         if tp_group().size > 1 and budget is not None:
-            sizing = _same_pages_on_every_rank(sizing)
+            # the fewest pages any rank's budget holds, full and sliding: page ids valid on all
+            swa = sizing.sliding_reservation
+            counts = min_over_ranks([sizing.num_pages] + ([swa.num_swa_pages] if swa else []))
+            sizing = dataclasses.replace(sizing, num_pages=counts[0], **(
+                {"num_swa_pages": counts[1]} if swa else {}))
         capacity = sizing.tokens
         if self.max_model_len > capacity:
             if c.max_model_len is not None:
@@ -402,30 +406,3 @@ class ModelRunner:
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         return self.model(ids, torch.arange(n, device=self.device),
                           Context(backend, pool, self.dtype))
-
-
-def _same_pages_on_every_rank(sizing: PoolSizing) -> PoolSizing:
-    """The smallest page counts any rank's budget holds (one MIN all-reduce): the scheduler's
-    page ids, full and sliding, must be valid in every rank's pool."""
-    import torch.distributed as dist
-
-    swa = sizing.sliding_reservation
-    counts = torch.tensor([sizing.num_pages] + ([swa.num_swa_pages] if swa else []),
-                          dtype=torch.int64)
-    dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=tp_group().cpu_group)
-    if swa is None:
-        return dataclasses.replace(sizing, num_pages=int(counts[0]))
-    return dataclasses.replace(sizing, num_pages=int(counts[0]), num_swa_pages=int(counts[1]))
-
-
-def _shut_down(channel, workers) -> None:
-    """Rank 0: tell the workers to stop, wait for them, leave the group."""
-    from kvfit.parallel.group_init import leave_group
-
-    if workers.lost is None:
-        try:
-            channel.send(None)
-        except Exception:  # noqa: BLE001 - a worker already gone: close() kills the rest
-            pass
-    workers.close()
-    leave_group()

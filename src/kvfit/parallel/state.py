@@ -83,6 +83,19 @@ def broadcast_from_driver(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def min_over_ranks(values: list[int]) -> list[int]:
+    """Element-wise minimum of ``values`` over the ranks (on the CPU group); ``values`` with
+    one rank. Every rank must call it (e.g. the pool's page counts at start)."""
+    g = _GROUP
+    if g.size == 1:
+        return list(values)
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=g.cpu_group)
+    return [int(x) for x in t]
+
+
 @contextlib.contextmanager
 def rank0_shapes(size: int):
     """Build models with rank 0's shard shapes of a ``size``-rank group without joining one

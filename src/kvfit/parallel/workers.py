@@ -129,3 +129,16 @@ class WorkerGroup:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def shut_down(channel, workers) -> None:
+    """Rank 0: tell the workers to stop, wait for them, leave the group."""
+    from kvfit.parallel.group_init import leave_group
+
+    if workers.lost is None:
+        try:
+            channel.send(None)
+        except Exception:  # noqa: BLE001 - a worker already gone: close() kills the rest
+            pass
+    workers.close()
+    leave_group()
