@@ -309,9 +309,8 @@ class ModelRunner:
         for i, (req, n) in enumerate(items):
             if prompt_lp[i]:
                 chunks.append((i, ends[i] - n, n, req.num_computed_tokens))
-        rids = [req.request_id for req, _ in items]
         return StepPlan(np.asarray(ids, dtype=np.int64), positions, q_lens, kv_lens,
-                        [req.pages for req, _ in items], rids,
+                        [req.pages for req, _ in items], [req.request_id for req, _ in items],
                         list(carried[1]) if carried is not None else [],
                         [ends[i] - 1 for i in range(len(items)) if sample_mask[i]], chunks)
 

@@ -6,9 +6,10 @@ each one into the model's parameter, into its slice when the parameter is a fuse
 (``qkv_proj`` = [q; k; v] rows, ``gate_up_proj`` = [gate; up] rows). Missing parameters are an
 error naming them, never silently left random.
 
-Tensor parallel (``kvfit/parallel``): the sink writes the rank's part of each checkpoint tensor
-(its heads' rows of q/k/v, its rows of gate/up, its columns of o_proj/down_proj, its vocabulary
-rows of the embedding and the LM head; the rest whole). ``iter_safetensors(lazy=True)`` yields
+Tensor parallel (``kvfit/parallel``): the sink writes the rank's part of each checkpoint tensor,
+as the module holding it says (``tp_slice``: its heads' rows of q/k/v or of MLA's q/kv_b, its
+rows of gate/up of the MLP and of every expert, its columns of o_proj/down_proj), its
+vocabulary rows of the embedding and the LM head; the rest whole. ``iter_safetensors(lazy=True)`` yields
 ``LazyTensor``s that read only the slice asked for from the file, so no rank materialises the
 whole model; GGUF tensors are dequantized one at a time and cut.
 """
