@@ -270,3 +270,27 @@ def test_plan_reports_per_gpu_and_total():
         assert "over 2 GPUs" in line and "per GPU 100.00 GiB" in line and "total 200.00" in line
     text = format_plan(100 * gib, two)
     assert "per GPU on 2 cuda GPUs" in text and "4 of the 8 KV heads" in text
+
+
+def test_plan_lines_for_hybrid_and_mla_pools():
+    """Gemma-3-4B (4 KV heads, sliding windows): each GPU's hybrid pool holds half of every
+    token's KV at TP=2, so the same budget holds 2x the tokens; DeepSeek-V2-Lite (MLA): every
+    GPU keeps the whole latent, the same tokens as one GPU, and the plan says so."""
+    from kvfit.bench.configs import config_path
+    from kvfit.plan import format_plan, plan_capacity
+
+    gib = 2**30
+    for name, grows in (("gemma3-4b", True), ("deepseek-v2-lite", False)):
+        cfg = EngineConfig(model=config_path(name), load_format="dummy", max_model_len=8192)
+        one = plan_capacity(cfg, 20 * gib, ("bfloat16",), device="cuda")[0]
+        two = plan_capacity(dataclasses.replace(cfg, tensor_parallel_size=2), 20 * gib,
+                            ("bfloat16",), device="cuda")[0]
+        line = two.capacity_line()
+        if grows:
+            assert two.sizing.bytes_per_token * 2 == one.sizing.bytes_per_token
+            assert two.sizing.tokens >= 2 * one.sizing.tokens * 0.95  # sliding share aside
+            assert "tensor parallel over 2 GPUs" in line and "holding 50% of every token" in line
+        else:
+            assert two.sizing.tokens == one.sizing.tokens
+            assert "every GPU keeps the whole latent cache" in line and "(1.00x" in line
+            assert "does not grow" in format_plan(20 * gib, [two])
