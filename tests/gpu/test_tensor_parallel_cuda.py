@@ -74,15 +74,15 @@ GEMMA_HD64 = dict(head_dim=64, query_pre_attn_scalar=64)
 
 
 @pytest.mark.parametrize("kind,backend,eager,overrides", [
-    ("gemma3", "torch", True, {}),
-    ("gemma2", "torch", True, {}),
-    ("gemma3", "triton", True, GEMMA_HD64),
-    ("gemma3", "triton", False, GEMMA_HD64),
-    ("gemma2", "triton", False, GEMMA_HD64),
-    ("mla-lite", "torch", True, {}),
-    ("mla-lite", "triton", True, {}),
-    ("mla-lite", "triton", False, {}),
-    ("mla-v2", "triton", False, {}),
+    pytest.param("gemma3", "torch", True, {}, id="gemma3-torch-eager"),
+    pytest.param("gemma2", "torch", True, {}, id="gemma2-torch-eager"),
+    pytest.param("gemma3", "triton", True, GEMMA_HD64, id="gemma3-triton-eager"),
+    pytest.param("gemma3", "triton", False, GEMMA_HD64, id="gemma3-triton-graphs"),
+    pytest.param("gemma2", "triton", False, GEMMA_HD64, id="gemma2-triton-graphs"),
+    pytest.param("mla-lite", "torch", True, {}, id="mla-lite-torch-eager"),
+    pytest.param("mla-lite", "triton", True, {}, id="mla-lite-triton-eager"),
+    pytest.param("mla-lite", "triton", False, {}, id="mla-lite-triton-graphs"),
+    pytest.param("mla-v2", "triton", False, {}, id="mla-v2-triton-graphs"),
 ])
 def test_tp2_equals_tp1_gemma_and_mla(tmp_path, kind, backend, eager, overrides):
     from test_tensor_parallel_models import _checkpoint
