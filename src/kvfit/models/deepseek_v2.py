@@ -27,10 +27,10 @@ Tensor parallel (``kvfit/parallel``):
   whole: the KV capacity per GPU does not grow with the number of ranks;
 * MoE: every expert's intermediate is sharded (each rank holds ``moe_intermediate_size / N``
   rows of every routed and shared expert), not expert parallelism: a decode step's weight reads
-  split evenly over the ranks whatever the router chose (with experts on ranks, a rank whose
-  experts were chosen more waits for nobody but keeps the others waiting), the loader's rule
-  and the grouped GEMM are the dense MLP's, and the routed and shared experts' partial sums
-  share one all-reduce per layer;
+  split evenly over the ranks whatever the router chose (with whole experts on ranks, the step
+  waits for the rank whose experts were chosen most), the loader's rule and the grouped GEMM
+  are the dense MLP's, and the routed and shared experts' partial sums share one all-reduce
+  per layer (docs/tensor_parallel.md);
 * embedding and LM head vocabulary-parallel, as Llama's.
 """
 
