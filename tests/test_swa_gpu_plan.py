@@ -42,7 +42,7 @@ def test_seed_bench_sliding_tables_hold_only_the_window():
     window's sliding pages (reserved in prefill chunks, as the scheduler would), within the
     pool's worst-case reservation, and give them all back."""
     from kvfit.attention.meta_builder import build_step_metadata
-    from kvfit.bench.seed import free_sliding, sliding_tables
+    from kvfit.bench.seed_points import free_sliding, sliding_tables
     from kvfit.kvcache.dtypes import kv_format
     from kvfit.kvcache.hybrid_swa import HybridSWAKVCache
     from kvfit.kvcache.sizing import solve_hybrid_pages
