@@ -176,7 +176,10 @@ def check_attention():
             for use_dot in (True, False):
                 cfg = choose_config(3, hkv, hq // hkv, d, max(kv_lens), torch.int8, q.dtype,
                                     use_dot=use_dot, v_t=v_layout == "HDN")
-                for splits, cvt in ((1, "bias"), (3, "asm")):
+                cvts = ((1, "bias"), (3, "asm"))
+                if use_dot:  # K by int8 MMAs / biased, V biased / asm
+                    cvts += ((2, "imma"), (1, "imma-bias"), (3, "kbias"))
+                for splits, cvt in cvts:
                     out = torch.full_like(q, float("nan"))
                     c = dataclasses.replace(cfg, num_splits=splits, i8_cvt=cvt)
                     paged_decode(q, caches[0], caches[1], meta.block_table, meta.kv_lens, out,

@@ -24,7 +24,11 @@ LOG2E = 1.4426950408889634
 # page dtypes whose 64-d decode runs packed (kernels/decode_packed.py) by default: measured
 # faster on the H200 for these (docs/kernels.md); empty = the plain tile everywhere
 PACKED_DTYPES: tuple = ()
-I8_CVTS = {"cast": 0, "asm": 1, "bias": 2}  # DecodeConfig.i8_cvt -> the kernels' I8_CVT
+# DecodeConfig.i8_cvt -> the kernels' (K_CVT, I8_CVT): K's and V's int8 tile handling. 0 Triton's
+# cast, 1 four values per inline-asm prmt/sub, 2 the same without the subtraction (+1152,
+# corrected per tile), 3 (K only) no conversion: two int8 MMAs of q split as hi + lo / 254
+I8_CVTS = {"cast": (0, 0), "asm": (1, 1), "bias": (2, 2), "kbias": (2, 1), "imma": (3, 1),
+           "imma-bias": (3, 2)}
 # 8-bit page dtypes: converted to float16 tiles for the MMAs (exact for int8)
 EIGHT_BIT = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 
@@ -41,7 +45,9 @@ class DecodeConfig:
     maxnreg: int | None = None  # register cap per thread (more programs per SM)
     v_t: bool = False  # V pages are token-minor [H, D, P] (pool v_layout "HDN")
     # int8 tiles -> float16: "asm" (four per inline-asm prmt/sub, GPU), "bias" (the same without
-    # the subtraction: 1152 * sum(q) and 1152 * sum(P) corrected per tile) or "cast" (I2F each)
+    # the subtraction: 1152 * sum(q) and 1152 * sum(P) corrected per tile) or "cast" (I2F each);
+    # "kbias" (K biased, V asm); "imma" / "imma-bias" (K unconverted: int8 MMAs with q split
+    # into two int8 terms, exact int32 sums; V asm / biased). I8_CVTS has the codes.
     i8_cvt: str = "asm"
     # > 1: R sub-splits packed into the 16 MMA rows (kernels/decode_packed.py; HND, G <= 16/R)
     pack: int = 1
@@ -138,13 +144,21 @@ def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_sc
         opts["maxnreg"] = cfg.maxnreg
     if cfg.use_dot:
         opts["F16"] = k_cache.dtype in EIGHT_BIT
-        opts["I8_CVT"] = I8_CVTS[cfg.i8_cvt] if rows else 0
+        if cfg.i8_cvt not in I8_CVTS:
+            raise ValueError(f"unknown int8 decode conversion {cfg.i8_cvt!r}; one of "
+                             f"{', '.join(I8_CVTS)}")
+        k_cvt, v_cvt = I8_CVTS[cfg.i8_cvt] if rows else (0, 0)
+        opts["I8_CVT"] = v_cvt
         if cfg.pack > 1:
+            if k_cvt != v_cvt:
+                raise ValueError(f"the packed decode converts K and V alike: i8_cvt "
+                                 f"{cfg.i8_cvt!r} does not apply (asm, bias or cast)")
             from kvfit.kernels import decode_packed
 
             del opts["G_PAD"], opts["V_T"]
             opts.update(GP=16 // cfg.pack, R=cfg.pack)
             return decode_packed.build(), (b, hkv, s), args, opts
+        opts["K_CVT"] = k_cvt
         return split_k, (b, hkv, s), args, opts
     return split_fma, (b, hkv, s), args, opts
 

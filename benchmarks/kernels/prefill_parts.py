@@ -1,0 +1,109 @@
+"""Where an int8 prefill step's attention time goes against fp8's, per layer: the RoPE kernel,
+the K transform (centering + Hadamard rotation: ``KVTransform.transform_qk`` in torch, or the
+fused path when the backend has one), the page-chunk store and the prefill kernel, at one
+prompt of Qwen3-1.7B heads (16/8 x 128, token-minor V pages of 32, the engine's defaults).
+
+Each part is timed two ways: eager (events around 20 back-to-back launches: what a prefill
+step pays when the host is the bottleneck) and as CUDA-graph replays (GPU time only).
+Usage: python3 benchmarks/kernels/prefill_parts.py [prompt_len]; prints one table, writes
+$OUT_DIR/prefill_parts.json. ``--smoke`` (CPU, TRITON_INTERPRET=1) runs each part once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from kvfit.kernels.fused_rope import apply_rope
+from kvfit.kernels.prefill import order_prefill_blocks, paged_prefill, prefill_config
+from kvfit.kernels.store import split_store_chunks, store_kv_chunks
+from kvfit.kvcache.dtypes import kv_format
+from kvfit.kvcache.kv_transform import KVTransform
+
+from graph_timing import graph_us  # benchmarks/kernels/, the script's own folder
+
+HQ, HKV, D, PAGE = 16, 8, 128, 32
+DEVICE = "cuda"
+
+
+def eager_us(fn, iters: int = 20) -> float:
+    fn()
+    if DEVICE != "cuda":
+        return 0.0
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / iters)
+    return sorted(times)[1]
+
+
+def parts(kvd: str, n: int) -> dict:
+    dev = DEVICE
+    fmt = kv_format(kvd)
+    dt = {"fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}[kvd]
+    pages = -(-n // PAGE)
+    kc = torch.zeros(pages + 1, HKV, PAGE, D, dtype=dt, device=dev)
+    vc = torch.zeros(pages + 1, HKV, D, PAGE, dtype=dt, device=dev)
+    sc = {}
+    if dt == torch.int8:
+        sc = dict(k_scale_cache=torch.zeros(pages + 1, HKV, PAGE, dtype=torch.float16, device=dev),
+                  v_scale_cache=torch.zeros(pages + 1, HKV, PAGE, dtype=torch.float16, device=dev))
+    table = (torch.arange(pages, dtype=torch.int32, device=dev) + 1)[None, :]
+    cu = torch.tensor([0, n], dtype=torch.int32, device=dev)
+    lens = torch.tensor([n], dtype=torch.int32, device=dev)
+    q = torch.randn(n, HQ, D, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(n, HKV, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(n, HKV, D, device=dev, dtype=torch.bfloat16)
+    cos = torch.randn(n, D, device=dev)
+    sin = torch.randn(n, D, device=dev)
+    pos = torch.arange(n, device=dev)
+    chunks = split_store_chunks([n], [n], PAGE, dev)
+    cfg = prefill_config(D, torch.float16, dt)
+    blocks = order_prefill_blocks([n], HQ // HKV, cfg.block_m, dev)
+    out = torch.empty_like(q)
+    tr = KVTransform([torch.randn(HKV, D) for _ in range(1)], rotate=True, device=dev) \
+        if dt == torch.int8 else None
+    fns = {"rope": lambda: apply_rope(q, k, cos, sin, pos)}
+    if tr is not None:
+        fns["transform_qk (torch)"] = lambda: tr.transform_qk(0, q, k)
+    fns["store_kv_chunks"] = lambda: store_kv_chunks(k, v, kc, vc, chunks, cu, lens, table, fmt,
+                                                     **sc)
+    fns["paged_prefill"] = lambda: paged_prefill(q, kc, vc, table, cu, lens, blocks, cfg, out,
+                                                 D ** -0.5, v_t=True, **sc)
+    rec = {}
+    for name, fn in fns.items():
+        rec[name] = dict(eager_us=eager_us(fn),
+                         graph_us=graph_us([fn]) if dev == "cuda" else 0.0)
+    return rec
+
+
+def main():
+    global DEVICE
+    args = sys.argv[1:]
+    if args and args[0] == "--smoke":
+        DEVICE, args = "cpu", args[1:] or ["64"]
+    n = int(args[0]) if args else 1024
+    res = {kvd: parts(kvd, n) for kvd in ("fp8_e4m3", "int8")}
+    print(f"prefill parts per layer, {n}-token prompt, heads {HQ}/{HKV} x {D}, pages {PAGE}")
+    print(f"{'part':24} {'fp8 eager':>10} {'fp8 graph':>10} {'int8 eager':>11} {'int8 graph':>11}")
+    for name in res["int8"]:
+        f = res["fp8_e4m3"].get(name)
+        i = res["int8"][name]
+        fe = f"{f['eager_us']:10.1f} {f['graph_us']:10.1f}" if f else f"{'-':>10} {'-':>10}"
+        print(f"{name:24} {fe} {i['eager_us']:11.1f} {i['graph_us']:11.1f}")
+    out = os.environ.get("OUT_DIR", os.environ.get("OUT", "/tmp"))
+    with open(os.path.join(out, "prefill_parts.json"), "w") as f:
+        json.dump(dict(prompt=n, parts=res), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
