@@ -11,6 +11,7 @@ $OUT_DIR/prefill_parts.json. ``--smoke`` (CPU, TRITON_INTERPRET=1) runs each par
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -79,7 +80,31 @@ def parts(kvd: str, n: int) -> dict:
                                                      **sc)
     fns["paged_prefill"] = lambda: paged_prefill(q, kc, vc, table, cu, lens, blocks, cfg, out,
                                                  D ** -0.5, v_t=True, **sc)
+    if tr is not None:  # Triton's int8 -> f16 cast (I2F) instead of the inline asm
+        cast = dataclasses.replace(cfg, i8_cvt="cast")
+        fns["paged_prefill i8 cast"] = lambda: paged_prefill(q, kc, vc, table, cu, lens, blocks,
+                                                             cast, out, D ** -0.5, v_t=True,
+                                                             **sc)
+    if tr is not None:  # the fused rotation: k in the chunk store, q in the prefill kernel
+        mu = tr.k_mean[0]
+        fns["store_kv_chunks rotate"] = lambda: store_kv_chunks(
+            k, v, kc, vc, chunks, cu, lens, table, fmt, k_mean=mu, rotate=True, **sc)
+        fns["paged_prefill rotate_q"] = lambda: paged_prefill(
+            q, kc, vc, table, cu, lens, blocks, cfg, out, D ** -0.5, v_t=True, rotate_q=True,
+            **sc)
     rec = {}
+    if tr is not None:  # the fused rotation and the asm conversion against the unfused path
+        qt, kt = tr.transform_qk(0, q, k)
+        store_kv_chunks(kt, v, kc, vc, chunks, cu, lens, table, fmt, **sc)
+        ref = paged_prefill(qt.to(q.dtype), kc, vc, table, cu, lens, blocks,
+                            dataclasses.replace(cfg, i8_cvt="cast"), out.clone(), D ** -0.5,
+                            v_t=True, **sc).float()
+        fns["store_kv_chunks rotate"]()
+        fused = paged_prefill(q, kc, vc, table, cu, lens, blocks, cfg, out.clone(), D ** -0.5,
+                              v_t=True, rotate_q=True, **sc).float()
+        rec["fused_vs_unfused_rel_err"] = ((fused - ref).norm() / ref.norm()).item()
+        print(f"int8 prefill, fused rotation + asm vs transform_qk + cast: relative error "
+              f"{rec['fused_vs_unfused_rel_err']:.2e}", flush=True)
     for name, fn in fns.items():
         rec[name] = dict(eager_us=eager_us(fn),
                          graph_us=graph_us([fn]) if dev == "cuda" else 0.0)
@@ -96,6 +121,8 @@ def main():
     print(f"prefill parts per layer, {n}-token prompt, heads {HQ}/{HKV} x {D}, pages {PAGE}")
     print(f"{'part':24} {'fp8 eager':>10} {'fp8 graph':>10} {'int8 eager':>11} {'int8 graph':>11}")
     for name in res["int8"]:
+        if name.endswith("_err"):
+            continue
         f = res["fp8_e4m3"].get(name)
         i = res["int8"][name]
         fe = f"{f['eager_us']:10.1f} {f['graph_us']:10.1f}" if f else f"{'-':>10} {'-':>10}"

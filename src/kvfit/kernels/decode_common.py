@@ -39,6 +39,7 @@ def build() -> types.SimpleNamespace:
     @triton.jit
     def _to_mma(k, v, q, F16: tl.constexpr, I8_CVT: tl.constexpr):
         # both tiles with the same conversion (I8_CVT as in _cvt_one)
+        tl.static_assert(len(k.shape) == 2)  # (also keeps ``tl`` in this function's closure)
         return _cvt_one(k, q, F16, I8_CVT), _cvt_one(v, q, F16, I8_CVT)
 
     @triton.jit
