@@ -178,13 +178,21 @@ def check_attention():
                                     use_dot=use_dot, v_t=v_layout == "HDN")
                 cvts = ((1, "bias"), (3, "asm"))
                 if use_dot:  # K by int8 MMAs / biased, V biased / asm
-                    cvts += ((2, "imma"), (1, "imma-bias"), (3, "kbias"))
+                    cvts += ((2, "imma"), (1, "imma-bias"), (3, "kbias"), (2, "imma1"))
                 for splits, cvt in cvts:
                     out = torch.full_like(q, float("nan"))
                     c = dataclasses.replace(cfg, num_splits=splits, i8_cvt=cvt)
                     paged_decode(q, caches[0], caches[1], meta.block_table, meta.kv_lens, out,
                                  d ** -0.5, c, window=window, **scales)
                     outs.append(out)
+            # several KV heads per program (2: both heads; 4: two of them masked)
+            for heads, splits, cvt in ((2, 1, "imma"), (4, 3, "asm"), (2, 2, "imma1")):
+                out = torch.full_like(q, float("nan"))
+                c = dataclasses.replace(cfg, use_dot=True, heads=heads, num_splits=splits,
+                                        i8_cvt=cvt, block_n=32)
+                paged_decode(q, caches[0], caches[1], meta.block_table, meta.kv_lens, out,
+                             d ** -0.5, c, window=window, **scales)
+                outs.append(out)
             # packed: 2 sub-splits of the group of 2 in the 16 MMA rows
             out = torch.full_like(q, float("nan"))
             c = dataclasses.replace(cfg, use_dot=True, pack=8, block_n=128, num_splits=2,

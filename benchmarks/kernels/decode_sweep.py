@@ -36,7 +36,8 @@ from kvfit.kernels.decode import DecodeConfig, choose_config, paged_decode
 from graph_timing import graph_us  # benchmarks/kernels/, the script's own folder
 
 LAYOUTS = {**LAYOUTS, "d256": (8, 4, 256)}
-CHOOSE_KEYS = ("block_n", "num_warps", "num_stages", "maxnreg", "ctas_per_sm", "use_dot")
+CHOOSE_KEYS = ("block_n", "num_warps", "num_stages", "maxnreg", "ctas_per_sm", "use_dot",
+               "heads")
 
 
 def parse(spec: str) -> dict:
@@ -156,9 +157,14 @@ def main(argv: list[str]) -> None:
             vs_fp8 = f"{rec['time_vs_fp8']:7.3f}" if rec["time_vs_fp8"] else "      -"
             print(f"{v['spec']:72} {cfg.num_splits:6} {us:8.1f} {rec['tbps']:6.2f} {vs_fp8} "
                   f"{err:8.1e}", flush=True)
+            _write(res)  # after every variant: a killed run keeps what it measured
         del kv, qs, outs, vcs
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
+    _write(res)
+
+
+def _write(res: list) -> None:
     out = os.environ.get("OUT_DIR", os.environ.get("OUT", "/tmp"))
     with open(os.path.join(out, "decode_sweep.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -27,8 +27,9 @@ PACKED_DTYPES: tuple = ()
 # DecodeConfig.i8_cvt -> the kernels' (K_CVT, I8_CVT): K's and V's int8 tile handling. 0 Triton's
 # cast, 1 four values per inline-asm prmt/sub, 2 the same without the subtraction (+1152,
 # corrected per tile), 3 (K only) no conversion: two int8 MMAs of q split as hi + lo / 254
+# (one factor per query row), 4 the same with one factor for the whole query group
 I8_CVTS = {"cast": (0, 0), "asm": (1, 1), "bias": (2, 2), "kbias": (2, 1), "imma": (3, 1),
-           "imma-bias": (3, 2)}
+           "imma-bias": (3, 2), "imma1": (4, 1)}
 # 8-bit page dtypes: converted to float16 tiles for the MMAs (exact for int8)
 EIGHT_BIT = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 
@@ -47,10 +48,14 @@ class DecodeConfig:
     # int8 tiles -> float16: "asm" (four per inline-asm prmt/sub, GPU), "bias" (the same without
     # the subtraction: 1152 * sum(q) and 1152 * sum(P) corrected per tile) or "cast" (I2F each);
     # "kbias" (K biased, V asm); "imma" / "imma-bias" (K unconverted: int8 MMAs with q split
-    # into two int8 terms, exact int32 sums; V asm / biased). I8_CVTS has the codes.
+    # into two int8 terms, exact int32 sums; V asm / biased); "imma1" (as imma, one q scale
+    # for the query group, folded into the key scales). I8_CVTS has the codes.
     i8_cvt: str = "asm"
     # > 1: R sub-splits packed into the 16 MMA rows (kernels/decode_packed.py; HND, G <= 16/R)
     pack: int = 1
+    # > 1: that many KV heads per program, one [16, heads * D] tile (kernels/decode_heads.py;
+    # a power of two with heads * G <= 16)
+    heads: int = 1
 
 
 @functools.lru_cache(maxsize=1024)  # a pure function of hashable arguments, called every step
@@ -59,7 +64,8 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
                   use_dot: bool | None = None, block_n: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
                   maxnreg: int | None = None, ctas_per_sm: int | None = None,
-                  v_t: bool = False, page_size: int | None = None) -> DecodeConfig:
+                  v_t: bool = False, page_size: int | None = None,
+                  heads: int = 1) -> DecodeConfig:
     """Tile, pipeline depth and a wave-aware split count per dtype/layout (docs/kernels.md).
 
     ``batch * kv_heads * splits`` programs run ``ctas_per_sm`` at a time per SM (from each
@@ -86,7 +92,7 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
     num_stages = num_stages or tile[1]
     maxnreg = maxnreg if maxnreg is not None else tile[2]
     ctas_per_sm = ctas_per_sm or tile[3]
-    programs = max(1, batch * num_kv_heads)
+    programs = max(1, batch * -(-num_kv_heads // heads))  # heads: KV heads per program
     max_splits = int(min(64, max(1, math.ceil(max(1, max_kv_len) / 256))))
     if use_dot and not fp8 and head_dim <= 64 and not v_t:
         # 16-bit 64-d tiles: measured best with ~4 programs per SM of splits (v2 rule); the
@@ -109,7 +115,7 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
     # 128 x 16k, SmolLM heads), the subtracting one on 128/256-d heads (docs/kernels.md)
     i8_cvt = "bias" if head_dim <= 64 else "asm"
     return DecodeConfig(splits, block_n, use_dot, num_warps or 4, num_stages, maxnreg or None,
-                        v_t, i8_cvt=i8_cvt, pack=pack)
+                        v_t, i8_cvt=i8_cvt, pack=pack, heads=heads)
 
 
 def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_scale: float,
@@ -124,6 +130,8 @@ def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_sc
     group = hq // hkv
     if cfg.pack > 1:
         _check_pack(cfg, group, k_cache.shape[2])
+    if cfg.heads > 1:
+        _check_heads(cfg, group)
     g_pad = max(triton.next_power_of_2(group), 16 if cfg.use_dot else 1)
     s = cfg.num_splits
     ks, vs, ssp, ssh = scale_cache_args(k_cache, scale_caches)
@@ -159,6 +167,12 @@ def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_sc
             opts.update(GP=16 // cfg.pack, R=cfg.pack)
             return decode_packed.build(), (b, hkv, s), args, opts
         opts["K_CVT"] = k_cvt
+        if cfg.heads > 1:
+            from kvfit.kernels import decode_heads
+
+            del opts["G_PAD"]
+            opts.update(HP=cfg.heads, HKV=hkv)
+            return decode_heads.build(), (b, triton.cdiv(hkv, cfg.heads), s), args, opts
         return split_k, (b, hkv, s), args, opts
     return split_fma, (b, hkv, s), args, opts
 
@@ -185,6 +199,16 @@ def _check_pack(cfg: DecodeConfig, group: int, page_size: int) -> None:
         raise ValueError(f"decode pack={r} does not fit this launch (use_dot={cfg.use_dot}, "
                          f"v_t={cfg.v_t}, group {group}, page size {page_size}, block_n "
                          f"{cfg.block_n}); use pack=1")
+
+
+def _check_heads(cfg: DecodeConfig, group: int) -> None:
+    """A multi-head launch needs the tensor-core path, a power-of-two head count whose query
+    rows fit the 16 MMA rows, and no sub-split packing."""
+    hp = cfg.heads
+    if not cfg.use_dot or cfg.pack > 1 or hp & (hp - 1) or hp * group > 16:
+        raise ValueError(f"decode heads={hp} does not fit this launch (use_dot={cfg.use_dot}, "
+                         f"pack={cfg.pack}, group {group}: heads must be a power of two with "
+                         f"heads x group <= 16); use heads=1")
 
 
 def scale_cache_args(k_cache: torch.Tensor, scale_caches):

@@ -43,25 +43,38 @@ def build() -> types.SimpleNamespace:
         return _cvt_one(k, q, F16, I8_CVT), _cvt_one(v, q, F16, I8_CVT)
 
     @triton.jit
-    def _split_q_i8(q):
-        # q [M, D] -> (hi, lo) int8 [M, D] and the row factor f32 [M, 1] with
-        # q = factor * (254 * hi + lo) up to |q|max / 64516 per row: hi = rint(q / s),
-        # lo = rint(254 * (q / s - hi)), s = max |q| / 127 (1 for an all-zero row)
+    def _split_q_i8(q, PER_ROW: tl.constexpr):
+        # q [M, D] -> (hi, lo) int8 [M, D] and the factor f32 ([M, 1] per row, or one scalar
+        # for the tile) with q = factor * (254 * hi + lo) up to max|q| / 64516:
+        # hi = rint(q / s), lo = rint(254 * (q / s - hi)), s = max |q| / 127 (1 if all zero)
         qf = q.to(tl.float32)
-        amax = tl.max(tl.abs(qf), axis=1)
-        sq = tl.where(amax > 0, amax / 127.0, 1.0)
-        r = qf / sq[:, None]
+        if PER_ROW:
+            amax = tl.max(tl.abs(qf), axis=1)
+            sq = tl.where(amax > 0, amax / 127.0, 1.0)
+            r = qf / sq[:, None]
+            f = (sq / 254.0)[:, None]
+        else:
+            amax = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
+            sq = tl.where(amax > 0, amax / 127.0, 1.0)
+            r = qf / sq
+            f = sq / 254.0
         hi = round_half_even(r)
         lo = round_half_even((r - hi) * 254.0)
-        return hi.to(tl.int8), lo.to(tl.int8), (sq / 254.0)[:, None]
+        return hi.to(tl.int8), lo.to(tl.int8), f
 
     @triton.jit
     def _raw_logits(q, q_lo, k, qoff, F16: tl.constexpr, K_CVT: tl.constexpr):
         # q . k over the stored keys k [N, D] (not yet times their scales) -> f32 [M, N].
         # K_CVT 3: q is (hi, lo) int8 (_split_q_i8, qoff its row factor), two int8 MMAs with
-        # int32 sums (exact), no conversion of k; 2: biased f16 keys, qoff = 1152 * sum(q);
-        # 0/1: f16 keys, qoff 0
-        if K_CVT == 3:
+        # int32 sums (exact), no conversion of k; 4: the same with one factor for the tile,
+        # which the caller folds into the keys' scales (not applied here); 2: biased f16
+        # keys, qoff = 1152 * sum(q); 0/1: f16 keys, qoff 0
+        if K_CVT == 4:
+            kt = tl.trans(k)
+            hi = tl.dot(q, kt, out_dtype=tl.int32)
+            lo = tl.dot(q_lo, kt, out_dtype=tl.int32)
+            qk = (hi * 254 + lo).to(tl.float32)
+        elif K_CVT == 3:
             kt = tl.trans(k)
             hi = tl.dot(q, kt, out_dtype=tl.int32)
             lo = tl.dot(q_lo, kt, out_dtype=tl.int32)

@@ -70,6 +70,8 @@ def build():
             ks = tl.load(KS + soff, mask=live, other=0.0).to(tl.float32)
             vs = tl.load(VS + soff, mask=live, other=0.0).to(tl.float32)
         v = _cvt_one(v, q, F16, I8_CVT)
+        if K_CVT == 4:  # q's one factor for the tile, folded into the keys' scales
+            ks = ks * qoff
         # [G_PAD, N] logits
         qk = scale_logits(_raw_logits(q, q_lo, k, qoff, F16, K_CVT), ks, qb, qk_scale, softcap,
                           HAS_SOFTCAP, ROWS)
@@ -122,6 +124,8 @@ def build():
             ks = tl.reshape(ks, (BLOCK_N,)).to(tl.float32)
             vs = tl.reshape(vs, (BLOCK_N,)).to(tl.float32)
         v = _cvt_one(v, q, F16, I8_CVT)
+        if K_CVT == 4:  # q's one factor for the tile, folded into the keys' scales
+            ks = ks * qoff
         # [G_PAD, N] logits
         qk = scale_logits(_raw_logits(q, q_lo, k, qoff, F16, K_CVT), ks, qb, qk_scale, softcap,
                           HAS_SOFTCAP, ROWS)
@@ -162,8 +166,8 @@ def build():
         q_lo = q
         if K_CVT == 2:
             qoff = 1152.0 * tl.sum(q.to(tl.float32), axis=1)[:, None]
-        if K_CVT == 3:  # int8 MMAs on the stored keys: q as hi + lo / 254 (qoff: row factor)
-            q, q_lo, qoff = _split_q_i8(q)
+        if K_CVT >= 3:  # int8 MMAs on the stored keys: q as hi + lo / 254 (qoff: factor)
+            q, q_lo, qoff = _split_q_i8(q, K_CVT == 3)
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
