@@ -11,5 +11,5 @@ here=$(cd "$(dirname "$0")/../.." && pwd)
 echo "== ncu: $(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || echo none)"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 cd "$here/benchmarks/kernels"
-timeout 58 python3 decode_sweep.py --jobs 12 $(grep -v '^#' "$here/benchmarks/gpu/int8k_round_a.txt")
-timeout 17 python3 prefill_parts.py 1024
+timeout 52 python3 decode_sweep.py --jobs 12 $(grep -v '^#' "$here/benchmarks/gpu/int8k_round_a.txt")
+timeout 15 python3 prefill_parts.py 1024
