@@ -7,6 +7,7 @@ Each part is timed two ways: eager (events around 20 back-to-back launches: what
 step pays when the host is the bottleneck) and as CUDA-graph replays (GPU time only).
 Usage: python3 benchmarks/kernels/prefill_parts.py [prompt_len]; prints one table, writes
 $OUT_DIR/prefill_parts.json. ``--smoke`` (CPU, TRITON_INTERPRET=1) runs each part once.
+``--v-layouts [prompt_len]``: only the 64-d prefill kernel with HND against token-minor V.
 """
 
 from __future__ import annotations
@@ -111,11 +112,49 @@ def parts(kvd: str, n: int) -> dict:
     return rec
 
 
+def prefill_by_v_layout(n: int) -> list:
+    """Prefill kernel time of one ``n``-token prompt at SmolLM2 heads (9/3 x 64, pages of
+    16) with HND and token-minor V pages, fp8 and int8 (graph replays): the V layout choice of
+    64-d 8-bit pools (TritonBackend.v_layout) seen from the prefill side."""
+    dev, hq, hkv, d, page = DEVICE, 9, 3, 64, 16
+    pages = -(-n // page)
+    table = (torch.arange(pages, dtype=torch.int32, device=dev) + 1)[None, :]
+    cu = torch.tensor([0, n], dtype=torch.int32, device=dev)
+    lens = torch.tensor([n], dtype=torch.int32, device=dev)
+    q = torch.randn(n, hq, d, device=dev, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    rows = []
+    for kvd, dt in (("fp8_e4m3", torch.float8_e4m3fn), ("int8", torch.int8)):
+        cfg = prefill_config(d, torch.float16, dt)
+        blocks = order_prefill_blocks([n], hq // hkv, cfg.block_m, dev)
+        for vl in ("HND", "HDN"):
+            kc = torch.randn(pages + 1, hkv, page, d, device=dev).mul_(20).to(dt)
+            vc = torch.randn(pages + 1, hkv, page, d, device=dev).mul_(20).to(dt)
+            if vl == "HDN":
+                vc = vc.transpose(2, 3).contiguous()
+            sc = {}
+            if dt == torch.int8:
+                sc = {f"{x}_scale_cache": torch.rand(pages + 1, hkv, page, device=dev).add_(
+                    0.5).mul_(0.02).half() for x in "kv"}
+            fn = (lambda kc=kc, vc=vc, sc=sc, cfg=cfg, blocks=blocks, vl=vl: paged_prefill(
+                q, kc, vc, table, cu, lens, blocks, cfg, out, d ** -0.5, v_t=vl == "HDN", **sc))
+            us = graph_us([fn]) if dev == "cuda" else (fn() is None) * 0.0
+            rows.append(dict(kv_dtype=kvd, v_layout=vl, prompt=n, graph_us=us))
+            print(f"prefill {n} SmolLM2 heads {kvd:>8} V {vl}: {us:8.1f} us", flush=True)
+    return rows
+
+
 def main():
     global DEVICE
     args = sys.argv[1:]
     if args and args[0] == "--smoke":
         DEVICE, args = "cpu", args[1:] or ["64"]
+    if args and args[0] == "--v-layouts":  # the 64-d prefill by V layout only
+        rows = prefill_by_v_layout(int(args[1]) if len(args) > 1 else 2048)
+        out = os.environ.get("OUT_DIR", os.environ.get("OUT", "/tmp"))
+        with open(os.path.join(out, "prefill_v_layouts.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        return
     n = int(args[0]) if args else 1024
     res = {kvd: parts(kvd, n) for kvd in ("fp8_e4m3", "int8")}
     print(f"prefill parts per layer, {n}-token prompt, heads {HQ}/{HKV} x {D}, pages {PAGE}")

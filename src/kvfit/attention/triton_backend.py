@@ -82,13 +82,14 @@ class TritonBackend(AttentionBackend):
     @classmethod
     def v_layout(cls, kv_dtype: str, page_size: int, head_dim: int,
                  pool_name: Optional[str] = None) -> str:
-        """Token-minor V for 8-bit pools with heads of >= 128 (no 8-bit transpose in the P@V
-        operand: 2.9-3.06 TB/s against 2.2-2.3 for HND on the H200 with fp8); HND for 16/32-bit
-        pools and 64-d heads, where the HND tile measured as fast or faster (docs/kernels.md)."""
+        """Token-minor V for 8-bit pools with heads of >= 64 (no 8-bit transpose in the P@V
+        operand: 2.9-3.06 TB/s against 2.2-2.3 for HND on the H200 with fp8 128-d heads; 64-d
+        heads read several KV heads per program over it, 3.34-3.43 TB/s against 2.68 for the
+        HND tile); HND for 16/32-bit pools and smaller heads (docs/kernels.md)."""
         if pool_name == "MLAKVCache":  # one latent slab per token: no separate V pages
             return "HND"
         pow2 = page_size > 0 and page_size & (page_size - 1) == 0
-        return "HDN" if _eight_bit(kv_dtype) and pow2 and head_dim >= 128 else "HND"
+        return "HDN" if _eight_bit(kv_dtype) and pow2 and head_dim >= 64 else "HND"
 
     @classmethod
     def default_page_size(cls, kv_dtype: str, head_dim: int) -> int:

@@ -65,7 +65,7 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
                   num_warps: int | None = None, num_stages: int | None = None,
                   maxnreg: int | None = None, ctas_per_sm: int | None = None,
                   v_t: bool = False, page_size: int | None = None,
-                  heads: int = 1) -> DecodeConfig:
+                  heads: int | None = None) -> DecodeConfig:
     """Tile, pipeline depth and a wave-aware split count per dtype/layout (docs/kernels.md).
 
     ``batch * kv_heads * splits`` programs run ``ctas_per_sm`` at a time per SM (from each
@@ -75,6 +75,14 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
     (one full wave), not 5. 16-bit 64-d HND tiles keep the earlier rule (~4 programs per SM).
     fp8 over token-minor V: 64-token tiles, 5 pipeline stages (two tiles in flight) and a
     128-register cap, i.e. 4 programs per SM (2.9-3.05 TB/s against 2.5-2.7 for the HND tile).
+
+    8-bit pages over token-minor V (measured on the H200, docs/kernels.md "8-bit decode at fp8
+    speed"): 256-d heads 64-token tiles, 3 stages, no register cap (3.53 TB/s fp8, 3.57 int8,
+    against 2.43 for 32-token tiles); 64-d heads read all the KV heads whose query rows fit the
+    16 MMA rows in one program (``heads``, kernels/decode_heads.py; 4 for groups of 3-4), 64-token
+    tiles, 3 stages, a 168-register cap (3 programs per SM): 3.34-3.43 TB/s fp8 against 2.68 for
+    the HND tile. int8 keys go through int8 MMAs (``i8_cvt`` "imma1"), except on HND 64-d tiles
+    ("bias"). ``heads`` None: that choice; 1 turns it off.
     """
     fp8 = cache_dtype in EIGHT_BIT  # int8 pages take the fp8 tiles (same bytes per element)
     if use_dot is None:
@@ -83,7 +91,10 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
     if not use_dot:
         tile = (16, 2, None, 4)  # block_n, num_stages, maxnreg, ctas_per_sm
     elif fp8 and v_t:
-        tile = (64, 5, 128, 4) if small else (32, 3, None, 2)
+        if head_dim <= 64:
+            tile = (64, 3, 168, 3)
+        else:
+            tile = (64, 5, 128, 4) if small else (64, 3, None, 2)
     elif fp8:
         tile = (128 if small else 64, 3, None, 4 if head_dim <= 64 else 2)
     else:
@@ -92,6 +103,11 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
     num_stages = num_stages or tile[1]
     maxnreg = maxnreg if maxnreg is not None else tile[2]
     ctas_per_sm = ctas_per_sm or tile[3]
+    if heads is None:
+        heads = 1
+        if use_dot and fp8 and v_t and head_dim <= 64:  # as many KV heads as the rows allow
+            while (heads * 2 * group <= 16 and heads < num_kv_heads):
+                heads *= 2
     programs = max(1, batch * -(-num_kv_heads // heads))  # heads: KV heads per program
     max_splits = int(min(64, max(1, math.ceil(max(1, max_kv_len) / 256))))
     if use_dot and not fp8 and head_dim <= 64 and not v_t:
@@ -111,9 +127,10 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
             and head_dim <= 64 and group <= 4 and block_n % 64 == 0
             and (page_size is None or page_size % 4 == 0)):
         pack = 16 // max(4, 1 << (group - 1).bit_length())  # 4 sub-splits (groups of 3-4)
-    # int8 tiles: the biased conversion measured fastest on 64-d heads (415 vs 435 µs at
-    # 128 x 16k, SmolLM heads), the subtracting one on 128/256-d heads (docs/kernels.md)
-    i8_cvt = "bias" if head_dim <= 64 else "asm"
+    # int8 tiles: keys through int8 MMAs, one q factor per group, values by the subtracting
+    # asm (1.13x fp8's time on 128-d heads against 1.24x for "asm", docs/kernels.md); the
+    # biased conversion on HND 64-d tiles (imma measured 1.47x fp8 there, "bias" 1.37x)
+    i8_cvt = "bias" if head_dim <= 64 and not v_t else "imma1"
     return DecodeConfig(splits, block_n, use_dot, num_warps or 4, num_stages, maxnreg or None,
                         v_t, i8_cvt=i8_cvt, pack=pack, heads=heads)
 
