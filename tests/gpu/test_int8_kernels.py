@@ -267,8 +267,8 @@ def test_int8_decode_variants(d, v_layout, page_size, variant):
     q = torch.randn(b, hq, d, device=DEV, dtype=torch.bfloat16)
     ref = reference_attention(pool, q, meta, d ** -0.5)
     cvt, heads, block_n = DECODE_VARIANTS[variant]
-    if heads == "all":
-        heads = max(h for h in (1, 2, 4, 8) if h * (hq // hkv) <= 16)
+    if heads == "all":  # as many as the 16 MMA rows and a 512-column tile allow
+        heads = max(h for h in (1, 2, 4, 8) if h * (hq // hkv) <= 16 and h * d <= 512)
     cfg = choose_config(b, hkv, hq // hkv, d, max(kv_lens), torch.int8, q.dtype,
                         v_t=v_layout == "HDN")
     if block_n == "wide":

@@ -81,8 +81,9 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
     against 2.43 for 32-token tiles); 64-d heads read all the KV heads whose query rows fit the
     16 MMA rows in one program (``heads``, kernels/decode_heads.py; 4 for groups of 3-4), 64-token
     tiles, 3 stages, a 168-register cap (3 programs per SM): 3.34-3.43 TB/s fp8 against 2.68 for
-    the HND tile. int8 keys go through int8 MMAs (``i8_cvt`` "imma1"), except on HND 64-d tiles
-    ("bias"). ``heads`` None: that choice; 1 turns it off.
+    the HND tile (tiles of at most 256 columns, as measured). int8 keys go through int8 MMAs
+    (``i8_cvt`` "imma1"), except on HND 64-d tiles ("bias"). ``heads`` None: that choice; 1
+    turns it off.
     """
     fp8 = cache_dtype in EIGHT_BIT  # int8 pages take the fp8 tiles (same bytes per element)
     if use_dot is None:
@@ -106,7 +107,8 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
     if heads is None:
         heads = 1
         if use_dot and fp8 and v_t and head_dim <= 64:  # as many KV heads as the rows allow
-            while (heads * 2 * group <= 16 and heads < num_kv_heads):
+            while (heads * 2 * group <= 16 and heads * 2 * head_dim <= 256
+                   and heads < num_kv_heads):
                 heads *= 2
     programs = max(1, batch * -(-num_kv_heads // heads))  # heads: KV heads per program
     max_splits = int(min(64, max(1, math.ceil(max(1, max_kv_len) / 256))))
@@ -148,7 +150,7 @@ def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_sc
     if cfg.pack > 1:
         _check_pack(cfg, group, k_cache.shape[2])
     if cfg.heads > 1:
-        _check_heads(cfg, group)
+        _check_heads(cfg, group, d)
     g_pad = max(triton.next_power_of_2(group), 16 if cfg.use_dot else 1)
     s = cfg.num_splits
     ks, vs, ssp, ssh = scale_cache_args(k_cache, scale_caches)
@@ -218,14 +220,17 @@ def _check_pack(cfg: DecodeConfig, group: int, page_size: int) -> None:
                          f"{cfg.block_n}); use pack=1")
 
 
-def _check_heads(cfg: DecodeConfig, group: int) -> None:
+def _check_heads(cfg: DecodeConfig, group: int, head_dim: int) -> None:
     """A multi-head launch needs the tensor-core path, a power-of-two head count whose query
-    rows fit the 16 MMA rows, and no sub-split packing."""
+    rows fit the 16 MMA rows, a tile of at most 512 columns (heads x head_dim: wider tiles
+    measured out of shared memory on the H200) and no sub-split packing."""
     hp = cfg.heads
-    if not cfg.use_dot or cfg.pack > 1 or hp & (hp - 1) or hp * group > 16:
+    if (not cfg.use_dot or cfg.pack > 1 or hp & (hp - 1) or hp * group > 16
+            or hp * head_dim > 512):
         raise ValueError(f"decode heads={hp} does not fit this launch (use_dot={cfg.use_dot}, "
-                         f"pack={cfg.pack}, group {group}: heads must be a power of two with "
-                         f"heads x group <= 16); use heads=1")
+                         f"pack={cfg.pack}, group {group}, head_dim {head_dim}: heads must be a "
+                         f"power of two with heads x group <= 16 and heads x head_dim <= 512); "
+                         f"use heads=1")
 
 
 def scale_cache_args(k_cache: torch.Tensor, scale_caches):
