@@ -270,14 +270,16 @@ def check_rotation():
         raise AssertionError(f"paged_prefill(rotate_q=True) vs q @ H: relative error {err}")
     # the backend: prefill (fused rotation) then decode steps (rotation in torch here: no
     # RoPE kernel stores on CPU), against the torch reference backend
-    d, ps, npg = 128, 32, 12
-    means = [torch.randn(h, d, generator=g) * 6]
-    pools = []
-    for _ in range(2):
-        pool = MHAKVCache([KVLayerSpec("full", h, d)], npg, ps, fmt, "cpu", v_layout="HDN")
-        pool.kv_transform = KVTransform(means, True, "cpu")
-        pools.append(pool)
-    for softcap in (None, 20.0):
+    for d, ps, npg, softcap in ((128, 32, 12, None), (128, 32, 12, 20.0), (64, 16, 20, None)):
+        # the pool's V layout as the backend asks for it (token-minor for 8-bit heads >= 64;
+        # 64-d decode then reads both KV heads in one program)
+        means = [torch.randn(h, d, generator=g) * 6]
+        pools = []
+        for _ in range(2):
+            pool = MHAKVCache([KVLayerSpec("full", h, d)], npg, ps, fmt, "cpu",
+                              v_layout=TritonBackend.v_layout("int8", ps, d))
+            pool.kv_transform = KVTransform(means, True, "cpu")
+            pools.append(pool)
         be = TritonBackend(pools[0], torch.bfloat16, d ** -0.5, logit_softcap=softcap)
         rb = TorchRefBackend(pools[1], torch.bfloat16, d ** -0.5, logit_softcap=softcap)
         lens = [70, 9, 33]
@@ -295,8 +297,9 @@ def check_rotation():
             out, ref = be.forward(q, k, v, 0).float(), rb.forward(q, k, v, 0).float()
             err = ((out - ref).norm() / ref.norm()).item()
             if not err < 1e-2:
-                raise AssertionError(f"rotating TritonBackend (softcap {softcap}, step {step}) "
-                                     f"vs the torch reference: relative error {err}")
+                raise AssertionError(f"rotating TritonBackend (d {d}, softcap {softcap}, "
+                                     f"step {step}) vs the torch reference: relative "
+                                     f"error {err}")
 
 
 if __name__ == "__main__":
