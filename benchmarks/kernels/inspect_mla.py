@@ -1,6 +1,7 @@
 """Compile the MLA attention kernel variants for sm_90 without a GPU: registers, spills, shared
 memory and the SASS instruction mix (MMAs, conversions, loads), per (KV dtype, mode, tile).
-Usage: python inspect_mla.py [bn:warps:stages | p:bm:bn:warps:stages ...]   (default: decode_config/prefill_config's)"""
+Usage: python inspect_mla.py [bn:warps:stages | s:bn:warps:stages (swapped decode) |
+       p:bm:bn:warps:stages ...]   (default: decode_config/prefill_config's)"""
 
 import collections
 import os
@@ -46,6 +47,25 @@ def compile_one(kv, decode, single, bm, bn, warps, stages, heads=16):
                                                         "num_stages": stages})
 
 
+def compile_swap(kv, single, bh, bn, warps, stages, heads=16):
+    """The swapped decode kernel (mla_decode_kernels) for sm_90."""
+    from kvfit.kernels import mla_decode_kernels
+
+    names = ["Q", "C", "BT", "KVLEN", "OUT", "OP", "LSE", "qk_scale", "out_scale", "stride_qt",
+             "stride_qh", "stride_ot", "stride_oh", "stride_cp", "stride_bt", "num_splits"]
+    types = ["*bf16", f"*{kv}", "*i32", "*i32", "*bf16", "*fp32", "*fp32", "fp32", "fp32"] + [
+        "i32"] * 7
+    attrs = {(i,): [["tt.divisibility", 16]] for i in list(range(7)) + list(range(9, 15))}
+    consts = dict(H=heads, RANK=512, ROPE=64, DC=512, DR=64, SLAB=576,
+                  PAGE=32 if kv != "bf16" else 16, BLOCK_H=bh, BLOCK_N=bn,
+                  HBLK=max(1, heads // bh), SINGLE=single, F16=kv != "bf16",
+                  PAIRS=kv != "bf16", E5M2=kv == "fp8e5", ASM=True)
+    src = ASTSource(mla_decode_kernels.build(), dict(zip(names, types)), constexprs=consts,
+                    attrs=attrs)
+    return triton.compile(src, target=TARGET, options={"num_warps": warps,
+                                                        "num_stages": stages})
+
+
 def report(k):
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
@@ -61,7 +81,7 @@ def report(k):
             ops[m.group(1)] += 1
     regs = re.search(r"REG:(\d+)", res)
     spill = "STL" in ops
-    keep = ("HMMA", "HGMMA", "F2FP", "F2F", "LDGSTS", "LDG", "LDS", "LDS.U8", "LDS.U16", "LDSM",
+    keep = ("HMMA", "HGMMA", "QGMMA", "F2FP", "F2F", "LDGSTS", "LDG", "LDS", "LDS.U8", "LDS.U16", "LDSM",
             "STS", "MUFU", "PRMT", "BAR")
     mix = " ".join(f"{o}={ops[o]}" for o in keep if ops[o])
     return (f"regs={regs.group(1) if regs else '?'} smem={k.metadata.shared} "
@@ -81,11 +101,16 @@ def main():
                 bm, bn, w, st = map(int, v[2:].split(":"))
                 runs.append(("prefill", False, True, bm, bn, w, st))
                 continue
+            if v.startswith("s:"):  # swapped decode s:block_n:warps:stages
+                bn, w, st = map(int, v[2:].split(":"))
+                runs.append(("swap", True, False, d.block_m, bn, w, st))
+                continue
             bn, w, st = map(int, v.split(":"))
             runs.append(("decode", True, False, d.block_m, bn, w, st))
         for name, dec, single, bm, bn, w, st in runs:
             try:
-                k = compile_one(kv, dec, single, bm, bn, w, st)
+                k = (compile_swap(kv, single, bm, bn, w, st) if name == "swap" else
+                     compile_one(kv, dec, single, bm, bn, w, st))
                 print(f"{kvd:>9} {name:>7} bm={bm} bn={bn} w={w} st={st}: {report(k)}",
                       flush=True)
             except Exception as e:  # noqa: BLE001

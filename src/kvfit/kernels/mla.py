@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvfit.kernels import decode_kernels, mla_kernels
+from kvfit.kernels import decode_kernels, mla_decode_kernels, mla_kernels
 
 LOG2E = 1.4426950408889634
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -35,6 +35,8 @@ class MLAConfig:
     num_stages: int
     num_splits: int = 1
     pairs: bool = True  # fp8: P@C operand from 16-bit words converted in registers
+    swap: bool = False  # decode: heads as the MMAs' N dimension (mla_decode_kernels)
+    qfp8: bool = False  # swapped e4m3 decode: logits by fp8 MMAs (query split in two fp8 parts)
 
 
 def _pow2(x: int) -> int:
@@ -55,27 +57,36 @@ def _exact(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
 def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
                   cache_dtype: torch.dtype, q_dtype: torch.dtype, num_sms: int = 132,
                   block_n: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None, num_splits: int | None = None) -> MLAConfig:
+                  num_stages: int | None = None, num_splits: int | None = None,
+                  swap: bool | None = None, qfp8: bool | None = None) -> MLAConfig:
     """Rows: every head of a request (at least 16 for the MMA, at most 32 per program: a
     [64, 512] float32 accumulator spills; larger head counts take several programs per request,
-    adjacent in the grid so their shared latent tiles come from L2). Splits: the fewest waves per unit of work
-    over ``num_sms`` SMs at the programs per SM each tile allows, splits of >= 256 tokens, 1%
-    merge cost per split. Ranks that are not a power
-    of two keep one split (the merge kernel reads whole rows)."""
+    adjacent in the grid so their shared latent tiles come from L2). ``swap``: the kernel with
+    the heads as the MMAs' N (``mla_decode_kernels``; 16- and 8-bit latents), ``qfp8`` its
+    e4m3 logits by fp8 MMAs. Splits: the fewest waves per unit of work over ``num_sms`` SMs at
+    the programs per SM each tile allows, splits of >= 256 tokens, 1% merge cost per split.
+    Ranks that are not a power of two keep one split (the merge kernel reads whole rows)."""
     exact = _exact(q_dtype, cache_dtype)
     block_m = 16 if exact else min(32, max(16, _pow2(num_heads)))
     hblk = math.ceil(num_heads / block_m)
+    swap = (not exact) and bool(swap)
+    qfp8 = swap and cache_dtype == torch.float8_e4m3fn and bool(qfp8)
     # (block_n, warps, stages, programs per SM) from the sm_90 compile of each variant
-    # (benchmarks/kernels/inspect_mla.py): 16-bit 32-token tiles take 104 registers and 56 KB of
-    # shared memory (2 per SM), 428 instructions per warp and tile; 8-bit tiles read as 16-bit
-    # words and converted in registers (PAIRS) take 196 registers and 123 KB at 64 tokens (1 per
-    # SM), 683 instructions per warp and tile (11 per token; 17 at 32-token tiles)
+    # (benchmarks/kernels/inspect_mla.py). Rows kernel: 16-bit 32-token tiles take 104
+    # registers and 56 KB of shared memory (2 per SM), 428 instructions per warp and tile; 8-bit
+    # tiles read as 16-bit words and converted in registers (PAIRS) take 196 registers and 123
+    # KB at 64 tokens (1 per SM). Swapped kernel: 64-token tiles (warp-group MMAs) take 123-193
+    # KB (1 per SM), 32-token tiles 57-106 KB (2 per SM)
     if exact:
         tile = (16, 4, 1, 1)
+    elif swap:
+        tile = (64, 8, 2, 1)
     elif cache_dtype in FP8:
         tile = (64, 8, 3, 1)
     else:
         tile = (32, 8, 2, 2)
+    if swap and block_n is not None:
+        tile = (block_n, tile[1], tile[2], 1 if block_n >= 64 else 2)
     max_splits = int(min(64, max(1, math.ceil(max(1, max_kv_len) / 256))))
     if num_splits is None:
         num_splits = 1
@@ -89,7 +100,7 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
                     best = (cost, sp)
             num_splits = best[1]
     return MLAConfig(block_m, block_n or tile[0], num_warps or tile[1], num_stages or tile[2],
-                     num_splits)
+                     num_splits, swap=swap, qfp8=qfp8)
 
 
 def prefill_config(num_heads: int, cache_dtype: torch.dtype, q_dtype: torch.dtype) -> MLAConfig:
@@ -149,6 +160,29 @@ def _launch(q, cache, block_table, cu_seqlens_q, kv_lens, blocks, out, op, lse, 
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
+def _launch_swap(q, cache, block_table, kv_lens, out, op, lse, rank: int, sm_scale: float,
+                 scale: float, cfg: MLAConfig):
+    """The swapped decode kernel (heads as N, ``mla_decode_kernels``), one query per request."""
+    b, h, slab = q.shape
+    if _exact(q.dtype, cache.dtype):
+        raise ValueError("the swapped MLA decode runs 16-bit MMAs; float32 takes swap=False "
+                         "(decode_config does)")
+    single = cfg.num_splits == 1
+    hblk = math.ceil(h / cfg.block_m)
+    mla_decode_kernels.build()[(b * hblk, cfg.num_splits)](
+        q, cache, block_table, kv_lens, out, out if single else op, out if single else lse,
+        float(sm_scale * scale * LOG2E), float(scale),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), cache.stride(0),
+        block_table.stride(0), cfg.num_splits,
+        H=h, RANK=rank, ROPE=slab - rank, DC=_pow2(rank), DR=max(16, _pow2(slab - rank)),
+        SLAB=slab, PAGE=cache.shape[1], BLOCK_H=cfg.block_m, BLOCK_N=cfg.block_n, HBLK=hblk,
+        SINGLE=single, F16=cache.dtype in FP8,
+        PAIRS=cache.dtype in FP8 and rank % 2 == 0,
+        E5M2=cache.dtype == torch.float8_e5m2, ASM=not _interpreting(),
+        QFP8=cfg.qfp8 and cache.dtype == torch.float8_e4m3fn and rank % 2 == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, out: torch.Tensor, rank: int,
                sm_scale: float, cfg: MLAConfig, scale: float = 1.0,
@@ -170,8 +204,11 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
             scratch = (torch.empty((b * h * s, rank), dtype=torch.float32, device=q.device),
                        torch.empty((b * h * s,), dtype=torch.float32, device=q.device))
         op, lse = scratch
-    _launch(q, cache, block_table, cu_seqlens_q, kv_lens, kv_lens, out, op, lse, rank,
-            sm_scale, scale, cfg, b * math.ceil(h / cfg.block_m), True)
+    if cfg.swap:
+        _launch_swap(q, cache, block_table, kv_lens, out, op, lse, rank, sm_scale, scale, cfg)
+    else:
+        _launch(q, cache, block_table, cu_seqlens_q, kv_lens, kv_lens, out, op, lse, rank,
+                sm_scale, scale, cfg, b * math.ceil(h / cfg.block_m), True)
     if s > 1:
         import triton
 
