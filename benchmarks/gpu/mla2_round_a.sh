@@ -10,33 +10,33 @@ t() { local s=$SECONDS; timeout "$@"; echo "[rc=$? ${SECONDS}s total, $((SECONDS
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 BF_PTS=${BF_PTS:-bfloat16:4:32768,bfloat16:32:4096}
 F8_PTS=${F8_PTS:-fp8_e4m3:4:32768,fp8_e4m3:32:4096}
-BF_VARS=${BF_VARS:-s:64:8:2,s:64:8:3,s:64:4:2,s:32:4:3,s:32:8:3}
-F8_VARS=${F8_VARS:-s:64:8:2,q:64:8:2,q:64:8:3,q:64:4:2,q:32:8:3}
+BF_VARS=${BF_VARS:-s:64:8:2,s:64:8:3,s:32:8:3:2,s:32:4:3:3,s:32:8:2:2,sp:32:8:1:1,s:32:4:1:2}
+F8_VARS=${F8_VARS:-sq:64:8:2,sq:64:8:3,s:32:8:3:2,s:32:4:3:2,sp:32:8:1:1}
 S=benchmarks/kernels/mla_sweep.py
-( t ${T_WARM:-36} python3 $S --points $BF_PTS --warm > "$OUT_DIR/warm_bf_default.log" 2>&1 ) &
-( t ${T_WARM:-36} python3 $S --points $F8_PTS --warm > "$OUT_DIR/warm_f8_default.log" 2>&1 ) &
+( t ${T_WARM:-34} python3 $S --points $BF_PTS --warm > "$OUT_DIR/warm_bf_default.log" 2>&1 ) &
+( t ${T_WARM:-34} python3 $S --points $F8_PTS --warm > "$OUT_DIR/warm_f8_default.log" 2>&1 ) &
 for v in ${BF_VARS//,/ }; do
-  ( t ${T_WARM:-36} python3 $S --points $BF_PTS --variants $v --no-default --warm \
+  ( t ${T_WARM:-34} python3 $S --points $BF_PTS --variants $v --no-default --warm \
       > "$OUT_DIR/warm_bf_${v//:/_}.log" 2>&1 ) &
 done
 for v in ${F8_VARS//,/ }; do
-  ( t ${T_WARM:-36} python3 $S --points $F8_PTS --variants $v --no-default --warm \
+  ( t ${T_WARM:-34} python3 $S --points $F8_PTS --variants $v --no-default --warm \
       > "$OUT_DIR/warm_f8_${v//:/_}.log" 2>&1 ) &
 done
 i=0
-for k in "${TA:-bfloat16}" "${TB:-fp8_e4m3 and not graph}" "${TC:-fp8_e5m2 or graph}"; do
+for k in "${TA:-bfloat16 and not graph}" "${TB:-fp8_e4m3 and not graph}" "${TC:-fp8_e5m2 or graph}"; do
   ( t ${T_TESTS:-36} python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_mla_decode_swap.py \
       -k "$k" > "$OUT_DIR/gpu_tests_$i.log" 2>&1; echo "== tests ($k)"; tail -4 "$OUT_DIR/gpu_tests_$i.log" ) &
   i=$((i + 1))
 done
 wait
 grep -h -E "Error|error" "$OUT_DIR"/warm_*.log | head -8
-t ${T_SWEEP:-30} python3 $S --points $BF_PTS,$F8_PTS --variants "$BF_VARS" --fp8-variants "$F8_VARS" \
+t ${T_SWEEP:-28} python3 $S --points $BF_PTS,$F8_PTS --variants "$BF_VARS" --fp8-variants "$F8_VARS" \
   --json "$OUT_DIR/sweep.json" > "$OUT_DIR/sweep.log" 2>&1
 if [ $SECONDS -lt ${NCU_BEFORE:-64} ] && command -v ncu >/dev/null; then
   t $((76 - SECONDS)) ncu --clock-control none --kernel-name regex:_mla_decode_swap --launch-skip 2 \
     --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
-    python3 benchmarks/kernels/ncu_mla.py bfloat16 4 32768 16 s:64:8:2 > "$OUT_DIR/ncu_bf16.txt" 2>&1
+    python3 benchmarks/kernels/ncu_mla.py bfloat16 4 32768 16 ${NCU_VAR:-s:64:8:2} > "$OUT_DIR/ncu_bf16.txt" 2>&1
   grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers|Warp Cycles Per Issued|Stall|ERR" "$OUT_DIR/ncu_bf16.txt" | head -14
 fi
 echo "== sweep"; grep -E "GPU|TB/s|Error" "$OUT_DIR/sweep.log"

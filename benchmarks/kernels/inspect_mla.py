@@ -1,6 +1,7 @@
 """Compile the MLA attention kernel variants for sm_90 without a GPU: registers, spills, shared
 memory and the SASS instruction mix (MMAs, conversions, loads), per (KV dtype, mode, tile).
-Usage: python inspect_mla.py [bn:warps:stages | s:bn:warps:stages (swapped decode) |
+Usage: python inspect_mla.py [bn:warps:stages | KIND:bn:warps:stages (swapped decode, KIND s, sq
+       (fp8 logits), sp (register prefetch), sqp) |
        p:bm:bn:warps:stages ...]   (default: decode_config/prefill_config's)"""
 
 import collections
@@ -47,7 +48,7 @@ def compile_one(kv, decode, single, bm, bn, warps, stages, heads=16):
                                                         "num_stages": stages})
 
 
-def compile_swap(kv, single, bh, bn, warps, stages, heads=16):
+def compile_swap(kv, single, bh, bn, warps, stages, heads=16, qfp8=False, prefetch=False):
     """The swapped decode kernel (mla_decode_kernels) for sm_90."""
     from kvfit.kernels import mla_decode_kernels
 
@@ -59,7 +60,8 @@ def compile_swap(kv, single, bh, bn, warps, stages, heads=16):
     consts = dict(H=heads, RANK=512, ROPE=64, DC=512, DR=64, SLAB=576,
                   PAGE=32 if kv != "bf16" else 16, BLOCK_H=bh, BLOCK_N=bn,
                   HBLK=max(1, heads // bh), SINGLE=single, F16=kv != "bf16",
-                  PAIRS=kv != "bf16", E5M2=kv == "fp8e5", ASM=True)
+                  PAIRS=kv != "bf16", E5M2=kv == "fp8e5", ASM=True,
+                  QFP8=qfp8 and kv == "fp8e4nv", PREFETCH=prefetch)
     src = ASTSource(mla_decode_kernels.build(), dict(zip(names, types)), constexprs=consts,
                     attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": warps,
@@ -101,16 +103,18 @@ def main():
                 bm, bn, w, st = map(int, v[2:].split(":"))
                 runs.append(("prefill", False, True, bm, bn, w, st))
                 continue
-            if v.startswith("s:"):  # swapped decode s:block_n:warps:stages
-                bn, w, st = map(int, v[2:].split(":"))
-                runs.append(("swap", True, False, d.block_m, bn, w, st))
+            if not v[0].isdigit():  # swapped decode KIND:block_n:warps:stages (s, sq, sp, sqp)
+                kind, rest = v.split(":", 1)
+                bn, w, st = map(int, rest.split(":"))
+                runs.append(("swap-" + kind, True, False, d.block_m, bn, w, st))
                 continue
             bn, w, st = map(int, v.split(":"))
             runs.append(("decode", True, False, d.block_m, bn, w, st))
         for name, dec, single, bm, bn, w, st in runs:
             try:
-                k = (compile_swap(kv, single, bm, bn, w, st) if name == "swap" else
-                     compile_one(kv, dec, single, bm, bn, w, st))
+                k = (compile_swap(kv, single, bm, bn, w, st, qfp8="q" in name[5:],
+                                  prefetch="p" in name[5:])
+                     if name.startswith("swap") else compile_one(kv, dec, single, bm, bn, w, st))
                 print(f"{kvd:>9} {name:>7} bm={bm} bn={bn} w={w} st={st}: {report(k)}",
                       flush=True)
             except Exception as e:  # noqa: BLE001

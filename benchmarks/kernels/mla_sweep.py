@@ -18,9 +18,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--points", default="bfloat16:4:32768,fp8_e4m3:4:32768")
     p.add_argument("--variants", default="",
-                   help="[s:|q:]block_n:warps:stages[:bytes],... (default only; s: the swapped "
-                        "kernel, heads as N; q: swapped with fp8 x fp8 logits (e4m3); bytes: "
-                        "fp8 P@C operand of the row kernel from the byte tile)")
+                   help="[KIND:]block_n:warps:stages[:bytes|:per_sm],... (default only; KIND: "
+                        "s the swapped kernel, heads as N; q its fp8 x fp8 logits (e4m3); p its "
+                        "register prefetch of the next tile, per_sm its programs per SM for the "
+                        "split rule; bytes: fp8 P@C operand of the row kernel from the byte "
+                        "tile)")
     p.add_argument("--fp8-variants", default=None,
                    help="the variants of the fp8 points (default: --variants)")
     p.add_argument("--no-default", action="store_true", help="only the listed variants")
@@ -54,13 +56,15 @@ def main() -> None:
         if kvd.startswith("fp8") and args.fp8_variants is not None:
             variants = args.fp8_variants
         for v in filter(None, variants.split(",")):
-            parts = v.split(":")  # [s:|q:]block_n:warps:stages[:bytes]
-            kind = parts.pop(0) if parts[0] in ("s", "q") else ""
+            parts = v.split(":")  # [KIND:]block_n:warps:stages[:bytes]
+            kind = parts.pop(0) if not parts[0].isdigit() else ""
             bn, w, st = map(int, parts[:3])
-            if kind:
+            if kind:  # s: swapped, q: + fp8 logits, p: + register prefetch (sp, sq, sqp, ...)
+                per_sm = int(parts[3]) if len(parts) > 3 else None  # programs per SM
                 cfg = decode_config(b, args.heads, 512, ctx, ls.dtype, torch.bfloat16,
                                     block_n=bn, num_warps=w, num_stages=st, swap=True,
-                                    qfp8=kind == "q")
+                                    qfp8="q" in kind, prefetch="p" in kind,
+                                    programs_per_sm=per_sm)
             else:
                 cfg = dataclasses.replace(decode_config(b, args.heads, 512, ctx, ls.dtype,
                                                         torch.bfloat16, swap=False),

@@ -1,7 +1,7 @@
 """Launch the MLA decode kernel a few times for ncu (DeepSeek-V2-Lite heads, the engine's
 launch choice for the point). Usage: ncu ... python3 ncu_mla.py KV_DTYPE [BATCH CONTEXT PAGE]
 (default: 4 x 32k, pages of 32 for fp8 and 16 for 16-bit latents); a fifth argument picks a
-swapped-kernel variant as mla_sweep.py names it (s:block_n:warps:stages, q:... for fp8 logits)."""
+swapped-kernel variant as mla_sweep.py names it (KIND:block_n:warps:stages)."""
 
 import os
 import sys
@@ -20,7 +20,8 @@ ls = LatentSet(512, 64, kvd, b, ctx, page, "cuda")
 if len(sys.argv) > 5:
     kind, bn, w, st = sys.argv[5].split(":")
     cfg = decode_config(b, heads, 512, ctx, ls.dtype, torch.bfloat16, block_n=int(bn),
-                        num_warps=int(w), num_stages=int(st), swap=True, qfp8=kind == "q")
+                        num_warps=int(w), num_stages=int(st), swap=True, qfp8="q" in kind,
+                        prefetch="p" in kind)
 else:
     cfg = decode_config(b, heads, 512, ctx, ls.dtype, torch.bfloat16)
 q = torch.randn(b, heads, 576, device="cuda", dtype=torch.bfloat16)

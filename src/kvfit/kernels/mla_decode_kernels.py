@@ -60,13 +60,16 @@ def build():
     globals()["_round_e4m3"] = _round_e4m3
 
     @triton.jit
-    def _swap_tile(acc_t, m_i, l_i, qc_t, qr_t, qc_lo, qr_lo, q_sc, n0, hi, C, bt_row,
-                   stride_cp, qk_scale, RANK: tl.constexpr, ROPE: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr,
-                   SLAB: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   MASKED: tl.constexpr, PAIRS: tl.constexpr, E5M2: tl.constexpr,
-                   ASM: tl.constexpr, QFP8: tl.constexpr):
-        # tokens [n0, n0 + BLOCK_N) (MASKED: the tile crosses hi): latent tile [BLOCK_N, DC],
-        # rope tile [BLOCK_N, DR]; acc_t [DC, H] f32, m_i/l_i [H] base-2 running max and sum
+    def _load_tile(n0, hi, C, bt_row, stride_cp, RANK: tl.constexpr, ROPE: tl.constexpr,
+                   DC: tl.constexpr, DR: tl.constexpr, SLAB: tl.constexpr, PAGE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PAIRS: tl.constexpr,
+                   QFP8: tl.constexpr):
+        # tokens [n0, n0 + BLOCK_N) as stored (MASKED: tokens >= hi read as 0): (the latent
+        # tile [BLOCK_N, DC] as stored, the rope tile [BLOCK_N, DR], the latent tile as
+        # [BLOCK_N, DC / 2] 16-bit words of two fp8 values when PAIRS). With QFP8 both latent
+        # forms are loaded (the second read of the same bytes hits L2): the logits MMAs take
+        # the bytes as they are, the P@C operand is converted from the words in registers (a
+        # conversion of the byte tile is placed after shared memory, byte-wise gathers)
         n = n0 + tl.arange(0, BLOCK_N)
         dc = tl.arange(0, DC)
         dr = tl.arange(0, DR)
@@ -80,39 +83,60 @@ def build():
             d2 = tl.arange(0, DC // 2)
             wptr = tok.to(tl.pointer_type(tl.uint16), bitcast=True)[:, None] + d2[None, :]
             if MASKED or DC != RANK:
-                w = tl.load(wptr, mask=nmask[:, None] & (d2 < RANK // 2)[None, :], other=0)
+                kw = tl.load(wptr, mask=nmask[:, None] & (d2 < RANK // 2)[None, :], other=0)
             else:
-                w = tl.load(wptr)
-            kc = _fp8_pairs_to_f16(w, E5M2, ASM)  # noqa: F821  [BLOCK_N, DC] float16
-        else:
+                kw = tl.load(wptr)
+        if QFP8 or not PAIRS:
             if MASKED or DC != RANK:
                 kc = tl.load(tok[:, None] + dc[None, :],
                              mask=nmask[:, None] & (dc < RANK)[None, :], other=0.0)
             else:
                 kc = tl.load(tok[:, None] + dc[None, :])
-            kc = kc.to(qc_t.dtype)
+        else:
+            kc = kw
+        if not PAIRS:
+            kw = kc
         if MASKED or DR != ROPE:
             kr = tl.load(tok[:, None] + RANK + dr[None, :],
                          mask=nmask[:, None] & (dr < ROPE)[None, :], other=0.0)
         else:
             kr = tl.load(tok[:, None] + RANK + dr[None, :])
+        return kc, kr, kw
+
+    globals()["_load_tile"] = _load_tile
+
+    @triton.jit
+    def _tile_logits(kc, kr, kw, qc_t, qr_t, qc_lo, qr_lo, q_sc, qk_scale, PAIRS: tl.constexpr,
+                     E5M2: tl.constexpr, ASM: tl.constexpr, QFP8: tl.constexpr):
+        # a tile as _load_tile returns it -> (base-2 logits s^T [BLOCK_N, H] f32, the latent
+        # tile kv [BLOCK_N, DC] in the P@C MMA's 16-bit type)
         if QFP8:
             # logits from the 8-bit tile as stored: fp8 x fp8 MMAs against the query split in
-            # two fp8 parts (q / q_sc = hi + lo / 16, ~8 significant bits as bfloat16), so only
-            # P@C needs the converted tile
-            if MASKED or DC != RANK:
-                k8 = tl.load(tok[:, None] + dc[None, :],
-                             mask=nmask[:, None] & (dc < RANK)[None, :], other=0.0)
-            else:
-                k8 = tl.load(tok[:, None] + dc[None, :])
-            s_t = tl.dot(k8, qc_t, tl.dot(k8, qc_lo) * 0.0625)  # [BLOCK_N, H]
+            # two fp8 parts (q / q_sc = hi + lo / 16, ~8 significant bits as bfloat16); only
+            # P@C takes the tile converted to float16
+            s_t = tl.dot(kc, qc_t, tl.dot(kc, qc_lo) * 0.0625)  # [BLOCK_N, H]
             s_t = tl.dot(kr, qr_t, tl.dot(kr, qr_lo) * 0.0625 + s_t) * q_sc[None, :]
+            kv = _fp8_pairs_to_f16(kw, E5M2, ASM)  # noqa: F821  [BLOCK_N, DC] float16
         else:
-            kr = kr.to(qc_t.dtype)
-            s_t = tl.dot(kc, qc_t)  # [BLOCK_N, H]
-            s_t = tl.dot(kr, qr_t, s_t) * qk_scale
+            if PAIRS:
+                kv = _fp8_pairs_to_f16(kw, E5M2, ASM)  # noqa: F821  [BLOCK_N, DC] float16
+            else:
+                kv = kc.to(qc_t.dtype)
+            s_t = tl.dot(kv, qc_t)  # [BLOCK_N, H]
+            s_t = tl.dot(kr.to(qc_t.dtype), qr_t, s_t) * qk_scale
+        return s_t, kv
+
+    globals()["_tile_logits"] = _tile_logits
+
+    @triton.jit
+    def _tile_softmax_pv(acc_t, m_i, l_i, s_t, kv, n0, hi, BLOCK_N: tl.constexpr,
+                         MASKED: tl.constexpr):
+        # logits s_t [BLOCK_N, H] of tokens [n0, n0 + BLOCK_N) into the running softmax:
+        # acc_t [DC, H] f32 += kv^T . p^T, m_i/l_i [H] base-2 running max and sum; MASKED:
+        # tokens >= hi get no weight
         if MASKED:
-            s_t = tl.where(nmask[:, None], s_t, float("-inf"))
+            n = n0 + tl.arange(0, BLOCK_N)
+            s_t = tl.where((n < hi)[:, None], s_t, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
@@ -121,8 +145,32 @@ def build():
         alpha = tl.exp2(m_i - m_use)
         p_t = tl.exp2(s_t - m_use[None, :])  # [BLOCK_N, H]
         l_i = l_i * alpha + tl.sum(p_t, axis=0)
-        acc_t = tl.dot(tl.trans(kc), p_t.to(kc.dtype), acc_t * alpha[None, :])  # [DC, H]
+        acc_t = tl.dot(tl.trans(kv), p_t.to(kv.dtype), acc_t * alpha[None, :])  # [DC, H]
         return acc_t, m_new, l_i
+
+    globals()["_tile_softmax_pv"] = _tile_softmax_pv
+
+    @triton.jit
+    def _attend_tile(acc_t, m_i, l_i, kc, kr, kw, qc_t, qr_t, qc_lo, qr_lo, q_sc, n0, hi, qk_scale,
+                     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PAIRS: tl.constexpr,
+                     E5M2: tl.constexpr, ASM: tl.constexpr, QFP8: tl.constexpr):
+        # one tile (as _load_tile returns it) into the running softmax
+        s_t, kv = _tile_logits(kc, kr, kw, qc_t, qr_t, qc_lo, qr_lo, q_sc, qk_scale, PAIRS,
+                               E5M2, ASM, QFP8)
+        return _tile_softmax_pv(acc_t, m_i, l_i, s_t, kv, n0, hi, BLOCK_N, MASKED)
+
+    globals()["_attend_tile"] = _attend_tile
+
+    @triton.jit
+    def _swap_tile(acc_t, m_i, l_i, qc_t, qr_t, qc_lo, qr_lo, q_sc, n0, hi, C, bt_row,
+                   stride_cp, qk_scale, RANK: tl.constexpr, ROPE: tl.constexpr,
+                   DC: tl.constexpr, DR: tl.constexpr, SLAB: tl.constexpr, PAGE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PAIRS: tl.constexpr,
+                   E5M2: tl.constexpr, ASM: tl.constexpr, QFP8: tl.constexpr):
+        kc, kr, kw = _load_tile(n0, hi, C, bt_row, stride_cp, RANK, ROPE, DC, DR, SLAB, PAGE,
+                                BLOCK_N, MASKED, PAIRS, QFP8)
+        return _attend_tile(acc_t, m_i, l_i, kc, kr, kw, qc_t, qr_t, qc_lo, qr_lo, q_sc, n0, hi,
+                            qk_scale, BLOCK_N, MASKED, PAIRS, E5M2, ASM, QFP8)
 
     globals()["_swap_tile"] = _swap_tile
 
@@ -135,7 +183,7 @@ def build():
                          PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                          HBLK: tl.constexpr, SINGLE: tl.constexpr, F16: tl.constexpr,
                          PAIRS: tl.constexpr, E5M2: tl.constexpr, ASM: tl.constexpr,
-                         QFP8: tl.constexpr):
+                         QFP8: tl.constexpr, PREFETCH: tl.constexpr):
         pid = tl.program_id(0)
         s = tl.program_id(1)
         req = pid // HBLK
@@ -180,14 +228,30 @@ def build():
         hi = tl.minimum(lo + per, kv_len)
         full_end = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
         bt_row = BT + req.to(tl.int64) * stride_bt
-        for n0 in range(lo, full_end, BLOCK_N):
-            acc_t, m_i, l_i = _swap_tile(acc_t, m_i, l_i, qc_t, qr_t, qc_lo, qr_lo, q_sc, n0,
-                                         hi, C, bt_row, stride_cp, qk_scale, RANK, ROPE, DC,
-                                         DR, SLAB, PAGE, BLOCK_N, False, PAIRS, E5M2, ASM, QFP8)
-        for n0 in range(full_end, hi, BLOCK_N):
-            acc_t, m_i, l_i = _swap_tile(acc_t, m_i, l_i, qc_t, qr_t, qc_lo, qr_lo, q_sc, n0,
-                                         hi, C, bt_row, stride_cp, qk_scale, RANK, ROPE, DC,
-                                         DR, SLAB, PAGE, BLOCK_N, True, PAIRS, E5M2, ASM, QFP8)
+        if PREFETCH:
+            # registers as the second buffer: tile i + 1 is loaded (plain loads, in flight)
+            # before tile i is attended; Triton's own pipelining (num_stages) is off here
+            kc, kr, kw = _load_tile(lo, hi, C, bt_row, stride_cp, RANK, ROPE, DC, DR, SLAB,
+                                    PAGE, BLOCK_N, True, PAIRS, QFP8)
+            for n0 in range(lo, hi, BLOCK_N):
+                s_t, kv = _tile_logits(kc, kr, kw, qc_t, qr_t, qc_lo, qr_lo, q_sc, qk_scale,
+                                       PAIRS, E5M2, ASM, QFP8)
+                # the logits MMAs have taken this tile: the next one goes in flight now
+                kc, kr, kw = _load_tile(n0 + BLOCK_N, hi, C, bt_row, stride_cp, RANK, ROPE, DC,
+                                        DR, SLAB, PAGE, BLOCK_N, True, PAIRS, QFP8)
+                acc_t, m_i, l_i = _tile_softmax_pv(acc_t, m_i, l_i, s_t, kv, n0, hi, BLOCK_N,
+                                                   True)
+        else:
+            for n0 in range(lo, full_end, BLOCK_N):
+                acc_t, m_i, l_i = _swap_tile(acc_t, m_i, l_i, qc_t, qr_t, qc_lo, qr_lo, q_sc,
+                                             n0, hi, C, bt_row, stride_cp, qk_scale, RANK, ROPE,
+                                             DC, DR, SLAB, PAGE, BLOCK_N, False, PAIRS, E5M2,
+                                             ASM, QFP8)
+            for n0 in range(full_end, hi, BLOCK_N):
+                acc_t, m_i, l_i = _swap_tile(acc_t, m_i, l_i, qc_t, qr_t, qc_lo, qr_lo, q_sc,
+                                             n0, hi, C, bt_row, stride_cp, qk_scale, RANK, ROPE,
+                                             DC, DR, SLAB, PAGE, BLOCK_N, True, PAIRS, E5M2,
+                                             ASM, QFP8)
         safe_l = tl.where(l_i > 0, l_i, 1.0)
         o_t = acc_t / safe_l[None, :]  # [DC, BLOCK_H]
         dmask = hlive[None, :] & (dc < RANK)[:, None]
