@@ -8,8 +8,8 @@ export PYTHONUNBUFFERED=1
 mkdir -p "$OUT_DIR"
 t() { local s=$SECONDS; timeout "$@"; echo "[rc=$? ${SECONDS}s total, $((SECONDS-s))s this]"; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
-BF_PTS=${BF_PTS:-bfloat16:4:32768,bfloat16:32:4096}
-F8_PTS=${F8_PTS:-fp8_e4m3:4:32768,fp8_e4m3:32:4096}
+BF_PTS=${BF_PTS:-bfloat16:4:32768,bfloat16:32:4096,bfloat16:32:16384}
+F8_PTS=${F8_PTS:-fp8_e4m3:4:32768,fp8_e4m3:32:4096,fp8_e4m3:32:16384}
 BF_VARS=${BF_VARS:-s:64:8:2,s:64:8:3,s:32:8:3:2,s:32:4:3:3,s:32:8:2:2,sp:32:8:1:1,s:32:4:1:2}
 F8_VARS=${F8_VARS:-sq:64:8:2,sq:64:8:3,s:32:8:3:2,s:32:4:3:2,sp:32:8:1:1}
 S=benchmarks/kernels/mla_sweep.py
