@@ -8,10 +8,10 @@ export PYTHONUNBUFFERED=1
 mkdir -p "$OUT_DIR"
 t() { local s=$SECONDS; timeout "$@"; echo "[rc=$? ${SECONDS}s total, $((SECONDS-s))s this]"; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
-BF_PTS=${BF_PTS:-bfloat16:4:32768,bfloat16:32:4096,bfloat16:32:16384}
-F8_PTS=${F8_PTS:-fp8_e4m3:4:32768,fp8_e4m3:32:4096,fp8_e4m3:32:16384}
-BF_VARS=${BF_VARS:-s:64:8:2,s:64:8:3,s:32:8:3:2,s:32:4:3:3,s:16:4:2:3,sp:32:8:1:1,s:32:4:1:2}
-F8_VARS=${F8_VARS:-sq:64:8:2,sq:64:8:3,s:32:8:3:2,s:32:4:3:2,sp:32:8:1:1,sp:16:4:1:3}
+BF_PTS=${BF_PTS:-bfloat16:4:32768,bfloat16:32:16384}
+F8_PTS=${F8_PTS:-fp8_e4m3:4:32768,fp8_e4m3:32:16384}
+BF_VARS=${BF_VARS:-s:64:8:2,s:32:8:3:2,s:16:4:2:3,sp:32:8:1:1,sh:32:8:4:1,sh:32:8:3:2,sh:16:4:4:3,sh:32:8:5:1}
+F8_VARS=${F8_VARS:-sq:64:8:2,s:32:8:3:2,sp:16:4:1:3,sh:32:8:4:2,sh:16:4:4:3,sh:32:8:5:1}
 S=benchmarks/kernels/mla_sweep.py
 ( t ${T_WARM:-34} python3 $S --points $BF_PTS --warm > "$OUT_DIR/warm_bf_default.log" 2>&1 ) &
 ( t ${T_WARM:-34} python3 $S --points $F8_PTS --warm > "$OUT_DIR/warm_f8_default.log" 2>&1 ) &
@@ -31,12 +31,12 @@ for k in "${TA:-bfloat16 and not graph}" "${TB:-fp8_e4m3 and not graph}" "${TC:-
 done
 wait
 grep -h -E "Error|error" "$OUT_DIR"/warm_*.log | head -8
-t ${T_SWEEP:-28} python3 $S --points $BF_PTS,$F8_PTS --variants "$BF_VARS" --fp8-variants "$F8_VARS" \
+t ${T_SWEEP:-28} python3 $S --points $BF_PTS,$F8_PTS --variants "$BF_VARS" --fp8-variants "$F8_VARS" --rep ${REP:-100} \
   --json "$OUT_DIR/sweep.json" > "$OUT_DIR/sweep.log" 2>&1
 if [ $SECONDS -lt ${NCU_BEFORE:-64} ] && command -v ncu >/dev/null; then
   t $((76 - SECONDS)) ncu --clock-control none --kernel-name regex:_mla_decode_swap --launch-skip 2 \
     --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
-    python3 benchmarks/kernels/ncu_mla.py bfloat16 4 32768 16 ${NCU_VAR:-s:64:8:2} > "$OUT_DIR/ncu_bf16.txt" 2>&1
+    python3 benchmarks/kernels/ncu_mla.py bfloat16 4 32768 16 ${NCU_VAR:-sh:32:8:4} > "$OUT_DIR/ncu_bf16.txt" 2>&1
   grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers|Warp Cycles Per Issued|Stall|ERR" "$OUT_DIR/ncu_bf16.txt" | head -14
 fi
 echo "== sweep"; grep -E "GPU|TB/s|Error" "$OUT_DIR/sweep.log"

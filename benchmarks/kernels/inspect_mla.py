@@ -48,7 +48,8 @@ def compile_one(kv, decode, single, bm, bn, warps, stages, heads=16):
                                                         "num_stages": stages})
 
 
-def compile_swap(kv, single, bh, bn, warps, stages, heads=16, qfp8=False, prefetch=False):
+def compile_swap(kv, single, bh, bn, warps, stages, heads=16, qfp8=False, prefetch=False,
+                 hoist=0):
     """The swapped decode kernel (mla_decode_kernels) for sm_90."""
     from kvfit.kernels import mla_decode_kernels
 
@@ -61,7 +62,8 @@ def compile_swap(kv, single, bh, bn, warps, stages, heads=16, qfp8=False, prefet
                   PAGE=32 if kv != "bf16" else 16, BLOCK_H=bh, BLOCK_N=bn,
                   HBLK=max(1, heads // bh), SINGLE=single, F16=kv != "bf16",
                   PAIRS=kv != "bf16", E5M2=kv == "fp8e5", ASM=True,
-                  QFP8=qfp8 and kv == "fp8e4nv", PREFETCH=prefetch)
+                  QFP8=qfp8 and kv == "fp8e4nv", PREFETCH=prefetch, HOIST=hoist,
+                  MAXP_POW2=max(16, 1 << (hoist * bn // (32 if kv != "bf16" else 16) + 1).bit_length()))
     src = ASTSource(mla_decode_kernels.build(), dict(zip(names, types)), constexprs=consts,
                     attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": warps,
@@ -113,7 +115,8 @@ def main():
         for name, dec, single, bm, bn, w, st in runs:
             try:
                 k = (compile_swap(kv, single, bm, bn, w, st, qfp8="q" in name[5:],
-                                  prefetch="p" in name[5:])
+                                  prefetch="p" in name[5:],
+                                  hoist=max(1, 1024 // bn) if "h" in name[5:] else 0)
                      if name.startswith("swap") else compile_one(kv, dec, single, bm, bn, w, st))
                 print(f"{kvd:>9} {name:>7} bm={bm} bn={bn} w={w} st={st}: {report(k)}",
                       flush=True)

@@ -20,11 +20,13 @@ def main() -> None:
     p.add_argument("--variants", default="",
                    help="[KIND:]block_n:warps:stages[:bytes|:per_sm],... (default only; KIND: "
                         "s the swapped kernel, heads as N; q its fp8 x fp8 logits (e4m3); p its "
-                        "register prefetch of the next tile, per_sm its programs per SM for the "
+                        "register prefetch of the next tile, h its page ids of 1024 tokens loaded before their "
+                        "tiles, per_sm its programs per SM for the "
                         "split rule; bytes: fp8 P@C operand of the row kernel from the byte "
                         "tile)")
     p.add_argument("--fp8-variants", default=None,
                    help="the variants of the fp8 points (default: --variants)")
+    p.add_argument("--rep", type=int, default=150, help="do_bench ms per timing")
     p.add_argument("--no-default", action="store_true", help="only the listed variants")
     p.add_argument("--warm", action="store_true",
                    help="one call per variant, no timing (compiles into the Triton cache; run "
@@ -64,6 +66,7 @@ def main() -> None:
                 cfg = decode_config(b, args.heads, 512, ctx, ls.dtype, torch.bfloat16,
                                     block_n=bn, num_warps=w, num_stages=st, swap=True,
                                     qfp8="q" in kind, prefetch="p" in kind,
+                                    hoist=max(1, 1024 // bn) if "h" in kind else 0,
                                     programs_per_sm=per_sm)
             else:
                 cfg = dataclasses.replace(decode_config(b, args.heads, 512, ctx, ls.dtype,
@@ -77,7 +80,7 @@ def main() -> None:
                     warm_mla_decode(ls, args.heads, cfg)
                     print(f"warm {kvd} {name} ok", flush=True)
                     continue
-                us = time_mla_decode(ls, args.heads, cfg)
+                us = time_mla_decode(ls, args.heads, cfg, rep=args.rep)
             except Exception as e:  # noqa: BLE001 - a variant that does not compile/fit
                 print(f"{kvd:>9} b={b:<3} ctx={ctx:<6} {name:>9}: {type(e).__name__} "
                       f"{str(e)[:120]}", flush=True)

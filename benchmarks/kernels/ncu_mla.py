@@ -21,7 +21,7 @@ if len(sys.argv) > 5:
     kind, bn, w, st = sys.argv[5].split(":")
     cfg = decode_config(b, heads, 512, ctx, ls.dtype, torch.bfloat16, block_n=int(bn),
                         num_warps=int(w), num_stages=int(st), swap=True, qfp8="q" in kind,
-                        prefetch="p" in kind)
+                        prefetch="p" in kind, hoist=max(1, 1024 // int(bn)) if "h" in kind else 0)
 else:
     cfg = decode_config(b, heads, 512, ctx, ls.dtype, torch.bfloat16)
 q = torch.randn(b, heads, 576, device="cuda", dtype=torch.bfloat16)

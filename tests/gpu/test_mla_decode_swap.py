@@ -1,6 +1,7 @@
 """The swapped MLA decode kernel (heads as the MMAs' N, kernels/mla_decode_kernels.py) on the
 GPU against the float64 reference: every latent format, pages of 16 and 32, 64- and 32-token
-tiles, V2-Lite's 16 heads and V2's 128 (four programs per request), split and single-split
+tiles (and tiles smaller than a page), register prefetch, page ids hoisted out of the tile
+loop, V2-Lite's 16 heads and V2's 128 (four programs per request), split and single-split
 decode, e4m3 logits by fp8 MMAs (``qfp8``), requests shorter than a tile, NaN-poisoned output
 and unused pages; and its CUDA-graph replay equal to eager."""
 
@@ -30,14 +31,15 @@ def _cfg(batch, heads, max_len, cache, q, variant, splits=None):
     kind, bn, w, st = variant.split(":")
     return decode_config(batch, heads, 512, max_len, cache.dtype, q.dtype, block_n=int(bn),
                          num_warps=int(w), num_stages=int(st), num_splits=splits, swap=True,
-                         qfp8="q" in kind, prefetch="p" in kind)
+                         qfp8="q" in kind, prefetch="p" in kind,
+                         hoist=max(1, 1024 // int(bn)) if "h" in kind else 0)
 
 
 @pytest.mark.parametrize("fmt,page,heads,variant,splits", [
     ("bfloat16", 16, 16, "s:64:8:2", None), ("bfloat16", 32, 128, "s:32:4:3", 1),
-    ("bfloat16", 16, 16, "sp:32:8:1", None), ("fp8_e4m3", 32, 16, "sq:64:8:2", None),
-    ("fp8_e4m3", 16, 16, "sqp:64:8:1", 1), ("fp8_e5m2", 16, 128, "s:32:8:3", None),
-    ("fp8_e4m3", 32, 128, "sp:32:8:1", None)])
+    ("bfloat16", 16, 16, "sh:32:8:4", None), ("bfloat16", 32, 16, "sh:16:4:4", None),
+    ("fp8_e4m3", 32, 16, "sq:64:8:2", None), ("fp8_e4m3", 32, 16, "sh:32:8:4", 1),
+    ("fp8_e5m2", 16, 128, "sh:16:4:4", None), ("fp8_e4m3", 32, 128, "sp:32:8:1", None)])
 def test_mla_swapped_decode_kernel(fmt, page, heads, variant, splits):
     from kvfit.kernels.mla import mla_decode
 
@@ -48,13 +50,14 @@ def test_mla_swapped_decode_kernel(fmt, page, heads, variant, splits):
     sm = 192 ** -0.5
     cfg = _cfg(4, heads, max(kv_lens), cache, q, variant, splits)
     assert cfg.swap and cfg.qfp8 == ("q" in variant) and cfg.prefetch == ("p" in variant)
+    assert (cfg.hoist > 0) == ("h" in variant)
     assert (cfg.num_splits > 1) == (splits is None)
     out = torch.full((4, heads, 512), float("nan"), dtype=q.dtype, device=DEV)
     mla_decode(q, cache, table, cu, kv, out, 512, sm, cfg, scale=0.5)
     assert _rel(out, mla_reference(q, stored, [1] * 4, kv_lens, 512, sm)) < TOL[fmt]
 
 
-@pytest.mark.parametrize("fmt,variant", [("bfloat16", "s:64:8:2"), ("fp8_e4m3", "sq:64:8:2")])
+@pytest.mark.parametrize("fmt,variant", [("bfloat16", "sh:32:8:4"), ("fp8_e4m3", "sh:32:8:4")])
 def test_mla_swapped_decode_graph_replay(fmt, variant):
     """Captured once, replayed after the cache, lengths and query change: equals eager."""
     from kvfit.kernels.mla import mla_decode

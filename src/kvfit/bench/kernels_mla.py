@@ -71,12 +71,12 @@ def warm_mla_decode(ls: LatentSet, heads: int, cfg) -> None:
     torch.cuda.synchronize()
 
 
-def time_mla_decode(ls: LatentSet, heads: int, cfg) -> float:
+def time_mla_decode(ls: LatentSet, heads: int, cfg, rep: int = 150) -> float:
     """Median µs of one ``mla_decode`` call (the merge included)."""
     import triton
 
     fns = [_decode_call(ls, heads, cfg, i) for i in range(ls.reps)]
-    return triton.testing.do_bench(rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3
+    return triton.testing.do_bench(rotating(fns), warmup=25, rep=rep, return_mode="median") * 1e3
 
 
 def time_mla_prefill(ls: LatentSet, heads: int, q_len: int, cfg=None) -> float:

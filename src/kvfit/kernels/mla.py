@@ -38,6 +38,7 @@ class MLAConfig:
     swap: bool = False  # decode: heads as the MMAs' N dimension (mla_decode_kernels)
     qfp8: bool = False  # swapped e4m3 decode: logits by fp8 MMAs (query split in two fp8 parts)
     prefetch: bool = False  # swapped decode: next tile loaded into registers before this one
+    hoist: int = 0  # swapped decode: page ids of this many tiles loaded before their loop
 
 
 def _pow2(x: int) -> int:
@@ -60,14 +61,15 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
                   block_n: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, num_splits: int | None = None,
                   swap: bool | None = None, qfp8: bool | None = None,
-                  prefetch: bool | None = None,
+                  prefetch: bool | None = None, hoist: int | None = None,
                   programs_per_sm: int | None = None) -> MLAConfig:
     """Rows: every head of a request (at least 16 for the MMA, at most 32 per program: a
     [64, 512] float32 accumulator spills; larger head counts take several programs per request,
     adjacent in the grid so their shared latent tiles come from L2). ``swap``: the kernel with
     the heads as the MMAs' N (``mla_decode_kernels``; 16- and 8-bit latents), ``qfp8`` its
     e4m3 logits by fp8 MMAs, ``prefetch`` its next tile loaded into registers while this one is
-    attended (no Triton pipelining). Splits (``programs_per_sm``: the occupancy of the variant,
+    attended (no Triton pipelining), ``hoist`` the page ids of that many tiles loaded before
+    their loop (so Triton's pipelining can run the tile loads num_stages - 1 ahead). Splits (``programs_per_sm``: the occupancy of the variant,
     default from its sm_90 compile): the fewest waves per unit of work over ``num_sms`` SMs at
     the programs per SM each tile allows, splits of >= 256 tokens, 1% merge cost per split.
     Ranks that are not a power of two keep one split (the merge kernel reads whole rows)."""
@@ -77,6 +79,7 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
     swap = (not exact) and bool(swap)
     qfp8 = swap and cache_dtype == torch.float8_e4m3fn and bool(qfp8)
     prefetch = swap and bool(prefetch)
+    hoist = int(hoist or 0) if swap and not prefetch else 0
     # (block_n, warps, stages, programs per SM) from the sm_90 compile of each variant
     # (benchmarks/kernels/inspect_mla.py). Rows kernel: 16-bit 32-token tiles take 104
     # registers and 56 KB of shared memory (2 per SM), 428 instructions per warp and tile; 8-bit
@@ -108,7 +111,7 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
                     best = (cost, sp)
             num_splits = best[1]
     return MLAConfig(block_m, block_n or tile[0], num_warps or tile[1], num_stages or tile[2],
-                     num_splits, swap=swap, qfp8=qfp8, prefetch=prefetch)
+                     num_splits, swap=swap, qfp8=qfp8, prefetch=prefetch, hoist=hoist)
 
 
 def prefill_config(num_heads: int, cache_dtype: torch.dtype, q_dtype: torch.dtype) -> MLAConfig:
@@ -188,7 +191,8 @@ def _launch_swap(q, cache, block_table, kv_lens, out, op, lse, rank: int, sm_sca
         PAIRS=cache.dtype in FP8 and rank % 2 == 0,
         E5M2=cache.dtype == torch.float8_e5m2, ASM=not _interpreting(),
         QFP8=cfg.qfp8 and cache.dtype == torch.float8_e4m3fn and rank % 2 == 0,
-        PREFETCH=cfg.prefetch,
+        PREFETCH=cfg.prefetch, HOIST=cfg.hoist,
+        MAXP_POW2=max(16, _pow2(cfg.hoist * cfg.block_n // cache.shape[1] + 2)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 

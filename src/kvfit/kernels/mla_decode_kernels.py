@@ -63,18 +63,23 @@ def build():
     def _load_tile(n0, hi, C, bt_row, stride_cp, RANK: tl.constexpr, ROPE: tl.constexpr,
                    DC: tl.constexpr, DR: tl.constexpr, SLAB: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PAIRS: tl.constexpr,
-                   QFP8: tl.constexpr):
+                   QFP8: tl.constexpr, pages=0, page0=0, MAXP: tl.constexpr = 0):
         # tokens [n0, n0 + BLOCK_N) as stored (MASKED: tokens >= hi read as 0): (the latent
         # tile [BLOCK_N, DC] as stored, the rope tile [BLOCK_N, DR], the latent tile as
         # [BLOCK_N, DC / 2] 16-bit words of two fp8 values when PAIRS). With QFP8 both latent
         # forms are loaded (the second read of the same bytes hits L2): the logits MMAs take
         # the bytes as they are, the P@C operand is converted from the words in registers (a
-        # conversion of the byte tile is placed after shared memory, byte-wise gathers)
+        # conversion of the byte tile is placed after shared memory, byte-wise gathers).
+        # MAXP > 0: the page ids come from ``pages`` [MAXP] (the table entries from page0 on,
+        # loaded before the loop), so the tile's addresses need no load of their own
         n = n0 + tl.arange(0, BLOCK_N)
         dc = tl.arange(0, DC)
         dr = tl.arange(0, DR)
         nmask = n < hi
-        if MASKED:
+        if MAXP > 0:
+            slot = tl.minimum(tl.maximum(n // PAGE - page0, 0), MAXP - 1)
+            page = tl.gather(pages, slot, 0).to(tl.int64)
+        elif MASKED:
             page = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
         else:
             page = tl.load(bt_row + n // PAGE).to(tl.int64)
@@ -183,7 +188,8 @@ def build():
                          PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                          HBLK: tl.constexpr, SINGLE: tl.constexpr, F16: tl.constexpr,
                          PAIRS: tl.constexpr, E5M2: tl.constexpr, ASM: tl.constexpr,
-                         QFP8: tl.constexpr, PREFETCH: tl.constexpr):
+                         QFP8: tl.constexpr, PREFETCH: tl.constexpr, HOIST: tl.constexpr,
+                         MAXP_POW2: tl.constexpr):
         pid = tl.program_id(0)
         s = tl.program_id(1)
         req = pid // HBLK
@@ -241,6 +247,22 @@ def build():
                                         DR, SLAB, PAGE, BLOCK_N, True, PAIRS, QFP8)
                 acc_t, m_i, l_i = _tile_softmax_pv(acc_t, m_i, l_i, s_t, kv, n0, hi, BLOCK_N,
                                                    True)
+        elif HOIST > 0:
+            # the page ids of CHUNK tokens loaded at once, then a loop of tiles whose addresses
+            # are arithmetic on them: Triton's pipelining (num_stages) can issue those loads
+            # stages ahead (a page-id load inside the loop leaves the data one tile ahead)
+            jp = tl.arange(0, MAXP_POW2)  # >= the pages a chunk of HOIST tiles can touch
+            for c0 in range(lo, hi, HOIST * BLOCK_N):
+                page0 = c0 // PAGE
+                c_end = tl.minimum(c0 + HOIST * BLOCK_N, hi)
+                pages = tl.load(bt_row + page0 + jp, mask=(page0 + jp) * PAGE < c_end, other=0)
+                for n0 in range(c0, c_end, BLOCK_N):
+                    kc, kr, kw = _load_tile(n0, c_end, C, bt_row, stride_cp, RANK, ROPE, DC, DR,
+                                            SLAB, PAGE, BLOCK_N, True, PAIRS, QFP8, pages,
+                                            page0, MAXP_POW2)
+                    acc_t, m_i, l_i = _attend_tile(acc_t, m_i, l_i, kc, kr, kw, qc_t, qr_t,
+                                                   qc_lo, qr_lo, q_sc, n0, c_end, qk_scale,
+                                                   BLOCK_N, True, PAIRS, E5M2, ASM, QFP8)
         else:
             for n0 in range(lo, full_end, BLOCK_N):
                 acc_t, m_i, l_i = _swap_tile(acc_t, m_i, l_i, qc_t, qr_t, qc_lo, qr_lo, q_sc,
