@@ -13,28 +13,28 @@ F8_PTS=${F8_PTS:-fp8_e4m3:4:32768,fp8_e4m3:32:16384}
 BF_VARS=${BF_VARS:-s:64:8:2,s:32:8:3:2,s:16:4:2:3,sp:32:8:1:1,sh:32:8:4:1,sh:32:8:3:2,sh:16:4:4:3,sh:32:8:5:1}
 F8_VARS=${F8_VARS:-sq:64:8:2,s:32:8:3:2,sp:16:4:1:3,sh:32:8:4:2,sh:16:4:4:3,sh:32:8:5:1}
 S=benchmarks/kernels/mla_sweep.py
-( t ${T_WARM:-34} python3 $S --points $BF_PTS --warm > "$OUT_DIR/warm_bf_default.log" 2>&1 ) &
-( t ${T_WARM:-34} python3 $S --points $F8_PTS --warm > "$OUT_DIR/warm_f8_default.log" 2>&1 ) &
+( t ${T_WARM:-30} python3 $S --points $BF_PTS --warm > "$OUT_DIR/warm_bf_default.log" 2>&1 ) &
+( t ${T_WARM:-30} python3 $S --points $F8_PTS --warm > "$OUT_DIR/warm_f8_default.log" 2>&1 ) &
 for v in ${BF_VARS//,/ }; do
-  ( t ${T_WARM:-34} python3 $S --points $BF_PTS --variants $v --no-default --warm \
+  ( t ${T_WARM:-30} python3 $S --points $BF_PTS --variants $v --no-default --warm \
       > "$OUT_DIR/warm_bf_${v//:/_}.log" 2>&1 ) &
 done
 for v in ${F8_VARS//,/ }; do
-  ( t ${T_WARM:-34} python3 $S --points $F8_PTS --variants $v --no-default --warm \
+  ( t ${T_WARM:-30} python3 $S --points $F8_PTS --variants $v --no-default --warm \
       > "$OUT_DIR/warm_f8_${v//:/_}.log" 2>&1 ) &
 done
 i=0
 for k in "${TA:-bfloat16 and not graph}" "${TB:-fp8_e4m3 and not graph}" "${TC:-fp8_e5m2 or graph}"; do
-  ( t ${T_TESTS:-36} python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_mla_decode_swap.py \
+  ( t ${T_TESTS:-30} python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_mla_decode_swap.py \
       -k "$k" > "$OUT_DIR/gpu_tests_$i.log" 2>&1; echo "== tests ($k)"; tail -4 "$OUT_DIR/gpu_tests_$i.log" ) &
   i=$((i + 1))
 done
 wait
 grep -h -E "Error|error" "$OUT_DIR"/warm_*.log | head -8
-t ${T_SWEEP:-28} python3 $S --points $BF_PTS,$F8_PTS --variants "$BF_VARS" --fp8-variants "$F8_VARS" --rep ${REP:-100} \
+t ${T_SWEEP:-27} python3 $S --points $BF_PTS,$F8_PTS --variants "$BF_VARS" --fp8-variants "$F8_VARS" --rep ${REP:-100} \
   --json "$OUT_DIR/sweep.json" > "$OUT_DIR/sweep.log" 2>&1
-if [ $SECONDS -lt ${NCU_BEFORE:-64} ] && command -v ncu >/dev/null; then
-  t $((76 - SECONDS)) ncu --clock-control none --kernel-name regex:_mla_decode_swap --launch-skip 2 \
+if [ $SECONDS -lt ${NCU_BEFORE:-56} ] && command -v ncu >/dev/null; then
+  t $((72 - SECONDS)) ncu --clock-control none --kernel-name regex:_mla_decode_swap --launch-skip 2 \
     --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
     python3 benchmarks/kernels/ncu_mla.py bfloat16 4 32768 16 ${NCU_VAR:-sh:32:8:4} > "$OUT_DIR/ncu_bf16.txt" 2>&1
   grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers|Warp Cycles Per Issued|Stall|ERR" "$OUT_DIR/ncu_bf16.txt" | head -14

@@ -20,7 +20,7 @@ def main() -> None:
     p.add_argument("--variants", default="",
                    help="[KIND:]block_n:warps:stages[:bytes|:per_sm],... (default only; KIND: "
                         "s the swapped kernel, heads as N; q its fp8 x fp8 logits (e4m3); p its "
-                        "register prefetch of the next tile, h its page ids of 1024 tokens loaded before their "
+                        "register prefetch of the next tile, r the row kernel (heads as M), h its page ids of 1024 tokens loaded before their "
                         "tiles, per_sm its programs per SM for the "
                         "split rule; bytes: fp8 P@C operand of the row kernel from the byte "
                         "tile)")
@@ -61,8 +61,12 @@ def main() -> None:
             parts = v.split(":")  # [KIND:]block_n:warps:stages[:bytes]
             kind = parts.pop(0) if not parts[0].isdigit() else ""
             bn, w, st = map(int, parts[:3])
-            if kind:  # s: swapped, q: + fp8 logits, p: + register prefetch (sp, sq, sqp, ...)
-                per_sm = int(parts[3]) if len(parts) > 3 else None  # programs per SM
+            per_sm = int(parts[3]) if len(parts) > 3 and parts[3].isdigit() else None
+            if kind == "r":  # the row kernel (heads as M)
+                cfg = decode_config(b, args.heads, 512, ctx, ls.dtype, torch.bfloat16,
+                                    block_n=bn, num_warps=w, num_stages=st, swap=False,
+                                    programs_per_sm=per_sm)
+            elif kind:  # s: swapped, q: + fp8 logits, p: + register prefetch (sp, sq, sqp, ...)
                 cfg = decode_config(b, args.heads, 512, ctx, ls.dtype, torch.bfloat16,
                                     block_n=bn, num_warps=w, num_stages=st, swap=True,
                                     qfp8="q" in kind, prefetch="p" in kind,
