@@ -10,8 +10,8 @@ t() { local s=$SECONDS; timeout "$@"; echo "[rc=$? ${SECONDS}s total, $((SECONDS
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 BF_PTS=${BF_PTS:-bfloat16:4:32768,bfloat16:32:16384}
 F8_PTS=${F8_PTS:-fp8_e4m3:4:32768,fp8_e4m3:32:16384}
-BF_VARS=${BF_VARS:-s:64:8:2,s:32:8:3:2,s:16:4:2:3,sp:32:8:1:1,sh:32:8:4:1,sh:32:8:3:2,sh:16:4:4:3,sh:32:8:5:1}
-F8_VARS=${F8_VARS:-sq:64:8:2,s:32:8:3:2,sp:16:4:1:3,sh:32:8:4:2,sh:16:4:4:3,sh:32:8:5:1}
+BF_VARS=${BF_VARS:-sh:32:8:4:1,sh:32:8:3:2,sh:16:4:4:3,sh:32:8:5:1,sh:16:8:4:2,sh:16:4:6:2,sh:32:4:4:1,sh:16:4:5:2}
+F8_VARS=${F8_VARS:-sh:32:8:4:2,sh:16:4:4:3,sh:32:8:5:1,sh:16:8:4:2,sh:16:4:6:2,sh:64:8:3:1,sh:32:4:4:2}
 S=benchmarks/kernels/mla_sweep.py
 ( t ${T_WARM:-30} python3 $S --points $BF_PTS --warm > "$OUT_DIR/warm_bf_default.log" 2>&1 ) &
 ( t ${T_WARM:-30} python3 $S --points $F8_PTS --warm > "$OUT_DIR/warm_f8_default.log" 2>&1 ) &
