@@ -33,11 +33,19 @@ wait
 grep -h -E "Error|error" "$OUT_DIR"/warm_*.log | head -8
 t ${T_SWEEP:-27} python3 $S --points $BF_PTS,$F8_PTS --variants "$BF_VARS" --fp8-variants "$F8_VARS" --rep ${REP:-100} \
   --json "$OUT_DIR/sweep.json" > "$OUT_DIR/sweep.log" 2>&1
-if [ $SECONDS -lt ${NCU_BEFORE:-56} ] && command -v ncu >/dev/null; then
-  t $((72 - SECONDS)) ncu --clock-control none --kernel-name regex:_mla_decode_swap --launch-skip 2 \
-    --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
-    python3 benchmarks/kernels/ncu_mla.py bfloat16 4 32768 16 ${NCU_VAR:-sh:32:8:4} > "$OUT_DIR/ncu_bf16.txt" 2>&1
-  grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers|Warp Cycles Per Issued|Stall|ERR" "$OUT_DIR/ncu_bf16.txt" | head -14
-fi
+STALLS=$(for r in long_scoreboard short_scoreboard barrier wait mio_throttle lg_throttle math_pipe_throttle not_selected selected dispatch_stall no_instruction; do
+  printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' $r; done)
+# bf16 with the stall-reason metrics, fp8 with the sections only (in case a metric name is
+# refused there)
+for kv in "bfloat16 16 ${NCU_VAR:-sh:32:8:4} M" "fp8_e4m3 32 ${NCU_VAR8:-sh:32:8:4} -"; do
+  set -- $kv
+  M=(); [ "$4" = M ] && M=(--metrics "${STALLS%,}")
+  if [ $SECONDS -lt ${NCU_BEFORE:-58} ] && command -v ncu >/dev/null; then
+    t $((72 - SECONDS)) ncu --clock-control none --kernel-name regex:_mla_decode_swap --launch-skip 2 \
+      --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+      "${M[@]}" python3 benchmarks/kernels/ncu_mla.py $1 4 32768 $2 $3 > "$OUT_DIR/ncu_$1.txt" 2>&1
+    echo "== ncu $kv"; grep -E "Duration|DRAM Throughput|Achieved Occupancy|Warp Cycles Per Issued|stalled|ERR|rc=" "$OUT_DIR/ncu_$1.txt" | head -20
+  fi
+done
 echo "== sweep"; grep -E "GPU|TB/s|Error" "$OUT_DIR/sweep.log"
 true
