@@ -23,6 +23,7 @@ from kvfit.kernels import decode_kernels, mla_decode_kernels, mla_kernels
 
 LOG2E = 1.4426950408889634
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+DEFAULT_HOIST_TOKENS = 1024  # tokens per chunk of hoisted page ids (swapped decode)
 
 
 @dataclass(frozen=True)
@@ -69,13 +70,20 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
     the heads as the MMAs' N (``mla_decode_kernels``; 16- and 8-bit latents), ``qfp8`` its
     e4m3 logits by fp8 MMAs, ``prefetch`` its next tile loaded into registers while this one is
     attended (no Triton pipelining), ``hoist`` the page ids of that many tiles loaded before
-    their loop (so Triton's pipelining can run the tile loads num_stages - 1 ahead). Splits (``programs_per_sm``: the occupancy of the variant,
-    default from its sm_90 compile): the fewest waves per unit of work over ``num_sms`` SMs at
-    the programs per SM each tile allows, splits of >= 256 tokens, 1% merge cost per split.
-    Ranks that are not a power of two keep one split (the merge kernel reads whole rows)."""
+    their loop (so Triton's pipelining runs the tile loads num_stages - 1 ahead). Default
+    (``swap`` None), from the H200 sweep: 16-bit latents at <= 16 heads take the swapped kernel
+    with hoisted page ids (32-token tiles, 4 warps, 4 stages); fp8, float32 and more heads the
+    row kernel. Splits: the fewest waves per unit of work over ``num_sms`` SMs at the programs
+    per SM each tile allows (``programs_per_sm`` overrides it), splits of >= 256 tokens, 1%
+    merge cost per split. Ranks that are not a power of two keep one split (the merge kernel
+    reads whole rows)."""
     exact = _exact(q_dtype, cache_dtype)
     block_m = 16 if exact else min(32, max(16, _pow2(num_heads)))
     hblk = math.ceil(num_heads / block_m)
+    auto = swap is None
+    if auto:  # the measured winner: 16-bit latents at V2-Lite's 16 heads (docs/benchmarks.md)
+        swap = not exact and cache_dtype not in FP8 and num_heads <= 16
+        hoist = DEFAULT_HOIST_TOKENS // 32 if swap else 0
     swap = (not exact) and bool(swap)
     qfp8 = swap and cache_dtype == torch.float8_e4m3fn and bool(qfp8)
     prefetch = swap and bool(prefetch)
@@ -88,6 +96,9 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
     # KB (1 per SM), 32-token tiles 57-106 KB (2 per SM)
     if exact:
         tile = (16, 4, 1, 1)
+    elif swap and hoist:
+        # 32-token tiles, 4 warps, 4 stages (3 tiles in flight), 166 registers and 130 KB
+        tile = (32, 4, 4, 1)
     elif swap:
         tile = (64, 8, 2, 1)
     elif cache_dtype in FP8:
