@@ -2,7 +2,8 @@
 # 1. end to end `kvfit bench seed` on DeepSeek-V2-Lite cut to 8 layers (bf16 vs fp8 latents,
 #    16k, batch 1 and 32) ALONE on the GPU except for the short decode-kernel tests of the new
 #    default launch, which run during the seed's start-up (model build, graph capture);
-# 2. then the remaining MLA GPU tests (graphs, engine, prefill, torch backend) in the time left.
+# 2. then the remaining MLA GPU tests (graphs, engine, prefill, torch backend) in the time left;
+# 3. a short decode sweep if time is left.
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT_DIR"
 t() { local s=$SECONDS; timeout "$@"; echo "[rc=$? ${SECONDS}s total, $((SECONDS-s))s this]"; }
@@ -24,4 +25,11 @@ for k in "${TESTS_1:-graph or engine}" "${TESTS_2:-prefill_kernel or float32 or 
 done
 wait
 echo "== seed table"; grep -E "^\|" "$OUT_DIR/seed.log"
+# 3. time permitting: more 4-warp hoisted launches (2 and 3 programs per SM) against the default
+if [ $SECONDS -lt ${SWEEP_BEFORE:-52} ]; then
+  t $((74 - SECONDS)) python3 benchmarks/kernels/mla_sweep.py --points ${PTS:-bfloat16:4:32768,bfloat16:32:16384} \
+    --variants "${VARS:-sh:32:4:3:2,sh:32:4:2:3,sh:32:4:5:1}" --rep 60 --json "$OUT_DIR/sweep.json" \
+    > "$OUT_DIR/sweep.log" 2>&1
+  echo "== sweep"; grep -E "GPU|TB/s|Error" "$OUT_DIR/sweep.log"
+fi
 true
