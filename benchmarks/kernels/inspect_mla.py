@@ -98,7 +98,8 @@ def main():
         kv = DT[kvd]
         d = decode_config(4, 16, 512, 32768, TORCH[kvd], torch.bfloat16)
         p = prefill_config(16, TORCH[kvd], torch.bfloat16)
-        runs = [("decode", True, False, d.block_m, d.block_n, d.num_warps, d.num_stages),
+        first = ("swap-" + "s" + "q" * d.qfp8 + "h" * (d.hoist > 0)) if d.swap else "decode"
+        runs = [(first, True, False, d.block_m, d.block_n, d.num_warps, d.num_stages),
                 ("prefill", False, True, p.block_m, p.block_n, p.num_warps, p.num_stages)]
         for v in variants:
             if v.startswith("p:"):  # prefill p:block_m:block_n:warps:stages
