@@ -63,7 +63,8 @@ def compile_swap(kv, single, bh, bn, warps, stages, heads=16, qfp8=False, prefet
                   HBLK=max(1, heads // bh), SINGLE=single, F16=kv != "bf16",
                   PAIRS=kv != "bf16", E5M2=kv == "fp8e5", ASM=True,
                   QFP8=qfp8 and kv == "fp8e4nv", PREFETCH=prefetch, HOIST=hoist,
-                  MAXP_POW2=max(16, 1 << (hoist * bn // (32 if kv != "bf16" else 16) + 1).bit_length()))
+                  MAXP_POW2=max(16, 1 << (hoist * bn // (32 if kv != "bf16" else 16)
+                                          + 1).bit_length()))
     src = ASTSource(mla_decode_kernels.build(), dict(zip(names, types)), constexprs=consts,
                     attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": warps,
@@ -85,8 +86,8 @@ def report(k):
             ops[m.group(1)] += 1
     regs = re.search(r"REG:(\d+)", res)
     spill = "STL" in ops
-    keep = ("HMMA", "HGMMA", "QGMMA", "F2FP", "F2F", "LDGSTS", "LDG", "LDS", "LDS.U8", "LDS.U16", "LDSM",
-            "STS", "MUFU", "PRMT", "BAR")
+    keep = ("HMMA", "HGMMA", "QGMMA", "F2FP", "F2F", "LDGSTS", "LDG", "LDS", "LDS.U8", "LDS.U16",
+            "LDSM", "STS", "MUFU", "PRMT", "BAR")
     mix = " ".join(f"{o}={ops[o]}" for o in keep if ops[o])
     return (f"regs={regs.group(1) if regs else '?'} smem={k.metadata.shared} "
             f"spills={'YES' if spill else 'no'} {mix}")

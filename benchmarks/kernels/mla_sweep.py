@@ -18,12 +18,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--points", default="bfloat16:4:32768,fp8_e4m3:4:32768")
     p.add_argument("--variants", default="",
-                   help="[KIND:]block_n:warps:stages[:bytes|:per_sm],... (default only; KIND: "
-                        "s the swapped kernel, heads as N; q its fp8 x fp8 logits (e4m3); p its "
-                        "register prefetch of the next tile, r the row kernel (heads as M), h its page ids of 1024 tokens loaded before their "
-                        "tiles, per_sm its programs per SM for the "
-                        "split rule; bytes: fp8 P@C operand of the row kernel from the byte "
-                        "tile)")
+                   help="[KIND:]block_n:warps:stages[:bytes|:per_sm],... (default only; KIND "
+                        "letters: r the row kernel (heads as M), s the swapped kernel (heads as "
+                        "N), q its fp8 x fp8 logits (e4m3), p its register prefetch of the next "
+                        "tile, h its page ids of 1024 tokens loaded before their tiles; per_sm: "
+                        "programs per SM for the split rule; bytes: fp8 P@C operand of the row "
+                        "kernel from the byte tile)")
     p.add_argument("--fp8-variants", default=None,
                    help="the variants of the fp8 points (default: --variants)")
     p.add_argument("--rep", type=int, default=150, help="do_bench ms per timing")
