@@ -1,9 +1,10 @@
 """Paged MLA attention over the latent cache (Triton), host side: launch choices and launches.
 
 ``mla_decode`` (one query token per request, split-K over the context, every head of a request
-in one program so a latent tile is read once per (request, split)) and ``mla_prefill`` (chunks
-of several tokens, causal over the cached prefix, mixed batches) run the kernel of
-``mla_kernels``; ``store_latent`` writes a step's new slabs into their slots with the pool's
+in one program so a latent tile is read once per (request, split)) runs the row kernel of
+``mla_kernels`` or, with ``MLAConfig.swap`` (the 16-bit default at <= 16 heads), the swapped
+kernel of ``mla_decode_kernels``; ``mla_prefill`` (chunks of several tokens, causal over the
+cached prefix, mixed batches) runs the row kernel; ``store_latent`` writes a step's new slabs into their slots with the pool's
 quantize-on-store. Shapes: q ``[T, H, RANK + ROPE]`` (absorbed query ``[q_lat ; q_pe]``), cache
 ``[num_pages, P, RANK + ROPE]``, out ``[T, H, RANK]`` (the attention-weighted latent).
 
