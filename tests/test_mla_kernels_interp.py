@@ -6,6 +6,7 @@ rank and rope that are not powers of two, and the quantizing latent store bit-ex
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -115,3 +116,31 @@ def test_tiny_deepseek_through_triton_backend_matches_hf():
         with torch.no_grad():
             ref = hf(torch.tensor([seq])).logits[0].float()
         assert ((g - ref).abs().max() / ref.abs().max()).item() < 1e-4
+
+
+@pytest.mark.parametrize("fmt,splits,page,block_n,heads", [
+    ("float16", 1, 16, 16, 4), ("float16", 3, 8, 32, 16), ("fp8_e4m3", 2, 16, 32, 5),
+    ("fp8_e5m2", 1, 32, 16, 16), ("float16", 2, 32, 64, 20), ("fp8_e4m3:q", 2, 16, 32, 5),
+    ("fp8_e4m3:q", 1, 32, 64, 16), ("float16:p", 3, 8, 16, 4), ("fp8_e4m3:qp", 2, 16, 32, 16),
+    ("fp8_e5m2:p", 1, 16, 64, 5), ("float16:h", 1, 8, 16, 4), ("fp8_e4m3:qh", 3, 16, 32, 16),
+    ("float16:h", 2, 32, 16, 6)])
+def test_mla_decode_swapped_matches_reference(fmt, splits, page, block_n, heads):
+    """The swapped decode kernel (heads as the MMAs' N, mla_decode_kernels): heads that do not
+    fill the head block, tiles smaller and larger than a page, a request shorter than a tile."""
+    fmt, kind = (fmt + ":").split(":")[:2]  # q: logits by fp8 x fp8 MMAs; p: register prefetch
+    rank, rope = 32, 16
+    kv_lens = [37, 5, 70]
+    q_lens = [1] * len(kv_lens)
+    q, cache, table, cu, kv, stored = random_latent_batch(q_lens, kv_lens, heads, rank, rope,
+                                                          page, fmt, "cpu", seed=splits + heads,
+                                                          q_dtype=Q_DTYPE[fmt], scale=0.5)
+    cfg = decode_config(len(kv_lens), heads, rank, max(kv_lens), cache.dtype, q.dtype,
+                        block_n=block_n, num_splits=splits)
+    # h: page ids hoisted, chunks of 2 tiles (several chunks per split, chunk starts that are
+    # not page-aligned when the tile is smaller than a page)
+    cfg = dataclasses.replace(cfg, swap=True, qfp8="q" in kind, prefetch="p" in kind,
+                              hoist=2 if "h" in kind else 0)
+    out = torch.full((len(kv_lens), heads, rank), float("nan"), dtype=q.dtype)
+    mla_decode(q, cache, table, cu, kv, out, rank, 0.3, cfg, scale=0.5)
+    ref = mla_reference(q, stored, q_lens, kv_lens, rank, 0.3)
+    assert _rel(out, ref) < TOL[fmt]

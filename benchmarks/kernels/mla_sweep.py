@@ -18,8 +18,19 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--points", default="bfloat16:4:32768,fp8_e4m3:4:32768")
     p.add_argument("--variants", default="",
-                   help="block_n:warps:stages[:bytes],... (default only; bytes: fp8 P@C operand "
-                        "from the byte tile instead of 16-bit pairs)")
+                   help="[KIND:]block_n:warps:stages[:bytes|:per_sm],... (default only; KIND "
+                        "letters: r the row kernel (heads as M), s the swapped kernel (heads as "
+                        "N), q its fp8 x fp8 logits (e4m3), p its register prefetch of the next "
+                        "tile, h its page ids of 1024 tokens loaded before their tiles; per_sm: "
+                        "programs per SM for the split rule; bytes: fp8 P@C operand of the row "
+                        "kernel from the byte tile)")
+    p.add_argument("--fp8-variants", default=None,
+                   help="the variants of the fp8 points (default: --variants)")
+    p.add_argument("--rep", type=int, default=150, help="do_bench ms per timing")
+    p.add_argument("--no-default", action="store_true", help="only the listed variants")
+    p.add_argument("--warm", action="store_true",
+                   help="one call per variant, no timing (compiles into the Triton cache; run "
+                        "one process per variant in parallel before the timed sweep)")
     p.add_argument("--prefill-points", default="", help="kv_dtype:batch:prompt_len,...")
     p.add_argument("--prefill-variants", default="", help="block_m:block_n:warps:stages,...")
     p.add_argument("--heads", type=int, default=16)
@@ -29,7 +40,8 @@ def main() -> None:
     import torch
 
     from kvfit.bench.kernels import copy_bandwidth
-    from kvfit.bench.kernels_mla import LatentSet, time_mla_decode, time_mla_prefill
+    from kvfit.bench.kernels_mla import (LatentSet, time_mla_decode, time_mla_prefill,
+                                         warm_mla_decode)
     from kvfit.kernels.mla import MLAConfig, decode_config, prefill_config
 
     bw = copy_bandwidth(torch.device("cuda"))
@@ -41,15 +53,38 @@ def main() -> None:
         page = args.page_size or (32 if kvd.startswith("fp8") else 16)
         ls = LatentSet(512, 64, kvd, b, ctx, page, "cuda")
         base = decode_config(b, args.heads, 512, ctx, ls.dtype, torch.bfloat16)
-        cfgs = [("default", base)]
-        for v in filter(None, args.variants.split(",")):
-            parts = v.split(":")  # block_n:warps:stages[:bytes] (bytes: fp8 P@C without pairs)
+        cfgs = [] if args.no_default else [("default", base)]
+        variants = args.variants
+        if kvd.startswith("fp8") and args.fp8_variants is not None:
+            variants = args.fp8_variants
+        for v in filter(None, variants.split(",")):
+            parts = v.split(":")  # [KIND:]block_n:warps:stages[:bytes]
+            kind = parts.pop(0) if not parts[0].isdigit() else ""
             bn, w, st = map(int, parts[:3])
-            cfgs.append((v, dataclasses.replace(base, block_n=bn, num_warps=w, num_stages=st,
-                                                pairs="bytes" not in parts)))
+            per_sm = int(parts[3]) if len(parts) > 3 and parts[3].isdigit() else None
+            if kind == "r":  # the row kernel (heads as M)
+                cfg = decode_config(b, args.heads, 512, ctx, ls.dtype, torch.bfloat16,
+                                    block_n=bn, num_warps=w, num_stages=st, swap=False,
+                                    programs_per_sm=per_sm)
+            elif kind:  # s: swapped, q: + fp8 logits, p: + register prefetch (sp, sq, sqp, ...)
+                cfg = decode_config(b, args.heads, 512, ctx, ls.dtype, torch.bfloat16,
+                                    block_n=bn, num_warps=w, num_stages=st, swap=True,
+                                    qfp8="q" in kind, prefetch="p" in kind,
+                                    hoist=max(1, 1024 // bn) if "h" in kind else 0,
+                                    programs_per_sm=per_sm)
+            else:
+                cfg = dataclasses.replace(decode_config(b, args.heads, 512, ctx, ls.dtype,
+                                                        torch.bfloat16, swap=False),
+                                          block_n=bn, num_warps=w, num_stages=st,
+                                          pairs="bytes" not in parts)
+            cfgs.append((v, cfg))
         for name, cfg in cfgs:
             try:
-                us = time_mla_decode(ls, args.heads, cfg)
+                if args.warm:
+                    warm_mla_decode(ls, args.heads, cfg)
+                    print(f"warm {kvd} {name} ok", flush=True)
+                    continue
+                us = time_mla_decode(ls, args.heads, cfg, rep=args.rep)
             except Exception as e:  # noqa: BLE001 - a variant that does not compile/fit
                 print(f"{kvd:>9} b={b:<3} ctx={ctx:<6} {name:>9}: {type(e).__name__} "
                       f"{str(e)[:120]}", flush=True)
@@ -58,7 +93,7 @@ def main() -> None:
             rows.append({"kv_dtype": kvd, "batch": b, "context": ctx, "variant": name,
                          "cfg": str(cfg), "us": us, "tbps": tbps,
                          "pct_copy": 100 * tbps * 1e12 / bw})
-            print(f"{kvd:>9} b={b:<3} ctx={ctx:<6} {name:>9} splits={cfg.num_splits:<3} "
+            print(f"{kvd:>9} b={b:<3} ctx={ctx:<6} {name:>11} splits={cfg.num_splits:<3} "
                   f"{us:9.1f} us {tbps:5.2f} TB/s ({100 * tbps * 1e12 / bw:4.0f}% of copy)",
                   flush=True)
         del ls

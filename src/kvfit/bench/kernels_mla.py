@@ -47,25 +47,36 @@ class LatentSet:
         self.batch, self.context, self.page_size = batch, context, page_size
 
 
-def time_mla_decode(ls: LatentSet, heads: int, cfg) -> float:
-    """Median µs of one ``mla_decode`` call (the merge included)."""
+def _decode_call(ls: LatentSet, heads: int, cfg, i: int = 0):
+    """A callable running one ``mla_decode`` over copy ``i`` of the cache (fresh q, out)."""
     import torch
-    import triton
 
     from kvfit.kernels.mla import mla_decode
 
     cu = torch.arange(ls.batch + 1, dtype=torch.int32, device="cuda")
-    qs = [torch.randn(ls.batch, heads, ls.slab, device="cuda", dtype=torch.bfloat16)
-          for _ in ls.caches]
-    outs = [torch.empty(ls.batch, heads, ls.rank, device="cuda", dtype=torch.bfloat16)
-            for _ in ls.caches]
+    q = torch.randn(ls.batch, heads, ls.slab, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(ls.batch, heads, ls.rank, device="cuda", dtype=torch.bfloat16)
     s = cfg.num_splits
     scratch = (torch.empty((ls.batch * heads * s, ls.rank), dtype=torch.float32, device="cuda"),
                torch.empty((ls.batch * heads * s,), dtype=torch.float32, device="cuda"))
-    fns = [lambda i=i: mla_decode(qs[i], ls.caches[i], ls.block_table, cu, ls.kv_lens, outs[i],
-                                  ls.rank, 0.1, cfg, scratch=scratch if s > 1 else None)
-           for i in range(ls.reps)]
-    return triton.testing.do_bench(rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3
+    return lambda: mla_decode(q, ls.caches[i], ls.block_table, cu, ls.kv_lens, out, ls.rank,
+                              0.1, cfg, scratch=scratch if s > 1 else None)
+
+
+def warm_mla_decode(ls: LatentSet, heads: int, cfg) -> None:
+    """One call (compiles the variant into the Triton cache), synchronized."""
+    import torch
+
+    _decode_call(ls, heads, cfg)()
+    torch.cuda.synchronize()
+
+
+def time_mla_decode(ls: LatentSet, heads: int, cfg, rep: int = 150) -> float:
+    """Median µs of one ``mla_decode`` call (the merge included)."""
+    import triton
+
+    fns = [_decode_call(ls, heads, cfg, i) for i in range(ls.reps)]
+    return triton.testing.do_bench(rotating(fns), warmup=25, rep=rep, return_mode="median") * 1e3
 
 
 def time_mla_prefill(ls: LatentSet, heads: int, q_len: int, cfg=None) -> float:

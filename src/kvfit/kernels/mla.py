@@ -1,9 +1,10 @@
 """Paged MLA attention over the latent cache (Triton), host side: launch choices and launches.
 
 ``mla_decode`` (one query token per request, split-K over the context, every head of a request
-in one program so a latent tile is read once per (request, split)) and ``mla_prefill`` (chunks
-of several tokens, causal over the cached prefix, mixed batches) run the kernel of
-``mla_kernels``; ``store_latent`` writes a step's new slabs into their slots with the pool's
+in one program so a latent tile is read once per (request, split)) runs the row kernel of
+``mla_kernels`` or, with ``MLAConfig.swap`` (the 16-bit default at <= 16 heads), the swapped
+kernel of ``mla_decode_kernels``; ``mla_prefill`` (chunks of several tokens, causal over the
+cached prefix, mixed batches) runs the row kernel; ``store_latent`` writes a step's new slabs into their slots with the pool's
 quantize-on-store. Shapes: q ``[T, H, RANK + ROPE]`` (absorbed query ``[q_lat ; q_pe]``), cache
 ``[num_pages, P, RANK + ROPE]``, out ``[T, H, RANK]`` (the attention-weighted latent).
 
@@ -19,10 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvfit.kernels import decode_kernels, mla_kernels
+from kvfit.kernels import decode_kernels, mla_decode_kernels, mla_kernels
 
 LOG2E = 1.4426950408889634
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+DEFAULT_HOIST_TOKENS = 1024  # tokens per chunk of hoisted page ids (swapped decode)
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,10 @@ class MLAConfig:
     num_stages: int
     num_splits: int = 1
     pairs: bool = True  # fp8: P@C operand from 16-bit words converted in registers
+    swap: bool = False  # decode: heads as the MMAs' N dimension (mla_decode_kernels)
+    qfp8: bool = False  # swapped e4m3 decode: logits by fp8 MMAs (query split in two fp8 parts)
+    prefetch: bool = False  # swapped decode: next tile loaded into registers before this one
+    hoist: int = 0  # swapped decode: page ids of this many tiles loaded before their loop
 
 
 def _pow2(x: int) -> int:
@@ -55,27 +61,55 @@ def _exact(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
 def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
                   cache_dtype: torch.dtype, q_dtype: torch.dtype, num_sms: int = 132,
                   block_n: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None, num_splits: int | None = None) -> MLAConfig:
+                  num_stages: int | None = None, num_splits: int | None = None,
+                  swap: bool | None = None, qfp8: bool | None = None,
+                  prefetch: bool | None = None, hoist: int | None = None,
+                  programs_per_sm: int | None = None) -> MLAConfig:
     """Rows: every head of a request (at least 16 for the MMA, at most 32 per program: a
     [64, 512] float32 accumulator spills; larger head counts take several programs per request,
-    adjacent in the grid so their shared latent tiles come from L2). Splits: the fewest waves per unit of work
-    over ``num_sms`` SMs at the programs per SM each tile allows, splits of >= 256 tokens, 1%
-    merge cost per split. Ranks that are not a power
-    of two keep one split (the merge kernel reads whole rows)."""
+    adjacent in the grid so their shared latent tiles come from L2). ``swap``: the kernel with
+    the heads as the MMAs' N (``mla_decode_kernels``; 16- and 8-bit latents), ``qfp8`` its
+    e4m3 logits by fp8 MMAs, ``prefetch`` its next tile loaded into registers while this one is
+    attended (no Triton pipelining), ``hoist`` the page ids of that many tiles loaded before
+    their loop (so Triton's pipelining runs the tile loads num_stages - 1 ahead). Default
+    (``swap`` None), from the H200 sweep: 16-bit latents at <= 16 heads take the swapped kernel
+    with hoisted page ids (32-token tiles, 4 warps, 4 stages); fp8, float32 and more heads the
+    row kernel. Splits: the fewest waves per unit of work over ``num_sms`` SMs at the programs
+    per SM each tile allows (``programs_per_sm`` overrides it), splits of >= 256 tokens, 1%
+    merge cost per split. Ranks that are not a power of two keep one split (the merge kernel
+    reads whole rows)."""
     exact = _exact(q_dtype, cache_dtype)
     block_m = 16 if exact else min(32, max(16, _pow2(num_heads)))
     hblk = math.ceil(num_heads / block_m)
+    auto = swap is None
+    if auto:  # the measured winner: 16-bit latents at V2-Lite's 16 heads (docs/benchmarks.md)
+        swap = not exact and cache_dtype not in FP8 and num_heads <= 16
+        hoist = DEFAULT_HOIST_TOKENS // 32 if swap else 0
+    swap = (not exact) and bool(swap)
+    qfp8 = swap and cache_dtype == torch.float8_e4m3fn and bool(qfp8)
+    prefetch = swap and bool(prefetch)
+    hoist = int(hoist or 0) if swap and not prefetch else 0
     # (block_n, warps, stages, programs per SM) from the sm_90 compile of each variant
-    # (benchmarks/kernels/inspect_mla.py): 16-bit 32-token tiles take 104 registers and 56 KB of
-    # shared memory (2 per SM), 428 instructions per warp and tile; 8-bit tiles read as 16-bit
-    # words and converted in registers (PAIRS) take 196 registers and 123 KB at 64 tokens (1 per
-    # SM), 683 instructions per warp and tile (11 per token; 17 at 32-token tiles)
+    # (benchmarks/kernels/inspect_mla.py). Rows kernel: 16-bit 32-token tiles take 104
+    # registers and 56 KB of shared memory (2 per SM), 428 instructions per warp and tile; 8-bit
+    # tiles read as 16-bit words and converted in registers (PAIRS) take 196 registers and 123
+    # KB at 64 tokens (1 per SM). Swapped kernel: 64-token tiles (warp-group MMAs) take 123-193
+    # KB (1 per SM), 32-token tiles 57-106 KB (2 per SM)
     if exact:
         tile = (16, 4, 1, 1)
+    elif swap and hoist:
+        # 32-token tiles, 4 warps, 4 stages (3 tiles in flight), 166 registers and 130 KB
+        tile = (32, 4, 4, 1)
+    elif swap:
+        tile = (64, 8, 2, 1)
     elif cache_dtype in FP8:
         tile = (64, 8, 3, 1)
     else:
         tile = (32, 8, 2, 2)
+    if swap and block_n is not None:
+        tile = (block_n, tile[1], tile[2], 1 if block_n >= 64 else 2)
+    if programs_per_sm is not None:
+        tile = tile[:3] + (programs_per_sm,)
     max_splits = int(min(64, max(1, math.ceil(max(1, max_kv_len) / 256))))
     if num_splits is None:
         num_splits = 1
@@ -89,7 +123,7 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
                     best = (cost, sp)
             num_splits = best[1]
     return MLAConfig(block_m, block_n or tile[0], num_warps or tile[1], num_stages or tile[2],
-                     num_splits)
+                     num_splits, swap=swap, qfp8=qfp8, prefetch=prefetch, hoist=hoist)
 
 
 def prefill_config(num_heads: int, cache_dtype: torch.dtype, q_dtype: torch.dtype) -> MLAConfig:
@@ -149,6 +183,31 @@ def _launch(q, cache, block_table, cu_seqlens_q, kv_lens, blocks, out, op, lse, 
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
+def _launch_swap(q, cache, block_table, kv_lens, out, op, lse, rank: int, sm_scale: float,
+                 scale: float, cfg: MLAConfig):
+    """The swapped decode kernel (heads as N, ``mla_decode_kernels``), one query per request."""
+    b, h, slab = q.shape
+    if _exact(q.dtype, cache.dtype):
+        raise ValueError("the swapped MLA decode runs 16-bit MMAs; float32 takes swap=False "
+                         "(decode_config does)")
+    single = cfg.num_splits == 1
+    hblk = math.ceil(h / cfg.block_m)
+    mla_decode_kernels.build()[(b * hblk, cfg.num_splits)](
+        q, cache, block_table, kv_lens, out, out if single else op, out if single else lse,
+        float(sm_scale * scale * LOG2E), float(scale),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), cache.stride(0),
+        block_table.stride(0), cfg.num_splits,
+        H=h, RANK=rank, ROPE=slab - rank, DC=_pow2(rank), DR=max(16, _pow2(slab - rank)),
+        SLAB=slab, PAGE=cache.shape[1], BLOCK_H=cfg.block_m, BLOCK_N=cfg.block_n, HBLK=hblk,
+        SINGLE=single, F16=cache.dtype in FP8,
+        PAIRS=cache.dtype in FP8 and rank % 2 == 0,
+        E5M2=cache.dtype == torch.float8_e5m2, ASM=not _interpreting(),
+        QFP8=cfg.qfp8 and cache.dtype == torch.float8_e4m3fn and rank % 2 == 0,
+        PREFETCH=cfg.prefetch, HOIST=cfg.hoist,
+        MAXP_POW2=max(16, _pow2(cfg.hoist * cfg.block_n // cache.shape[1] + 2)),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, out: torch.Tensor, rank: int,
                sm_scale: float, cfg: MLAConfig, scale: float = 1.0,
@@ -170,8 +229,11 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
             scratch = (torch.empty((b * h * s, rank), dtype=torch.float32, device=q.device),
                        torch.empty((b * h * s,), dtype=torch.float32, device=q.device))
         op, lse = scratch
-    _launch(q, cache, block_table, cu_seqlens_q, kv_lens, kv_lens, out, op, lse, rank,
-            sm_scale, scale, cfg, b * math.ceil(h / cfg.block_m), True)
+    if cfg.swap:
+        _launch_swap(q, cache, block_table, kv_lens, out, op, lse, rank, sm_scale, scale, cfg)
+    else:
+        _launch(q, cache, block_table, cu_seqlens_q, kv_lens, kv_lens, out, op, lse, rank,
+                sm_scale, scale, cfg, b * math.ceil(h / cfg.block_m), True)
     if s > 1:
         import triton
 
