@@ -157,9 +157,9 @@ def main() -> None:
     p.add_argument("--model", default=MODEL)
     p.add_argument("--trace-dir", default=None)
     p.add_argument("--one-token", choices=["on", "off"], default="on",
-                   help="trees with kvfit.models.one_token: its batch-1 GEMV path on or off")
+                   help="trees with kvfit.models.decode_rows (or one_token): that path on or off")
     p.add_argument("--lm-head-gemv", choices=["on", "off", "default"], default="default",
-                   help="trees with kvfit.models.one_token: the one-row LM head as a GEMV")
+                   help="trees with decode_rows/one_token: the LM head through that GEMM")
     p.add_argument("--overlapped", action="store_true",
                    help="also time each point with no host sync between steps")
     p.add_argument("--pdl", choices=["on", "off", "default"], default="default",
@@ -170,7 +170,10 @@ def main() -> None:
 
         pdl.ENABLED = args.pdl == "on"
     try:
-        from kvfit.models import one_token
+        try:
+            from kvfit.models import decode_rows as one_token  # the batch-invariant rows path
+        except ImportError:
+            from kvfit.models import one_token  # trees with the batch-1 GEMV path
 
         one_token.ENABLED = args.one_token == "on"
         if args.lm_head_gemv != "default":

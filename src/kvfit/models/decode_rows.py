@@ -1,0 +1,87 @@
+"""The decode-step path of a Llama-family decoder layer on CUDA: four launches of the
+batch-invariant small GEMM (``kernels/rows_gemm.py``) with the norms and the gated activation
+fused in, instead of two norm kernels, four cuBLAS GEMMs (one with a split-K reduce at M = 1)
+and the activation kernel.
+
+    qkv, residual = rows_gemm(W_qkv, RMSNorm_in(x + residual))      # norm prologue
+    o             = attention (RoPE + K/V store, paged decode)      # as the batched path
+    h             = rows_gemm(W_o, o)
+    a, residual   = rows_gemm(W_gate_up, RMSNorm_post(h + residual)) # norm prologue, act(g)*u
+    out           = rows_gemm(W_down, a)
+
+It runs for every step of at most ``MAX_ROWS`` tokens (every decode batch up to the largest
+CUDA graph by default), so a request's hidden states and logits have the same bits whether it is
+alone in its step or batched with up to ``MAX_ROWS - 1`` others: the tile of each product is a
+function of the weight only (``rows_gemm``), and the other parts of a layer compute each row on
+its own. cuBLAS picks its kernel per M (its rows are not batch-invariant). Steps of more tokens
+(prefill chunks, mixed steps) run the batched path.
+
+One rank only (``tp_group().size == 1``): under tensor parallelism the batched path runs, with
+its all-reduces. Same values as the batched path to within about one rounding per product.
+``LM_HEAD``: the logits of up to ``MAX_ROWS`` rows through the same GEMM, written as float32
+(one launch instead of cuBLAS + a cast).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from kvfit.parallel.state import tp_group
+
+ENABLED = True
+MAX_ROWS = 256
+LM_HEAD = True
+
+
+def _bias(lin) -> Optional[torch.Tensor]:
+    return lin.bias
+
+
+def _rows_ok(x: torch.Tensor) -> bool:
+    return ENABLED and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and tp_group().size == 1
+
+
+def applies(layer, x: torch.Tensor, residual: Optional[torch.Tensor]) -> bool:
+    """True when ``layer`` (a ``llama.DecoderLayer``) runs ``x`` [M, hidden] on this path."""
+    if not _rows_ok(x):
+        return False  # tensor parallel: o_proj/down_proj all-reduce, the batched path does it
+    from kvfit.kernels.rows_gemm import ACTIVATIONS, supports
+
+    attn, mlp = layer.self_attn, layer.mlp
+    return (supports(x, attn.qkv_proj.weight) and mlp.act_name in ACTIVATIONS  # CUDA only
+            and attn.o_proj.weight.dtype == x.dtype
+            and mlp.gate_up_proj.weight.dtype == mlp.down_proj.weight.dtype == x.dtype
+            and layer.input_layernorm._fusable(x, residual)
+            and layer.post_attention_layernorm._fusable(x, residual))
+
+
+def layer_forward(layer, x: torch.Tensor, residual: Optional[torch.Tensor], positions, rotary,
+                  ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """``DecoderLayer.forward`` for the step's M tokens: ``(mlp_out [M, hidden], residual
+    [M, hidden])``. Mutates the KV pool (this step's K/V) like the batched path."""
+    from kvfit.kernels.rows_gemm import rows_gemm
+
+    attn, mlp = layer.self_attn, layer.mlp
+    n_in, n_post = layer.input_layernorm, layer.post_attention_layernorm
+    qkv, residual = rows_gemm(x, attn.qkv_proj.weight, _bias(attn.qkv_proj),
+                              norm=(n_in.weight, n_in.eps, n_in.offset), residual=residual)
+    o = attn.attend(qkv, positions, rotary, ctx)  # [M, q_size]
+    h = rows_gemm(o, attn.o_proj.weight, _bias(attn.o_proj))
+    a, residual = rows_gemm(h, mlp.gate_up_proj.weight, _bias(mlp.gate_up_proj),
+                            norm=(n_post.weight, n_post.eps, n_post.offset), residual=residual,
+                            gated_act=mlp.act_name)
+    return rows_gemm(a, mlp.down_proj.weight, _bias(mlp.down_proj)), residual
+
+
+def logits(hidden: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """float32 logits ``[N, vocab]`` of up to ``MAX_ROWS`` CUDA rows, or None where the path
+    does not apply (the caller runs its matmul)."""
+    if not (LM_HEAD and _rows_ok(hidden)):
+        return None
+    from kvfit.kernels.rows_gemm import rows_gemm, supports
+
+    if not supports(hidden, weight):
+        return None
+    return rows_gemm(hidden, weight, out_dtype=torch.float32)
