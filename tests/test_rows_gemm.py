@@ -27,6 +27,7 @@ from kvfit.kernels.rows_gemm import rows_gemm  # noqa: E402
 DT = torch.float16
 ULP = 2.0 ** -10
 TILE = (16, 16, 32, 4, 1)
+SWAPPED = (16, 16, 32, 4, 1, 1)  # W_tile @ x_tile^T
 
 
 def _close(y, ref, roundings=1.0):
@@ -42,27 +43,29 @@ def _data(m, k, n, seed):
     return x, w, g
 
 
+@pytest.mark.parametrize("tile", [TILE, SWAPPED])
 @pytest.mark.parametrize("m,k", [(3, 96), (18, 80)])  # 80: K not a multiple of the tile
-def test_plain_bias_and_float32_out(m, k):
+def test_plain_bias_and_float32_out(m, k, tile):
     x, w, g = _data(m, k, 20, 1)  # 20 columns: the last column block is partial
     bias = torch.randn(20, generator=g).to(DT)
-    y = rows_gemm(x, w, config=TILE)
+    y = rows_gemm(x, w, config=tile)
     assert y.shape == (m, 20) and y.dtype == DT
     _close(y, x.double() @ w.double().t())
-    yb = rows_gemm(x, w, bias, config=TILE)
+    yb = rows_gemm(x, w, bias, config=tile)
     _close(yb, x.double() @ w.double().t() + bias.double())
-    y32 = rows_gemm(x, w, out_dtype=torch.float32, config=TILE)
+    y32 = rows_gemm(x, w, out_dtype=torch.float32, config=tile)
     assert y32.dtype == torch.float32 and torch.equal(y32, y.float())
 
 
+@pytest.mark.parametrize("tile", [TILE, SWAPPED])
 @pytest.mark.parametrize("gated", [False, True])
-def test_norm_prologue_and_gated_epilogue(gated):
+def test_norm_prologue_and_gated_epilogue(gated, tile):
     m, k, n = 5, 64, 32
     x, w, g = _data(m, k, n, 2)
     res = torch.randn(m, k, generator=g).to(DT)
     nw = (1 + 0.2 * torch.randn(k, generator=g)).to(DT)
     y, s = rows_gemm(x, w, norm=(nw, 1e-6, 0.0), residual=res,
-                     gated_act="silu" if gated else None, config=TILE)
+                     gated_act="silu" if gated else None, config=tile)
     assert torch.equal(s, x + res)  # the new residual, rounded like torch's add
     s64 = s.double()
     h = s64 * torch.rsqrt((s64 * s64).mean(-1, keepdim=True) + 1e-6) * nw.double()
@@ -72,26 +75,27 @@ def test_norm_prologue_and_gated_epilogue(gated):
         exact = F.silu(gate) * up
         assert y.shape == (m, n // 2)
     _close(y, exact, 4.0 if gated else 2.0)  # + the normed input's rounding before the dot
-    y0, s0 = rows_gemm(x, w, norm=(nw, 1e-6, 1.0), config=TILE)  # offset, no residual
+    y0, s0 = rows_gemm(x, w, norm=(nw, 1e-6, 1.0), config=tile)  # offset, no residual
     assert s0 is x
     h0 = x.double() * torch.rsqrt((x.double() ** 2).mean(-1, keepdim=True) + 1e-6) \
         * (1.0 + nw.double())
     _close(y0, h0 @ w.double().t(), 2.0)
 
 
-def test_rows_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("tile", [TILE, SWAPPED])
+def test_rows_do_not_depend_on_the_batch(tile):
     """Row i of x[:M] has the same bits for every M (one tile for every M), plain and fused."""
     k, n = 48, 40
     x, w, g = _data(20, k, n, 3)
     res = torch.randn(20, k, generator=g).to(DT)
     nw = (1 + 0.2 * torch.randn(k, generator=g)).to(DT)
-    full = rows_gemm(x, w, config=TILE)
+    full = rows_gemm(x, w, config=tile)
     fused, s_full = rows_gemm(x, w, norm=(nw, 1e-6, 0.0), residual=res, gated_act="silu",
-                              config=TILE)
+                              config=tile)
     for m in (1, 2, 3, 17):  # 17: a second row block
-        assert torch.equal(rows_gemm(x[:m], w, config=TILE), full[:m])
+        assert torch.equal(rows_gemm(x[:m], w, config=tile), full[:m])
         y, s = rows_gemm(x[:m], w, norm=(nw, 1e-6, 0.0), residual=res[:m], gated_act="silu",
-                         config=TILE)
+                         config=tile)
         assert torch.equal(y, fused[:m]) and torch.equal(s, s_full[:m])
 
 

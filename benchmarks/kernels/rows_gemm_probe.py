@@ -71,8 +71,9 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--ms", default="1,2,3,4,8,16,33,64,128,256")
     p.add_argument("--time-ms", default="1,8,64,256")
-    p.add_argument("--tiles", default="16,16,256,4,4;16,32,256,4,4;16,64,128,4,3;"
-                   "16,32,128,4,4;16,16,512,4,3;64,64,64,4,3")
+    p.add_argument("--tiles", default="16,16,256,4,4;16,16,512,4,3;16,32,256,4,4;"
+                   "16,64,128,4,3;16,64,256,4,3,1;16,128,128,4,3,1;32,64,128,4,3,1",
+                   help="';'-separated tiles block_m,block_n,block_k,warps,stages[,swap]")
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--copies", type=int, default=4)
     p.add_argument("--parts", default="inv,time")
@@ -147,6 +148,13 @@ def main() -> None:
                     if best is None or s < best[1]:
                         best = (t, s)
                 row["best_tile"] = best[0]
+                if name in ("qkv", "gate_up"):  # the layer's fused variant at the best tile
+                    r = torch.randn(m, k, device=dev, dtype=dt)
+                    nw = torch.ones(k, device=dev, dtype=dt)
+                    gated = "silu" if name == "gate_up" else None
+                    row["fused_best"] = timed(lambda c: rows_gemm(
+                        x, ws[c], norm=(nw, 1e-6, 0.0), residual=r, gated_act=gated,
+                        config=best[0]), copies, args.reps)
                 res["time"].append(row)
                 tb = {kk: nbytes / v / 1e12 for kk, v in row.items()
                       if isinstance(v, float)}
@@ -154,6 +162,7 @@ def main() -> None:
                       + (f" gemv {tb['gemv']:.2f}" if "gemv" in tb else "")
                       + f" rows(default {tuple(rows_config(n, k, False))}) "
                       f"{tb['rows_default']:.2f} best {best[0]} {nbytes / best[1] / 1e12:.2f}"
+                      + (f" fused {tb['fused_best']:.2f}" if "fused_best" in tb else "")
                       f" ({best[1] * 1e6:.1f} us; cublas {row['cublas'] * 1e6:.1f} us)",
                       flush=True)
         print(f"(total {time.time() - t0:.1f} s)", flush=True)

@@ -73,7 +73,8 @@ def engine_config(args: argparse.Namespace, kv_dtype: str, num_tokens: int, max_
 def _sync():
     import torch
 
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def fill_pool(pool) -> None:
@@ -122,10 +123,18 @@ def free_sliding(pool, rids: list[str]) -> None:
 
 
 def decode_point(runner, batch: int, ctx: int, steps: int) -> float:
-    """tok/s of ``steps`` decode steps of ``batch`` requests at context ``ctx`` (pages filled)."""
+    """tok/s of ``steps`` decode steps of ``batch`` requests at context ``ctx`` (pages filled),
+    each step fed and read back as the engine's overlap scheduling does (``ModelRunner._inputs``
+    and the scheduler's output processing): the positions go up in one pinned non-blocking copy
+    (``transfer.to_device``), the ids stay on the device as the next step's input, and the host
+    reads step N's ids (a pinned copy and its event) after launching step N+1, so at most one
+    step runs ahead of the host. Nothing waits for the GPU inside a step: the figure is the
+    GPU's step time, or the host's where that is longer."""
+    import numpy as np
     import torch
 
     from kvfit.attention.meta_builder import build_step_metadata
+    from kvfit.transfer import to_device
 
     ps = runner.pool.page_size
     per = -(-(ctx + steps + 4) // ps)
@@ -134,14 +143,24 @@ def decode_point(runner, batch: int, ctx: int, steps: int) -> float:
     swa = sliding_tables(runner.pool, rids, ctx, ctx + steps + 4,
                          runner.config.max_num_batched_tokens)
     dev = runner.device
+    cuda = torch.device(dev).type == "cuda"
     toks = torch.randint(0, runner.hf_config.vocab_size, (batch,), device=dev)
     lens = [ctx] * batch
+    pending = []  # (event, pinned host ids) of the step whose ids the host has not read yet
+
+    def read_back(done) -> None:
+        if cuda:
+            event, host = done
+            event.synchronize()
+            host.tolist()
+        else:
+            done.tolist()
 
     def step():
         nonlocal toks
         for i in range(batch):
             lens[i] += 1
-        pos = torch.tensor([n - 1 for n in lens], device=dev)
+        pos = to_device(np.asarray(lens, dtype=np.int64) - 1, dev)
         if runner.graphs is not None and runner.graphs.can_run(batch):
             hidden = runner.graphs.run(toks, pos, lens, tables, swa)
         else:
@@ -149,6 +168,16 @@ def decode_point(runner, batch: int, ctx: int, steps: int) -> float:
             runner.backend.prepare(meta)
             hidden = runner.model(toks, pos, runner.ctx)
         toks = runner.model.compute_logits(hidden).argmax(-1)
+        if pending:  # the previous step's ids, read while this one runs
+            read_back(pending.pop())
+        if cuda:
+            host = torch.empty(batch, dtype=toks.dtype, pin_memory=True)
+            host.copy_(toks, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            pending.append((event, host))
+        else:
+            pending.append(toks)
 
     try:
         with torch.inference_mode():
@@ -158,6 +187,7 @@ def decode_point(runner, batch: int, ctx: int, steps: int) -> float:
             t0 = time.perf_counter()
             for _ in range(steps):
                 step()
+            read_back(pending.pop())
             _sync()
     finally:
         free_sliding(runner.pool, rids)

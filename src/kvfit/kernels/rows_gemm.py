@@ -36,11 +36,15 @@ ROWS_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class RowsConfig(NamedTuple):
+    """A tile: ``swap`` computes ``W_tile @ x_tile^T`` (the weight's columns fill the MMA's
+    long side, the batch rows its short one: wgmma on Hopper at any M) instead of
+    ``x_tile @ W_tile^T``."""
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    swap: int = 0
 
 
 @functools.cache
@@ -60,7 +64,7 @@ def build():
                           NORM: tl.constexpr, ADD: tl.constexpr, HAS_OFFSET: tl.constexpr,
                           GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
                           EVEN_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
-                          F32_DOT: tl.constexpr):
+                          F32_DOT: tl.constexpr, SWAP: tl.constexpr):
         if PDL:  # programmatic dependent launch (kernels/pdl.py)
             gdc_wait()
             gdc_launch_dependents()
@@ -78,8 +82,12 @@ def build():
         r_ptr = R + rm64[:, None] * stride_r + ks[None, :]
         ro_ptr = RO + rm64[:, None] * stride_ro + ks[None, :]
         w_ptr = W + rn.to(tl.int64)[:, None] * stride_w + ks[None, :]  # [BN, BK]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if SWAP:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         sq = tl.zeros([BLOCK_M, BLOCK_M], dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             if EVEN_K:
@@ -113,12 +121,21 @@ def build():
             if F32_DOT:  # the interpreter's 16-bit dot is wrong for bfloat16: exact widening
                 hk = hk.to(tl.float32)
                 w = w.to(tl.float32)
-            acc = tl.dot(hk, tl.trans(w), acc)  # [BM, BN]
+            if SWAP:
+                acc = tl.dot(w, tl.trans(hk), acc)  # [BN, BM]
+            else:
+                acc = tl.dot(hk, tl.trans(w), acc)  # [BM, BN]
             if GATED:
                 wu = tl.load(w_ptr + up_off * stride_w + k0, mask=wm, other=0.0)
                 if F32_DOT:
                     wu = wu.to(tl.float32)
-                acc_up = tl.dot(hk, tl.trans(wu), acc_up)
+                if SWAP:
+                    acc_up = tl.dot(wu, tl.trans(hk), acc_up)
+                else:
+                    acc_up = tl.dot(hk, tl.trans(wu), acc_up)
+        if SWAP:  # [BN, BM] -> [BM, BN]
+            acc = tl.trans(acc)
+            acc_up = tl.trans(acc_up)
         if NORM:  # RMSNorm's 1/rms per row, applied to the finished sums
             ssq = tl.sum(tl.where(lm[:, None] == lm[None, :], sq, 0.0), axis=1)  # [BM], exact
             rstd = tl.rsqrt(ssq / K + eps)
@@ -234,7 +251,7 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
                   BLOCK_N=cfg.block_n, BLOCK_K=bk, NORM=norm is not None, ADD=add,
                   HAS_OFFSET=bool(offset), GATED=gated, ACT=ACTIVATIONS.get(gated_act, 0),
                   HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, STAGES=cfg.num_stages,
-                  F32_DOT=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  F32_DOT=interpreting(), SWAP=bool(cfg.swap), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   **launch_options(x.device))
     if norm is None:
         return out
