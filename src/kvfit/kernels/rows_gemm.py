@@ -57,7 +57,8 @@ def build():
 
     gdc_wait, gdc_launch_dependents = gdc()
 
-    @triton.jit
+    # M is never specialised (1, multiples of 16): one binary per tile for every batch size
+    @triton.jit(do_not_specialize=["M"])
     def _rows_gemm_kernel(X, R, RO, NW, W, B, OUT, M, K, N_OUT, stride_x, stride_r, stride_ro,
                           stride_w, stride_o, up_off, eps, offset,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
