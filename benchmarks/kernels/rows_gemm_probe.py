@@ -27,7 +27,12 @@ from kvfit.kernels.rows_gemm import rows_config, rows_gemm
 
 
 def timed(fn, copies: int, reps: int) -> float:
-    """Seconds per call of fn(i) (i = weight copy), from a graph of ``reps`` calls."""
+    """Seconds per call of fn(i) (i = weight copy), from a graph of ``reps`` calls (on the CPU,
+    a check of this script: one call's host time)."""
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        fn(0)
+        return time.perf_counter() - t0
     for i in range(copies):
         fn(i)
     torch.cuda.synchronize()
@@ -74,6 +79,8 @@ def main() -> None:
     p.add_argument("--tiles", default="16,16,256,4,4;16,16,512,4,3;16,32,256,4,4;"
                    "16,64,128,4,3;16,64,256,4,3,1;16,128,128,4,3,1;32,64,128,4,3,1",
                    help="';'-separated tiles block_m,block_n,block_k,warps,stages[,swap]")
+    p.add_argument("--inv-tiles", default=None,
+                   help="tiles of the across-tiles check (default: --tiles)")
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--copies", type=int, default=4)
     p.add_argument("--parts", default="inv,time")
@@ -89,6 +96,8 @@ def main() -> None:
               "down": (h, i), "lm_head": (args.vocab, h)}
     ms = [int(v) for v in args.ms.split(",")]
     tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles.split(";")]
+    inv_tiles = ([tuple(int(v) for v in t.split(",")) for t in args.inv_tiles.split(";")]
+                 if args.inv_tiles else tiles)
     res = {"inv": {}, "time": []}
     t0 = time.time()
     if "inv" in args.parts:
@@ -115,7 +124,7 @@ def main() -> None:
                 if cname == "rows":  # across tiles: is a row a function of the tile?
                     ref = outs[max(ms)]
                     tile_bad = []
-                    for t in tiles:
+                    for t in inv_tiles:
                         o = rows_gemm(x, w, config=t)
                         if not torch.equal(o, ref):
                             diff = (o.float() - ref.float()).abs().max().item()
@@ -127,6 +136,9 @@ def main() -> None:
             print(f"{name:8s} {n}x{k}: " + "; ".join(f"{c}={v}" for c, v in line.items()),
                   flush=True)
         print(f"(invariance part {time.time() - t0:.1f} s)", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1, default=str)
     if "time" in args.parts:
         tms = [int(v) for v in args.time_ms.split(",")]
         print("== speed: TB/s of weights read (us per call) ==")
@@ -138,11 +150,13 @@ def main() -> None:
                 x = torch.randn(m, k, device=dev, dtype=dt)
                 row = {"shape": name, "m": m}
                 row["cublas"] = timed(lambda c: F.linear(x, ws[c]), copies, args.reps)
-                if m == 1:
+                if m == 1 and dev.type == "cuda":
                     row["gemv"] = timed(lambda c: gemv(x, ws[c]), copies, args.reps)
                 row["rows_default"] = timed(lambda c: rows_gemm(x, ws[c]), copies, args.reps)
                 best = None
                 for t in tiles:
+                    if (t[0] > 16) != (m > 16):  # 16-row tiles for small M, wider for large M
+                        continue
                     s = timed(lambda c: rows_gemm(x, ws[c], config=t), copies, args.reps)
                     row[f"rows{t}"] = s
                     if best is None or s < best[1]:
@@ -150,7 +164,7 @@ def main() -> None:
                 row["best_tile"] = best[0]
                 if name in ("qkv", "gate_up"):  # the layer's fused variant at the best tile
                     r = torch.randn(m, k, device=dev, dtype=dt)
-                    nw = torch.ones(k, device=dev, dtype=dt)
+                    nw = (1 + 0.1 * torch.randn(k, device=dev)).to(dt)
                     gated = "silu" if name == "gate_up" else None
                     row["fused_best"] = timed(lambda c: rows_gemm(
                         x, ws[c], norm=(nw, 1e-6, 0.0), residual=r, gated_act=gated,
@@ -163,7 +177,7 @@ def main() -> None:
                       + f" rows(default {tuple(rows_config(n, k, False))}) "
                       f"{tb['rows_default']:.2f} best {best[0]} {nbytes / best[1] / 1e12:.2f}"
                       + (f" fused {tb['fused_best']:.2f}" if "fused_best" in tb else "")
-                      f" ({best[1] * 1e6:.1f} us; cublas {row['cublas'] * 1e6:.1f} us)",
+                      + f" ({best[1] * 1e6:.1f} us; cublas {row['cublas'] * 1e6:.1f} us)",
                       flush=True)
         print(f"(total {time.time() - t0:.1f} s)", flush=True)
     if args.json:
