@@ -82,6 +82,8 @@ def main() -> None:
     p.add_argument("--inv-tiles", default=None,
                    help="tiles of the across-tiles check (default: --tiles)")
     p.add_argument("--reps", type=int, default=40)
+    p.add_argument("--precompile-workers", type=int, default=0,
+                   help="compile every tile's variants first in this many processes")
     p.add_argument("--copies", type=int, default=4)
     p.add_argument("--parts", default="inv,time")
     p.add_argument("--json", default=None)
@@ -100,6 +102,14 @@ def main() -> None:
                  if args.inv_tiles else tiles)
     res = {"inv": {}, "time": []}
     t0 = time.time()
+    if args.precompile_workers and dev.type == "cuda":
+        from rows_precompile import precompile
+
+        tasks = [(t, v, 2048, False) for t in tiles for v in ("plain", "norm_add", "gated")]
+        tasks += [(tuple(rows_config(n, k, False)), "f32", 2048, False)
+                  for n, k in [shapes["lm_head"]]]
+        print(f"precompiled {len(tasks)} variants in "
+              f"{precompile(tasks, args.precompile_workers):.1f} s", flush=True)
     if "inv" in args.parts:
         print("== invariance: M values whose rows differ (from M=1's row 0 or the largest M's "
               "rows) ==")
