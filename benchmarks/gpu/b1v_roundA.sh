@@ -11,11 +11,11 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 TILES="16,16,256,4,4;16,16,512,4,3;16,32,256,4,4;16,64,128,4,3;16,64,256,4,3,1;16,128,128,4,3,1;32,64,128,4,3;64,64,64,4,3;64,128,64,8,3;128,64,64,8,3;64,128,64,4,3,1"
 INV="16,16,256,4,4;16,64,128,4,3;64,64,64,4,3;128,64,64,8,3;16,128,128,4,3,1;64,128,64,4,3,1"
 el "precompile"
-timeout 25 python3 benchmarks/kernels/rows_precompile.py --model-shapes --tiles "$TILES" \
+timeout 24 python3 benchmarks/kernels/rows_precompile.py --model-shapes --pdl off,on --tiles "$TILES" \
   --variants plain,norm_add,gated --workers 14 2>&1 | tail -3
-el "probe: invariance, then speed"
-timeout 28 python3 benchmarks/kernels/rows_gemm_probe.py --parts inv,time --ms 1,2,3,8,33,64,256 \
-  --time-ms 1,64,256 --reps 20 --tiles "$TILES" --inv-tiles "$INV" --json "$OUT_DIR/probe.json" 2>&1 | tail -32
+el "probe: invariance, speed, a step's chain of products with PDL off/on"
+timeout 31 python3 benchmarks/kernels/rows_gemm_probe.py --parts inv,time,chain --ms 1,2,3,8,33,64,256 \
+  --time-ms 1,64,256 --reps 20 --tiles "$TILES" --inv-tiles "$INV" --json "$OUT_DIR/probe.json" 2>&1 | tail -40
 el "pytest"
-timeout 24 python3 -m pytest -q -m gpu tests/gpu/test_rows_gemm_cuda.py -k request_logits -v -x --tb=short 2>&1 | grep -v "^$" | tail -30
+timeout 22 python3 -m pytest -q -m gpu tests/gpu/test_rows_gemm_cuda.py -k request_logits -v -x --tb=short 2>&1 | grep -v "^$" | tail -30
 el "done"

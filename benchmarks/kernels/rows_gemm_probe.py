@@ -67,6 +67,45 @@ def invariant_ms(fn, x, ms):
     return bad, outs
 
 
+def chain(shapes: dict, hidden: int, layers: int, ms: list[int]) -> list[dict]:
+    """A decode step's products without the attention: per layer qkv (norm + residual add),
+    o, gate_up (norm + residual add, gated), down, each layer its own weights (never in L2),
+    then the LM head; one CUDA graph, PDL off and on. us per step and TB/s of weights."""
+    from kvfit.kernels import pdl
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    ws = [{nm: torch.randn(*shapes[nm], device=dev, dtype=dt) / shapes[nm][1] ** 0.5
+           for nm in ("qkv", "o", "gate_up", "down")} for _ in range(layers)]
+    head = torch.randn(*shapes["lm_head"], device=dev, dtype=dt) / hidden ** 0.5
+    nw = (1 + 0.1 * torch.randn(hidden, device=dev)).to(dt)
+    nbytes = sum(w.numel() * 2 for lw in ws for w in lw.values()) + head.numel() * 2
+    out = []
+    for m in ms:
+        x0 = torch.randn(m, hidden, device=dev, dtype=dt)
+        q_size = shapes["o"][1]
+
+        def step():
+            x, res = x0, x0
+            for lw in ws:
+                qkv, res = rows_gemm(x, lw["qkv"], norm=(nw, 1e-6, 0.0), residual=res)
+                h = rows_gemm(qkv[:, :q_size], lw["o"])
+                a, res = rows_gemm(h, lw["gate_up"], norm=(nw, 1e-6, 0.0), residual=res,
+                                   gated_act="silu")
+                x = rows_gemm(a, lw["down"])
+            return rows_gemm(x, head, out_dtype=torch.float32)
+
+        row = {"m": m}
+        for on in (False, True):
+            pdl.ENABLED = on
+            row["pdl" if on else "plain"] = timed(lambda c: step(), 1, 3)
+        pdl.ENABLED = False
+        out.append(row)
+        print(f"chain M={m}: {layers} layers + LM head, {nbytes / 1e9:.2f} GB: PDL off "
+              f"{row['plain'] * 1e6:.0f} us ({nbytes / row['plain'] / 1e12:.2f} TB/s), PDL on "
+              f"{row['pdl'] * 1e6:.0f} us ({nbytes / row['pdl'] / 1e12:.2f} TB/s)", flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--hidden", type=int, default=2048)
@@ -82,10 +121,12 @@ def main() -> None:
     p.add_argument("--inv-tiles", default=None,
                    help="tiles of the across-tiles check (default: --tiles)")
     p.add_argument("--reps", type=int, default=40)
+    p.add_argument("--layers", type=int, default=28, help="chain part: decoder layers")
+    p.add_argument("--chain-ms", default="1,64", help="chain part: batch rows")
     p.add_argument("--precompile-workers", type=int, default=0,
                    help="compile every tile's variants first in this many processes")
     p.add_argument("--copies", type=int, default=4)
-    p.add_argument("--parts", default="inv,time")
+    p.add_argument("--parts", default="inv,time,chain")
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cuda", help="cpu: the invariance part under "
                    "TRITON_INTERPRET=1 on small shapes (a check of this script)")
@@ -149,6 +190,8 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1, default=str)
+    if "chain" in args.parts and dev.type == "cuda":
+        res["chain"] = chain(shapes, h, args.layers, [int(v) for v in args.chain_ms.split(",")])
     if "time" in args.parts:
         tms = [int(v) for v in args.time_ms.split(",")]
         print("== speed: TB/s of weights read (us per call) ==")
@@ -189,7 +232,8 @@ def main() -> None:
                       + (f" fused {tb['fused_best']:.2f}" if "fused_best" in tb else "")
                       + f" ({best[1] * 1e6:.1f} us; cublas {row['cublas'] * 1e6:.1f} us)",
                       flush=True)
-        print(f"(total {time.time() - t0:.1f} s)", flush=True)
+        print(f"(speed part done at {time.time() - t0:.1f} s)", flush=True)
+    print(f"(total {time.time() - t0:.1f} s)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1, default=str)

@@ -7,8 +7,8 @@ A variant's binary depends on the tile, the fused parts and the integer argument
 product per (tile, variant) compiles what the real shapes run.
 
 Usage: python3 rows_precompile.py --tiles "16,16,256,4,4;64,64,64,4,3" [--variants
-       plain,f32,norm,norm_add,gated] [--workers 12] [--pdl]
-       python3 rows_precompile.py --model-shapes [--pdl]   (the tiles rows_config picks for
+       plain,f32,norm,norm_add,gated] [--workers 12] [--pdl off|on|off,on]
+       python3 rows_precompile.py --model-shapes [--pdl off,on]   (the tiles rows_config picks for
        Qwen3-1.7B's shapes and the test models')
 """
 
@@ -87,14 +87,16 @@ def main() -> None:
     p.add_argument("--variants", default="plain,norm_add,gated")
     p.add_argument("--model-shapes", action="store_true")
     p.add_argument("--workers", type=int, default=12)
-    p.add_argument("--pdl", action="store_true")
+    p.add_argument("--pdl", default="off", help="off, on, or off,on: programmatic dependent "
+                   "launch in the compiled variants (kernels/pdl.py)")
     args = p.parse_args()
-    tasks = model_tasks(args.pdl) if args.model_shapes else []
+    pdls = [v == "on" for v in args.pdl.split(",")]
+    tasks = [t for on in pdls for t in model_tasks(on)] if args.model_shapes else []
     if args.tiles:
         for t in args.tiles.split(";"):
             tile = tuple(int(v) for v in t.split(","))
             for v in args.variants.split(","):
-                tasks.append((tile, v, 2048, args.pdl))
+                tasks.append((tile, v, 2048, pdls[0]))
     print(f"precompiled {len(tasks)} rows_gemm variants in {precompile(tasks, args.workers):.1f} s",
           flush=True)
 
