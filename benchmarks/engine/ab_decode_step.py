@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import fcntl
 import json
 import os
 import statistics
@@ -164,6 +165,10 @@ def main() -> None:
                    help="also time each point with no host sync between steps")
     p.add_argument("--pdl", choices=["on", "off", "default"], default="default",
                    help="trees with kvfit.kernels.pdl: programmatic dependent launch")
+    p.add_argument("--lock", default=None,
+                   help="a file held (flock) around each KV dtype's measurements: processes "
+                        "started together build their runners in parallel and measure one at "
+                        "a time")
     args = p.parse_args()
     if args.pdl != "default":
         from kvfit.kernels import pdl
@@ -196,6 +201,12 @@ def main() -> None:
         runner = build_runner(kvd, need, max_ctx + args.steps * args.repeats + 64,
                               max(b for b, _ in points), args.model)
         fill(runner.pool)
+        torch.cuda.synchronize()
+        lock = open(args.lock, "a+") if args.lock else None
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the measurements are done
+            print(f"[{args.label}] {kvd}: measuring from {time.strftime('%H:%M:%S')}",
+                  flush=True)
         rec = {"label": args.label, "kv_dtype": kvd, "backend": runner.backend_name,
                "page_size": runner.pool.page_size, "startup_s": time.time() - t0,
                "points": []}
@@ -231,6 +242,8 @@ def main() -> None:
               f"kernels/step, GPU {pr['gpu_kernel_us_per_step']:.0f} us/step", flush=True)
         for t in pr["top"]:
             print(f"     {t['per_step']:6.1f}/step {t['us_each']:7.1f} us  {t['name']}")
+        if lock is not None:
+            lock.close()  # releases the flock
         print("RESULT " + json.dumps(rec), flush=True)
         del runner
         torch.cuda.empty_cache()
