@@ -38,13 +38,15 @@ def _sync():
     torch.cuda.synchronize()
 
 
-def build_runner(kvd: str, tokens: int, max_len: int, max_bs: int, model: str):
+def build_runner(kvd: str, tokens: int, max_len: int, max_bs: int, model: str,
+                 backend: str | None = None):
     from kvfit.config import make_config
     from kvfit.engine.runner import ModelRunner
 
+    extra = {} if backend is None else {"attention_backend": backend}
     cfg = make_config(model=model, load_format="dummy", kv_dtype=kvd, device="cuda",
                       num_tokens=tokens, max_model_len=max_len, max_num_seqs=max_bs,
-                      cuda_graph_max_bs=max_bs, max_num_batched_tokens=1024)
+                      cuda_graph_max_bs=max_bs, max_num_batched_tokens=1024, **extra)
     return ModelRunner(cfg)
 
 
@@ -165,6 +167,7 @@ def main() -> None:
                    help="also time each point with no host sync between steps")
     p.add_argument("--pdl", choices=["on", "off", "default"], default="default",
                    help="trees with kvfit.kernels.pdl: programmatic dependent launch")
+    p.add_argument("--attention-backend", default=None, help="default: the engine's auto")
     p.add_argument("--lock", default=None,
                    help="a file held (flock) around each KV dtype's measurements: processes "
                         "started together build their runners in parallel and measure one at "
@@ -199,7 +202,7 @@ def main() -> None:
         need = sum(b * (ctx + args.steps * args.repeats + 64) for b, ctx in points) + 4096
         max_ctx = max(c for _, c in points)
         runner = build_runner(kvd, need, max_ctx + args.steps * args.repeats + 64,
-                              max(b for b, _ in points), args.model)
+                              max(b for b, _ in points), args.model, args.attention_backend)
         fill(runner.pool)
         torch.cuda.synchronize()
         lock = open(args.lock, "a+") if args.lock else None
