@@ -150,6 +150,16 @@ def profile_step(runner, ctx: int, trace_path: str | None, steps: int = 3) -> di
             "gpu_kernel_us_per_step": sum(e.device_time for e in kern) / steps, "top": top}
 
 
+def wait_barrier(spec: str, name: str, limit_s: float = 60.0) -> None:
+    """Marks ``name`` ready in the barrier folder, then waits until N names are (``DIR:N``)."""
+    folder, n = spec.rsplit(":", 1)
+    os.makedirs(folder, exist_ok=True)
+    open(os.path.join(folder, name), "w").close()
+    t0 = time.time()
+    while len(os.listdir(folder)) < int(n) and time.time() - t0 < limit_s:
+        time.sleep(0.2)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--label", required=True)
@@ -168,6 +178,9 @@ def main() -> None:
     p.add_argument("--pdl", choices=["on", "off", "default"], default="default",
                    help="trees with kvfit.kernels.pdl: programmatic dependent launch")
     p.add_argument("--attention-backend", default=None, help="default: the engine's auto")
+    p.add_argument("--barrier", default=None,
+                   help="DIR:N: before measuring, wait (at most 60 s) until N processes have "
+                        "built their runners (a file each in DIR)")
     p.add_argument("--lock", default=None,
                    help="a file held (flock) around each KV dtype's measurements: processes "
                         "started together build their runners in parallel and measure one at "
@@ -205,6 +218,8 @@ def main() -> None:
                               max(b for b, _ in points), args.model, args.attention_backend)
         fill(runner.pool)
         torch.cuda.synchronize()
+        if args.barrier:  # every process of the job built its runner: the CPUs are quiet
+            wait_barrier(args.barrier, f"{args.label}-{kvd}")
         lock = open(args.lock, "a+") if args.lock else None
         if lock is not None:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the measurements are done
