@@ -116,7 +116,8 @@ def test_bad_input_is_refused():
         rows_gemm(x, w, norm=(torch.ones(16).half(), 1e-6, 0.0), residual=x[:1])
 
 
-def test_decode_rows_layer_path_equals_the_batched_path(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])  # norms unfused / fused
+def test_decode_rows_layer_path_equals_the_batched_path(monkeypatch, dtype):
     """models/decode_rows.py wired into a tiny float16 Llama on the CPU (the GEMMs interpreted,
     the torch attention backend): a decode step of 1 and of 3 requests through the rows path
     gives the batched path's hidden states to within a few roundings and stores the same K/V;
@@ -137,7 +138,7 @@ def test_decode_rows_layer_path_equals_the_batched_path(monkeypatch):
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=97,
                       max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg, 64).to(DT).eval()
+    model = LlamaForCausalLM(cfg, 64).to(dtype).eval()
     with torch.no_grad():
         init_dummy(model, 0)
         for layer in model.model.layers:  # non-trivial norm weights
@@ -147,8 +148,8 @@ def test_decode_rows_layer_path_equals_the_batched_path(monkeypatch):
     tables = [[2, 5], [1], [3, 4]]
 
     def run(rows_on: bool, nreq: int):
-        pool = MHAKVCache(model.kv_layer_specs(cfg), 8, 4, kv_format("float16"), "cpu")
-        ctx = Context(TorchRefBackend(pool, DT, model.sm_scale(cfg)), pool, DT)
+        pool = MHAKVCache(model.kv_layer_specs(cfg), 8, 4, kv_format(str(dtype)[6:]), "cpu")
+        ctx = Context(TorchRefBackend(pool, dtype, model.sm_scale(cfg)), pool, dtype)
         ps, ts = prompts[:nreq], tables[:nreq]
         with torch.inference_mode(), monkeypatch.context() as m:
             m.setattr(decode_rows, "ENABLED", False)  # the prompts: batched path, both runs
@@ -158,8 +159,8 @@ def test_decode_rows_layer_path_equals_the_batched_path(monkeypatch):
             if rows_on:  # the GPU path's dispatch, on the CPU under the interpreter
                 m.setattr(rows_mod, "supports", rows_mod._fits)
             m.setattr(decode_rows, "ENABLED", rows_on)
-            assert decode_rows.applies(model.model.layers[0], torch.zeros(nreq, 64, dtype=DT),
-                                       torch.zeros(nreq, 64, dtype=DT)) == rows_on
+            assert decode_rows.applies(model.model.layers[0], torch.zeros(nreq, 64, dtype=dtype),
+                                       torch.zeros(nreq, 64, dtype=dtype)) == rows_on
             ctx.backend.prepare(build_metadata([1] * nreq, [n + 1 for n in lens], ts, 4, "cpu"))
             hidden = model(torch.tensor([11, 12, 13][:nreq]), torch.tensor(lens), ctx)
             logits = model.compute_logits(hidden)
@@ -167,8 +168,9 @@ def test_decode_rows_layer_path_equals_the_batched_path(monkeypatch):
 
     h_ref, l_ref, k_ref = run(False, 3)
     h, lg, k = run(True, 3)
-    assert (h.double() - h_ref.double()).abs().max() <= 8 * ULP * h_ref.abs().max()
-    assert (lg.double() - l_ref.double()).abs().max() <= 8 * ULP * l_ref.abs().max()
-    assert (k - k_ref).abs().max() <= 8 * ULP * k_ref.abs().max()
+    ulp = 8 * (ULP if dtype == torch.float16 else 2.0 ** -7)  # a few roundings
+    assert (h.double() - h_ref.double()).abs().max() <= ulp * h_ref.abs().max()
+    assert (lg.double() - l_ref.double()).abs().max() <= ulp * l_ref.abs().max()
+    assert (k - k_ref).abs().max() <= ulp * k_ref.abs().max()
     h1, l1, _ = run(True, 1)
     assert torch.equal(h1[0], h[0]) and torch.equal(l1[0], lg[0])

@@ -9,11 +9,13 @@ and the activation kernel.
     a, residual   = rows_gemm(W_gate_up, RMSNorm_post(h + residual)) # norm prologue, act(g)*u
     out           = rows_gemm(W_down, a)
 
-It runs for every step of at most ``MAX_ROWS`` tokens (every decode batch up to the largest
-CUDA graph by default), so a request's hidden states and logits have the same bits whether it is
-alone in its step or batched with up to ``MAX_ROWS - 1`` others: the tile of each product is a
-function of the weight only (``rows_gemm``), and the other parts of a layer compute each row on
-its own. cuBLAS picks its kernel per M (its rows are not batch-invariant). Steps of more tokens
+(float16: the two norms run first, in their per-row kernels, and the GEMMs read their output;
+see ``FUSED_NORM_DTYPES``.) It runs for every step of at most ``MAX_ROWS`` tokens (every decode
+batch up to the largest CUDA graph by default), so a request's hidden states and logits have
+the same bits whether it is alone in its step or batched with up to ``MAX_ROWS - 1`` others:
+each product's tile is a function of the weight only (``rows_gemm``), and the other parts of a
+layer compute each row on its own (attention too, while the decode kernels split every row's
+context the same way: see docs/benchmarks.md on long contexts). cuBLAS picks its kernel per M (its rows are not batch-invariant). Steps of more tokens
 (prefill chunks, mixed steps) run the batched path.
 
 One rank only (``tp_group().size == 1``): under tensor parallelism the batched path runs, with
@@ -33,6 +35,10 @@ from kvfit.parallel.state import tp_group
 ENABLED = True
 MAX_ROWS = 256
 LM_HEAD = True
+# dtypes whose norms run inside the GEMMs: the fused prologue rounds x * w_norm before 1/rms
+# scales it, which float16's range does not allow for large activations (the norm kernels
+# run first there, per row like the rest of the layer)
+FUSED_NORM_DTYPES = (torch.bfloat16,)
 
 
 def _bias(lin) -> Optional[torch.Tensor]:
@@ -65,13 +71,22 @@ def layer_forward(layer, x: torch.Tensor, residual: Optional[torch.Tensor], posi
 
     attn, mlp = layer.self_attn, layer.mlp
     n_in, n_post = layer.input_layernorm, layer.post_attention_layernorm
-    qkv, residual = rows_gemm(x, attn.qkv_proj.weight, _bias(attn.qkv_proj),
-                              norm=(n_in.weight, n_in.eps, n_in.offset), residual=residual)
+    if x.dtype in FUSED_NORM_DTYPES:
+        qkv, residual = rows_gemm(x, attn.qkv_proj.weight, _bias(attn.qkv_proj),
+                                  norm=(n_in.weight, n_in.eps, n_in.offset), residual=residual)
+    else:
+        h, residual = (n_in(x), x) if residual is None else n_in(x, residual)
+        qkv = rows_gemm(h, attn.qkv_proj.weight, _bias(attn.qkv_proj))
     o = attn.attend(qkv, positions, rotary, ctx)  # [M, q_size]
     h = rows_gemm(o, attn.o_proj.weight, _bias(attn.o_proj))
-    a, residual = rows_gemm(h, mlp.gate_up_proj.weight, _bias(mlp.gate_up_proj),
-                            norm=(n_post.weight, n_post.eps, n_post.offset), residual=residual,
-                            gated_act=mlp.act_name)
+    if x.dtype in FUSED_NORM_DTYPES:
+        a, residual = rows_gemm(h, mlp.gate_up_proj.weight, _bias(mlp.gate_up_proj),
+                                norm=(n_post.weight, n_post.eps, n_post.offset),
+                                residual=residual, gated_act=mlp.act_name)
+    else:
+        h, residual = n_post(h, residual)
+        a = rows_gemm(h, mlp.gate_up_proj.weight, _bias(mlp.gate_up_proj),
+                      gated_act=mlp.act_name)
     return rows_gemm(a, mlp.down_proj.weight, _bias(mlp.down_proj)), residual
 
 
