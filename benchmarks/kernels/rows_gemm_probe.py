@@ -176,7 +176,11 @@ def main() -> None:
                     ref = outs[max(ms)]
                     tile_bad = []
                     for t in inv_tiles:
-                        o = rows_gemm(x, w, config=t)
+                        try:
+                            o = rows_gemm(x, w, config=t)
+                        except Exception as e:
+                            tile_bad.append(f"{t}:failed {type(e).__name__}")
+                            continue
                         if not torch.equal(o, ref):
                             diff = (o.float() - ref.float()).abs().max().item()
                             tile_bad.append(f"{t}:{diff:.2e}")
@@ -210,7 +214,11 @@ def main() -> None:
                 for t in tiles:
                     if t[0] == 16 and m > 64:  # 16-row tiles re-read W per 16 rows
                         continue
-                    s = timed(lambda c: rows_gemm(x, ws[c], config=t), copies, args.reps)
+                    try:
+                        s = timed(lambda c: rows_gemm(x, ws[c], config=t), copies, args.reps)
+                    except Exception as e:  # e.g. a tile over the shared memory
+                        print(f"  tile {t} failed: {type(e).__name__}: {str(e)[:120]}")
+                        continue
                     row[f"rows{t}"] = s
                     if best is None or s < best[1]:
                         best = (t, s)

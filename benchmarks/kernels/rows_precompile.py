@@ -54,12 +54,22 @@ def compile_one(task) -> float:
     return time.time() - t0
 
 
+def safe_compile_one(task):
+    """``compile_one``, or the error's text (a tile over the shared memory, ...)."""
+    try:
+        return compile_one(task)
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e)[:160]}"
+
+
 def precompile(tasks, workers: int) -> float:
     """Runs ``compile_one`` over ``tasks`` in ``workers`` spawned processes; wall seconds."""
     t0 = time.time()
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(min(workers, len(tasks))) as pool:
-        pool.map(compile_one, tasks, chunksize=1)
+        for task, res in zip(tasks, pool.map(safe_compile_one, tasks, chunksize=1)):
+            if isinstance(res, str):
+                print(f"{task}: {res}", flush=True)
     return time.time() - t0
 
 
