@@ -164,20 +164,25 @@ def build():
     return _rows_gemm_kernel
 
 
-# Tile per (n_out, k, gated): a function of the weight only (never of M: batch invariance).
-# Filled from the H200 sweeps (benchmarks/kernels/rows_gemm_bench.py); others take the rule in
-# rows_config.
+# Tiles per (n_out, k, gated): ((max_m, tile), ...) in increasing max_m, the last one for any
+# larger M. Measured on the H200 (benchmarks/kernels/rows_gemm_probe.py); other shapes take the
+# rule in rows_config. A row's bits do not depend on the tile (every tile chains the same k16
+# tensor-core products in K order; tests/gpu/test_rows_gemm_cuda.py checks it across the
+# buckets), so the tile may follow M.
 ROWS_CONFIG: dict = {}
 MIN_PROGRAMS = 132  # one column block per SM of an H200 at least
 
 
-def rows_config(n_out: int, k: int, gated: bool) -> RowsConfig:
-    """The tile for an output of ``n_out`` columns over ``k`` inputs (gated: two weight rows
-    each): the measured one, else the widest column block that still gives ``MIN_PROGRAMS``
-    column blocks."""
-    cfg = ROWS_CONFIG.get((n_out, k, gated))
-    if cfg is not None:
-        return RowsConfig(*cfg)
+def rows_config(n_out: int, k: int, gated: bool, m: int = 1) -> RowsConfig:
+    """The tile for ``m`` rows and an output of ``n_out`` columns over ``k`` inputs (gated: two
+    weight rows each): the measured one, else 16-row tiles with the widest column block that
+    still gives ``MIN_PROGRAMS`` column blocks."""
+    buckets = ROWS_CONFIG.get((n_out, k, gated))
+    if buckets is not None:
+        for max_m, tile in buckets:
+            if m <= max_m:
+                return RowsConfig(*tile)
+        return RowsConfig(*buckets[-1][1])
     for bn in ((32, 16) if gated else (64, 32, 16)):
         if n_out // bn >= MIN_PROGRAMS:
             return RowsConfig(16, bn, 256, 4, 4)
@@ -243,7 +248,7 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
         res_out = torch.empty_like(x, memory_format=torch.contiguous_format)
     else:
         residual, res_out = x, x
-    cfg = RowsConfig(*(config or rows_config(n_out, k, gated)))
+    cfg = RowsConfig(*(config or rows_config(n_out, k, gated, m)))
     bk = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n_out, cfg.block_n))
     build()[grid](x, residual, res_out, nw, weight, weight if bias is None else bias, out, m, k,
