@@ -28,6 +28,7 @@ DT = torch.float16
 ULP = 2.0 ** -10
 TILE = (16, 16, 32, 4, 1)
 SWAPPED = (16, 16, 32, 4, 1, 1)  # W_tile @ x_tile^T
+SPLIT3 = (16, 16, 32, 4, 1, 0, 3)  # K in three ranges, partials added by the last program
 
 
 def _close(y, ref, roundings=1.0):
@@ -43,7 +44,7 @@ def _data(m, k, n, seed):
     return x, w, g
 
 
-@pytest.mark.parametrize("tile", [TILE, SWAPPED])
+@pytest.mark.parametrize("tile", [TILE, SWAPPED, SPLIT3])
 @pytest.mark.parametrize("m,k", [(3, 96), (18, 80)])  # 80: K not a multiple of the tile
 def test_plain_bias_and_float32_out(m, k, tile):
     x, w, g = _data(m, k, 20, 1)  # 20 columns: the last column block is partial
@@ -57,7 +58,7 @@ def test_plain_bias_and_float32_out(m, k, tile):
     assert y32.dtype == torch.float32 and torch.equal(y32, y.float())
 
 
-@pytest.mark.parametrize("tile", [TILE, SWAPPED])
+@pytest.mark.parametrize("tile", [TILE, SWAPPED, SPLIT3])
 @pytest.mark.parametrize("gated", [False, True])
 def test_norm_prologue_and_gated_epilogue(gated, tile):
     m, k, n = 5, 64, 32
@@ -82,7 +83,7 @@ def test_norm_prologue_and_gated_epilogue(gated, tile):
     _close(y0, h0 @ w.double().t(), 2.0)
 
 
-@pytest.mark.parametrize("tile", [TILE, SWAPPED])
+@pytest.mark.parametrize("tile", [TILE, SWAPPED, SPLIT3])
 def test_rows_do_not_depend_on_the_batch(tile):
     """Row i of x[:M] has the same bits for every M (one tile for every M), plain and fused."""
     k, n = 48, 40
@@ -97,6 +98,10 @@ def test_rows_do_not_depend_on_the_batch(tile):
         y, s = rows_gemm(x[:m], w, norm=(nw, 1e-6, 0.0), residual=res[:m], gated_act="silu",
                          config=tile)
         assert torch.equal(y, fused[:m]) and torch.equal(s, s_full[:m])
+    if tile == SPLIT3:  # every tile's last program reset its counter for the next launch
+        from kvfit.kernels.rows_gemm import _COUNTERS
+
+        assert not _COUNTERS[x.device].any()
 
 
 def test_bad_input_is_refused():

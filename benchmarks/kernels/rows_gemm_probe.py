@@ -159,33 +159,35 @@ def main() -> None:
             x = torch.randn(max(ms), k, device=dev, dtype=dt)
             r = torch.randn(max(ms), k, device=dev, dtype=dt)
             nw = (1 + 0.1 * torch.randn(k, device=dev)).to(dt)
-            cases = {"cublas": lambda a: F.linear(a, w),
-                     "rows": lambda a: rows_gemm(a, w)}
+            cases = {"cublas": lambda a: F.linear(a, w)}
             if name == "lm_head":
                 cases["cublas_f32"] = lambda a: F.linear(a, w).float()
                 cases["rows_f32"] = lambda a: rows_gemm(a, w, out_dtype=torch.float32)
             if name in ("qkv", "gate_up"):
                 gated = "silu" if name == "gate_up" else None
-                cases["rows_norm"] = lambda a: torch.cat(rows_gemm(
-                    a, w, norm=(nw, 1e-6, 0.0), residual=r[:a.shape[0]], gated_act=gated), 1)
+                cases["rows_norm"] = lambda a, t=None: torch.cat(rows_gemm(
+                    a, w, norm=(nw, 1e-6, 0.0), residual=r[:a.shape[0]], gated_act=gated,
+                    config=t), 1)
+            cases["rows"] = lambda a, t=None: rows_gemm(a, w, config=t)
             line = {}
             for cname, fn in cases.items():
                 bad, outs = invariant_ms(fn, x, ms)
                 line[cname] = bad
-                if cname == "rows":  # across tiles: is a row a function of the tile?
+                if cname in ("rows", "rows_norm"):  # across tiles: a row a function of the tile?
                     ref = outs[max(ms)]
                     tile_bad = []
                     for t in inv_tiles:
                         try:
-                            o = rows_gemm(x, w, config=t)
+                            o = fn(x, t)
                         except Exception as e:
                             tile_bad.append(f"{t}:failed {type(e).__name__}")
                             continue
                         if not torch.equal(o, ref):
                             diff = (o.float() - ref.float()).abs().max().item()
                             tile_bad.append(f"{t}:{diff:.2e}")
-                    line["rows_tiles_differ"] = tile_bad
-                    if k == h and n <= 16384 and dev.type == "cuda":  # GEMV's row 0 vs ours
+                    line[f"{cname}_tiles_differ"] = tile_bad
+                    if (cname == "rows" and k == h and n <= 16384
+                            and dev.type == "cuda"):  # the GEMV's row 0 against ours
                         line["gemv_eq_rows"] = bool(torch.equal(gemv(x[:1], w)[0], ref[0]))
             res["inv"][name] = line
             print(f"{name:8s} {n}x{k}: " + "; ".join(f"{c}={v}" for c, v in line.items()),
@@ -194,8 +196,6 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1, default=str)
-    if "chain" in args.parts and dev.type == "cuda":
-        res["chain"] = chain(shapes, h, args.layers, [int(v) for v in args.chain_ms.split(",")])
     if "time" in args.parts:
         tms = [int(v) for v in args.time_ms.split(",")]
         print("== speed: TB/s of weights read (us per call) ==")
@@ -241,6 +241,15 @@ def main() -> None:
                       + f" ({best[1] * 1e6:.1f} us; cublas {row['cublas'] * 1e6:.1f} us)",
                       flush=True)
         print(f"(speed part done at {time.time() - t0:.1f} s)", flush=True)
+    if "chain" in args.parts and dev.type == "cuda":
+        if res["time"]:  # the chain runs each product at the best tile the sweep found
+            from kvfit.kernels import rows_gemm as rows_mod
+
+            for name, (n, k) in shapes.items():
+                key = (n // 2, k, True) if name == "gate_up" else (n, k, False)
+                rows_mod.ROWS_CONFIG[key] = [(r["m"], r["best_tile"]) for r in res["time"]
+                                             if r["shape"] == name]
+        res["chain"] = chain(shapes, h, args.layers, [int(v) for v in args.chain_ms.split(",")])
     print(f"(total {time.time() - t0:.1f} s)", flush=True)
     if args.json:
         with open(args.json, "w") as f:

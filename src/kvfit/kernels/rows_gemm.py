@@ -23,13 +23,13 @@ Optional parts, each replacing one launch of the unfused step:
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Optional
 
 import torch
 
 from kvfit.kernels.interpret import interpreting
 from kvfit.kernels.pdl import launch_options
+from kvfit.kernels.rows_gemm_kernel import build
 
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
 ROWS_DTYPES = (torch.bfloat16, torch.float16)
@@ -37,131 +37,15 @@ ROWS_DTYPES = (torch.bfloat16, torch.float16)
 
 class RowsConfig(NamedTuple):
     """A tile: ``swap`` computes ``W_tile @ x_tile^T`` (the weight's columns fill the MMA's
-    long side, the batch rows its short one: wgmma on Hopper at any M) instead of
-    ``x_tile @ W_tile^T``."""
+    long side, the batch rows its short one) instead of ``x_tile @ W_tile^T``; ``split``
+    divides K into that many ranges (programs), their partials added in a fixed order."""
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
     swap: int = 0
-
-
-@functools.cache
-def build():
-    """The jitted kernel, built once per process on first use."""
-    import triton
-    import triton.language as tl
-
-    from kvfit.kernels.pdl import gdc
-
-    gdc_wait, gdc_launch_dependents = gdc()
-
-    # M is never specialised (1, multiples of 16): one binary per tile for every batch size
-    @triton.jit(do_not_specialize=["M"])
-    def _rows_gemm_kernel(X, R, RO, NW, W, B, OUT, M, K, N_OUT, stride_x, stride_r, stride_ro,
-                          stride_w, stride_o, up_off, eps, offset,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          NORM: tl.constexpr, ADD: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                          GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          EVEN_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
-                          F32_DOT: tl.constexpr, SWAP: tl.constexpr):
-        if PDL:  # programmatic dependent launch (kernels/pdl.py)
-            gdc_wait()
-            gdc_launch_dependents()
-        pid_m = tl.program_id(0)  # fastest: the row blocks of one weight tile run together
-        pid_n = tl.program_id(1)
-        ty = X.dtype.element_ty
-        lm = tl.arange(0, BLOCK_M)
-        rm = pid_m * BLOCK_M + lm  # [BM] batch rows
-        mmask = rm < M
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
-        nmask = rn < N_OUT
-        ks = tl.arange(0, BLOCK_K)
-        rm64 = rm.to(tl.int64)
-        x_ptr = X + rm64[:, None] * stride_x + ks[None, :]  # [BM, BK]
-        r_ptr = R + rm64[:, None] * stride_r + ks[None, :]
-        ro_ptr = RO + rm64[:, None] * stride_ro + ks[None, :]
-        w_ptr = W + rn.to(tl.int64)[:, None] * stride_w + ks[None, :]  # [BN, BK]
-        if SWAP:
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        sq = tl.zeros([BLOCK_M, BLOCK_M], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            if EVEN_K:
-                xm = mmask[:, None]
-                wm = nmask[:, None]
-            else:
-                km = (k0 + ks) < K
-                xm = mmask[:, None] & km[None, :]
-                wm = nmask[:, None] & km[None, :]
-            xk = tl.load(x_ptr + k0, mask=xm, other=0.0)  # [BM, BK]
-            if NORM:
-                if ADD:  # s = x + residual, rounded like torch's add: the new residual
-                    rk = tl.load(r_ptr + k0, mask=xm, other=0.0)
-                    xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(ty)
-                    if pid_n == 0:
-                        tl.store(ro_ptr + k0, xk, mask=xm)
-                if F32_DOT:
-                    sq = tl.dot(xk.to(tl.float32), tl.trans(xk.to(tl.float32)), sq)
-                else:
-                    sq = tl.dot(xk, tl.trans(xk), sq)  # [BM, BM]: diagonal = sum of squares
-                if EVEN_K:
-                    nw = tl.load(NW + k0 + ks).to(tl.float32)
-                else:
-                    nw = tl.load(NW + k0 + ks, mask=km, other=0.0).to(tl.float32)
-                if HAS_OFFSET:
-                    nw = nw + offset
-                hk = (xk.to(tl.float32) * nw[None, :]).to(ty)
-            else:
-                hk = xk
-            w = tl.load(w_ptr + k0, mask=wm, other=0.0)  # [BN, BK]
-            if F32_DOT:  # the interpreter's 16-bit dot is wrong for bfloat16: exact widening
-                hk = hk.to(tl.float32)
-                w = w.to(tl.float32)
-            if SWAP:
-                acc = tl.dot(w, tl.trans(hk), acc)  # [BN, BM]
-            else:
-                acc = tl.dot(hk, tl.trans(w), acc)  # [BM, BN]
-            if GATED:
-                wu = tl.load(w_ptr + up_off * stride_w + k0, mask=wm, other=0.0)
-                if F32_DOT:
-                    wu = wu.to(tl.float32)
-                if SWAP:
-                    acc_up = tl.dot(wu, tl.trans(hk), acc_up)
-                else:
-                    acc_up = tl.dot(hk, tl.trans(wu), acc_up)
-        if SWAP:  # [BN, BM] -> [BM, BN]
-            acc = tl.trans(acc)
-            acc_up = tl.trans(acc_up)
-        if NORM:  # RMSNorm's 1/rms per row, applied to the finished sums
-            ssq = tl.sum(tl.where(lm[:, None] == lm[None, :], sq, 0.0), axis=1)  # [BM], exact
-            rstd = tl.rsqrt(ssq / K + eps)
-            acc = acc * rstd[:, None]
-            acc_up = acc_up * rstd[:, None]
-        if HAS_BIAS:
-            acc += tl.load(B + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-            if GATED:
-                acc_up += tl.load(B + up_off + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        y = acc.to(ty)
-        if GATED:  # act(gate) * up, as kernels.fused_act rounds it
-            g = y.to(tl.float32)
-            u = acc_up.to(ty).to(tl.float32)
-            if ACT == 0:
-                a = g / (1.0 + tl.exp(-g))
-            elif ACT == 1:
-                z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-                a = g / (1.0 + tl.exp(-2.0 * z))
-            else:
-                a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
-            y = (a.to(ty).to(tl.float32) * u).to(ty)
-        o_ptr = OUT + rm64[:, None] * stride_o + rn[None, :]
-        tl.store(o_ptr, y.to(OUT.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
-
-    return _rows_gemm_kernel
+    split: int = 1
 
 
 # Tiles per (n_out, k, gated): ((max_m, tile), ...) in increasing max_m, the last one for any
@@ -187,6 +71,25 @@ def rows_config(n_out: int, k: int, gated: bool, m: int = 1) -> RowsConfig:
         if n_out // bn >= MIN_PROGRAMS:
             return RowsConfig(16, bn, 256, 4, 4)
     return RowsConfig(16, 16, 256, 4, 4)
+
+
+_COUNTERS: dict = {}  # device -> zeroed int32 tile counters of split-K launches (see below)
+_RETIRED: list = []  # smaller counter buffers replaced while CUDA graphs may still use them
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 buffer of at least ``n`` per-tile counters on ``device``, shared by every
+    split-K launch (each tile's last program resets its counter, so it is zero between
+    launches; launches on one stream never overlap, PDL included: every program waits for its
+    predecessor first). Grows by replacement, keeping the old buffer alive for the graphs that
+    captured it."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -250,15 +153,25 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
         residual, res_out = x, x
     cfg = RowsConfig(*(config or rows_config(n_out, k, gated, m)))
     bk = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n_out, cfg.block_n))
-    build()[grid](x, residual, res_out, nw, weight, weight if bias is None else bias, out, m, k,
-                  n_out, x.stride(0), residual.stride(0), res_out.stride(0), weight.stride(0),
-                  out.stride(0), n_out, float(eps), float(offset), BLOCK_M=cfg.block_m,
-                  BLOCK_N=cfg.block_n, BLOCK_K=bk, NORM=norm is not None, ADD=add,
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n_out, cfg.block_n), cfg.split)
+    k_split = triton.cdiv(triton.cdiv(k, cfg.split), bk) * bk
+    if cfg.split > 1:
+        ws = torch.empty(cfg.split * m * n_out * (2 if gated else 1), dtype=torch.float32,
+                         device=x.device)
+        wsq = torch.empty(cfg.split * grid[1] * m if norm is not None else 1,
+                          dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device, grid[0] * grid[1])
+    else:
+        ws = wsq = cnt = out
+    build()[grid](x, residual, res_out, nw, weight, weight if bias is None else bias, out, ws,
+                  wsq, cnt, m, k, n_out, k_split, x.stride(0), residual.stride(0),
+                  res_out.stride(0), weight.stride(0), out.stride(0), n_out, float(eps),
+                  float(offset), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
+                  LOG2_K=bk.bit_length() - 1, SPLIT=cfg.split, NORM=norm is not None, ADD=add,
                   HAS_OFFSET=bool(offset), GATED=gated, ACT=ACTIVATIONS.get(gated_act, 0),
                   HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, STAGES=cfg.num_stages,
-                  F32_DOT=interpreting(), SWAP=bool(cfg.swap), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                  **launch_options(x.device))
+                  F32_DOT=interpreting(), SWAP=bool(cfg.swap), num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages, **launch_options(x.device))
     if norm is None:
         return out
     return out, res_out
