@@ -1,24 +1,33 @@
 #!/bin/bash
-# b1v GPU round A (80 s slot): batch invariance of cuBLAS vs rows_gemm rows (is a row a function
-# of the tile? of the split?), rows_gemm speed and tile/split sweep against cuBLAS and the
-# batch-1 GEMV, a step's chain of products with PDL off/on, then the model-level GPU test.
-# Kernels are compiled first in 14 processes.
+# b1v GPU round A (08:05, 75-s slot): the batch-invariant decode path as configured (rows_gemm
+# to MAX_ROWS, norms in their kernels): model-level invariance and overlap tests, holding a
+# lock, while the runners of the end-to-end timing start; then fp8 and bf16 measure in turn.
 set -u
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 el() { echo "[t=$(( $(date +%s) - T0 ))s] $*"; }
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
-TILES="16,16,256,4,4;16,16,256,4,4,0,2;16,16,256,4,4,0,4;16,16,512,4,3,0,2;16,16,128,4,4,0,4;16,32,256,4,4;16,32,256,4,4,0,2;16,64,128,4,3;16,128,128,4,3,1;32,64,128,4,3;64,64,64,4,3;64,128,64,4,3,1;64,128,64,8,3;64,64,64,4,3,0,2;64,64,128,4,3,0,4;128,64,64,8,3,0,2"
-INV="16,16,256,4,4;16,64,128,4,3;64,64,64,4,3;128,64,64,8,3;16,128,128,4,3,1;64,128,64,4,3,1;16,16,256,4,4,0,2"
-el "precompile"
-timeout 20 python3 benchmarks/kernels/rows_precompile.py --model-shapes --pdl off,on --tiles "$TILES" \
-  --variants plain,norm_add,gated --workers 15 2>&1 | tail -4
-el "probe: invariance, speed, then a step's chain of products (best tiles) with PDL off/on"
-timeout 24 python3 benchmarks/kernels/rows_gemm_probe.py --parts inv,time,chain --ms 1,2,3,8,33,64,256 \
-  --time-ms 1,64,256 --reps 20 --tiles "$TILES" --inv-tiles "$INV" --json "$OUT_DIR/probe.json" 2>&1 \
-  | grep -v "^  tile" | tail -40
-el "pytest"
-timeout $((78 - $(date +%s) + T0)) python3 -m pytest -q -m gpu tests/gpu/test_rows_gemm_cuda.py \
-  -k "request_logits and True" -v -x --tb=short 2>&1 | grep -E "PASS|FAIL|Error|assert|error" | tail -20
+LOCK=/tmp/b1v_gpu.lock
+BAR=/tmp/b1v_barrier
+rm -rf "$LOCK" "$BAR"
+python3 -c "import fcntl,subprocess,sys; f=open(sys.argv[1],'a+'); fcntl.flock(f,fcntl.LOCK_EX); sys.exit(subprocess.call(sys.argv[2:]))" \
+  "$LOCK" timeout 38 python3 -m pytest -q -m gpu -p no:cacheprovider \
+  tests/gpu/test_rows_gemm_cuda.py tests/gpu/test_overlap_cuda.py \
+  -k "(request_logits and True-) or (overlap and False)" -v --tb=short \
+  > "$OUT_DIR/pytest.txt" 2>&1 &
+TESTS=$!
+sleep 1
+run() {  # label, extra args
+  timeout $((73 - $(date +%s) + T0)) python3 benchmarks/engine/ab_decode_step.py --label "$1" \
+    --points 1x1024,64x1024,1x16384 --steps 32 --repeats 2 --lock "$LOCK" --barrier "$BAR:2" \
+    "${@:2}" > "$OUT_DIR/ab_$1.txt" 2>&1 &
+}
+run fp8 --kv-dtypes fp8_e4m3
+run bf16 --kv-dtypes bfloat16
+wait $TESTS
+el "tests done"
+grep -E "PASSED|FAILED|ERROR|assert|Error" "$OUT_DIR/pytest.txt" | cut -c1-220 | tail -30
+wait
+el "benchmarks done"
+for f in "$OUT_DIR"/ab_*.txt; do echo "== $f"; grep -v "^RESULT" "$f" | grep -v "^\s*$" | tail -22; done
 el "done"

@@ -1,8 +1,9 @@
 """Batch invariance of the decode step on the GPU (kernels/rows_gemm.py, models/decode_rows.py):
 rows_gemm against float64 at Qwen3-1.7B's layer shapes; each row's bits the same for every
-batch size (plain, fused norm/gated, float32 LM head); and a tiny Llama's logits of request 0
-bit-equal alone and inside decode batches of 2, 3, 8 and 33 (eager and CUDA graph, per backend
-and KV dtype)."""
+batch size across the tile buckets (plain, fused norm/gated, float32 LM head); and a tiny
+Llama's logits of request 0 bit-equal alone and inside decode batches of 2, 3, 8 and
+``decode_rows.MAX_ROWS`` (and 33 with MAX_ROWS = 64), eager and CUDA graph, per backend and KV
+dtype."""
 
 from __future__ import annotations
 
@@ -63,45 +64,55 @@ def test_rows_are_batch_invariant(name):
         assert torch.equal(fn(m), full[:m]), m
 
 
-def _decode_logits(model, cfg, backend, kv_dtype, prompts, tables, bs, graphs_max):
-    """Prefill every request alone (the same K/V in every run), then one decode step of the
-    first ``bs`` requests; returns request 0's float32 logits."""
+def _logits_by_batch(model, cfg, backend, kv_dtype, prompts, tables, batches, graphed):
+    """Prefill every request alone, then for each batch size bs one decode step of the first bs
+    requests (each step writes the same K/V: same token at the same position); request 0's
+    float32 logits per batch size."""
     from kvfit.engine.cuda_graph import DecodeGraphs
 
     ps = 16
     ctx = make_backend(backend, cfg, model, kv_dtype, 256, ps)
+    out = {}
     with torch.inference_mode():
-        for p, t in zip(prompts[:bs], tables[:bs]):
+        for p, t in zip(prompts, tables):
             ctx.backend.prepare(build_metadata([len(p)], [len(p)], [t], ps, DEV))
             model(torch.tensor(p, device=DEV), torch.arange(len(p), device=DEV), ctx)
-        lens = [len(p) + 1 for p in prompts[:bs]]
-        toks = torch.tensor([(7 * i) % 500 for i in range(bs)], device=DEV)
-        pos = torch.tensor([n - 1 for n in lens], device=DEV)
-        if graphs_max:
-            graphs = DecodeGraphs(model, ctx, graphs_max, 12, DEV)
-            hidden = graphs.run(toks, pos, lens, tables[:bs])
-        else:
-            ctx.backend.prepare(build_metadata([1] * bs, lens, tables[:bs], ps, DEV))
-            hidden = model(toks, pos, ctx)
-        return model.compute_logits(hidden)[0].clone()
+        graphs = DecodeGraphs(model, ctx, max(batches), 12, DEV) if graphed else None
+        for bs in batches:
+            lens = [len(p) + 1 for p in prompts[:bs]]
+            toks = torch.tensor([(7 * i) % 500 for i in range(bs)], device=DEV)
+            pos = torch.tensor([n - 1 for n in lens], device=DEV)
+            if graphs is not None:
+                hidden = graphs.run(toks, pos, lens, tables[:bs])
+            else:
+                ctx.backend.prepare(build_metadata([1] * bs, lens, tables[:bs], ps, DEV))
+                hidden = model(toks, pos, ctx)
+            out[bs] = model.compute_logits(hidden)[0].clone()
+    return out
 
 
 @pytest.mark.parametrize("backend", ["triton", "fi"])
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
-@pytest.mark.parametrize("graphed", [False, True])
-def test_request_logits_are_batch_invariant(backend, kv_dtype, graphed):
-    """Request 0's logits: the same bits alone and in decode batches of 2, 3, 8 and 33 (its
-    context under 256 tokens: one attention split in every batch)."""
+@pytest.mark.parametrize("graphed", [True, False])
+@pytest.mark.parametrize("max_rows", [None, 64])  # the default, and every tile bucket to 64
+def test_request_logits_are_batch_invariant(backend, kv_dtype, graphed, max_rows, monkeypatch):
+    """Request 0's logits: the same bits alone and in decode batches of 2, 3, 8 and up to
+    ``decode_rows.MAX_ROWS`` (its context under 256 tokens: one attention split in every
+    batch); with MAX_ROWS = 64 also in a batch of 33 (other rows_gemm tiles)."""
     from kvfit.models import decode_rows
 
     assert decode_rows.ENABLED  # the default
+    if max_rows is not None:
+        monkeypatch.setattr(decode_rows, "MAX_ROWS", max_rows)
     torch.manual_seed(0)
     cfg, model = tiny_model(128)
-    prompts = [torch.randint(0, 512, (int(n),)).tolist()
-               for n in torch.randint(5, 100, (33,))]
-    tables = [list(range(1 + 7 * i, 8 + 7 * i)) for i in range(33)]  # 7 pages each, disjoint
-    alone = _decode_logits(model, cfg, backend, kv_dtype, prompts, tables, 1, 40 * graphed)
-    assert torch.isfinite(alone).all()
-    for bs in (2, 3, 8, 33):
-        got = _decode_logits(model, cfg, backend, kv_dtype, prompts, tables, bs, 40 * graphed)
-        assert torch.equal(got, alone), (bs, (got - alone).abs().max().item())
+    n = 33
+    prompts = [torch.randint(0, 512, (int(k),)).tolist() for k in torch.randint(5, 100, (n,))]
+    tables = [list(range(1 + 7 * i, 8 + 7 * i)) for i in range(n)]  # 7 pages each, disjoint
+    top = decode_rows.MAX_ROWS
+    batches = sorted({1, 2, 3, 8, top} | ({33} if top >= 33 else set()))
+    got = _logits_by_batch(model, cfg, backend, kv_dtype, prompts[:max(batches)], tables,
+                           batches, graphed)
+    assert torch.isfinite(got[1]).all()
+    for bs in batches[1:]:
+        assert torch.equal(got[bs], got[1]), (bs, (got[bs] - got[1]).abs().max().item())

@@ -52,8 +52,23 @@ class RowsConfig(NamedTuple):
 # larger M. Measured on the H200 (benchmarks/kernels/rows_gemm_probe.py); other shapes take the
 # rule in rows_config. A row's bits do not depend on the tile (every tile chains the same k16
 # tensor-core products in K order; tests/gpu/test_rows_gemm_cuda.py checks it across the
-# buckets), so the tile may follow M.
-ROWS_CONFIG: dict = {}
+# buckets), so the tile may follow M; the split count may not (each shape keeps one), nor, for
+# the norm prologue, the block_k (its sum of squares is a tree over block_k lanes).
+ROWS_CONFIG: dict = {
+    # Qwen3-1.7B's products (benchmarks/kernels/rows_gemm_probe.py, H200, round A2 of 2026-12-01;
+    # us per product at M = 1 / 64, cuBLAS in brackets)
+    (4096, 2048, False): ((16, (16, 32, 256, 4, 4)),  # qkv 7.8 (6.9)
+                          (64, (16, 128, 128, 4, 3, 1)),  # 11.1 (7.3)
+                          (1 << 30, (64, 64, 64, 4, 3))),
+    (2048, 2048, False): ((1 << 30, (64, 64, 128, 4, 3, 0, 4)),),  # o 5.8 (5.4) / 7.3 (5.6)
+    (6144, 2048, True): ((16, (16, 128, 128, 4, 3, 1)),  # gate_up 15.3 (15.9 + act)
+                         (64, (32, 64, 128, 4, 3)),  # 19.8 (16.2 + act)
+                         (1 << 30, (64, 128, 64, 4, 3, 1))),
+    (2048, 6144, False): ((1 << 30, (64, 64, 128, 4, 3, 0, 4)),),  # down 12.2 (11.2) / 13.3 (11.5)
+    (151936, 2048, False): ((16, (16, 128, 128, 4, 3, 1)),  # LM head 141.8 (150.4 + cast)
+                            (64, (64, 128, 64, 8, 3)),  # 156.7 (160.6 + cast)
+                            (1 << 30, (64, 128, 64, 4, 3, 1))),
+}
 MIN_PROGRAMS = 132  # one column block per SM of an H200 at least
 
 

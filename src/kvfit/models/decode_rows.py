@@ -33,12 +33,15 @@ import torch
 from kvfit.parallel.state import tp_group
 
 ENABLED = True
-MAX_ROWS = 256
+# steps of up to MAX_ROWS tokens: where rows_gemm is as fast as cuBLAS on the H200 (Qwen3-1.7B
+# shapes: on par at M = 1, 20-30% slower per product at M = 64, 2x at 256; docs/benchmarks.md)
+MAX_ROWS = 16
 LM_HEAD = True
-# dtypes whose norms run inside the GEMMs: the fused prologue rounds x * w_norm before 1/rms
-# scales it, which float16's range does not allow for large activations (the norm kernels
-# run first there, per row like the rest of the layer)
-FUSED_NORM_DTYPES = (torch.bfloat16,)
+# dtypes whose norms run inside the GEMMs (rows_gemm's norm prologue). None: on the H200 the
+# fused prologue made the QKV product 3.3x slower than the norm kernel + the plain product
+# (26 vs 7.8 us at M = 1); float16 could also overflow there (it rounds x * w_norm before
+# 1/rms scales it). The norm kernels compute each row on its own, so they are batch-invariant.
+FUSED_NORM_DTYPES: tuple = ()
 
 
 def _bias(lin) -> Optional[torch.Tensor]:
