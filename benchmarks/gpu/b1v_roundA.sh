@@ -12,7 +12,7 @@ BAR=/tmp/b1v_barrier
 rm -rf "$LOCK" "$BAR"
 python3 -c "import fcntl,subprocess,sys; f=open(sys.argv[1],'a+'); fcntl.flock(f,fcntl.LOCK_EX); sys.exit(subprocess.call(sys.argv[2:]))" \
   "$LOCK" timeout 38 python3 -m pytest -q -m gpu -p no:cacheprovider \
-  tests/gpu/test_rows_gemm_cuda.py tests/gpu/test_overlap_cuda.py \
+  tests/gpu/test_overlap_cuda.py tests/gpu/test_rows_gemm_cuda.py \
   -k "(request_logits and True-) or (overlap and False)" -v --tb=short \
   > "$OUT_DIR/pytest.txt" 2>&1 &
 TESTS=$!
