@@ -150,7 +150,7 @@ def profile_step(runner, ctx: int, trace_path: str | None, steps: int = 3) -> di
             "gpu_kernel_us_per_step": sum(e.device_time for e in kern) / steps, "top": top}
 
 
-def wait_barrier(spec: str, name: str, limit_s: float = 60.0) -> None:
+def wait_barrier(spec: str, name: str, limit_s: float = 20.0) -> None:
     """Marks ``name`` ready in the barrier folder, then waits until N names are (``DIR:N``)."""
     folder, n = spec.rsplit(":", 1)
     os.makedirs(folder, exist_ok=True)
@@ -179,7 +179,7 @@ def main() -> None:
                    help="trees with kvfit.kernels.pdl: programmatic dependent launch")
     p.add_argument("--attention-backend", default=None, help="default: the engine's auto")
     p.add_argument("--barrier", default=None,
-                   help="DIR:N: before measuring, wait (at most 60 s) until N processes have "
+                   help="DIR:N: before measuring, wait (at most 20 s) until N processes have "
                         "built their runners (a file each in DIR)")
     p.add_argument("--lock", default=None,
                    help="a file held (flock) around each KV dtype's measurements: processes "
