@@ -1,21 +1,26 @@
 """Batch-invariant small-M GEMM with the decoder's neighbours fused in: the CUDA linear layers of
-a decode step (x ``[M, K]`` times W ``[N, K]``, M = the decode batch).
+a small step (x ``[M, K]`` times W ``[N, K]``, M = the decode batch; ``models/decode_rows.py``).
 
-Owns nothing; returns new tensors. Each program computes a ``[BLOCK_M, BLOCK_N]`` tile of the
-output over the whole K (no split-K): one tensor-core ``tl.dot`` per K tile, chained through
-the float32 accumulator in K order. The tile (``RowsConfig``) is a function of the weight's
-shape only, never of M, so a row's output is computed by the same instructions whether it is
-alone (M = 1, the other rows of its tile masked to zero) or one of 256: its bits do not depend on
-the batch (batch invariance: a seeded request samples the same tokens alone and batched). A
-cuBLAS GEMM picks its kernel (and its split-K) per M, so its rows are not invariant.
+Owns nothing; returns new tensors (and, for split-K tiles, uses a shared zeroed counter buffer
+that every launch leaves zeroed). Each program computes a ``[BLOCK_M, BLOCK_N]`` tile of the
+output over the whole K, or over one of ``split`` fixed K ranges whose partials the tile's last
+program adds in split order: tensor-core ``tl.dot`` products chained through the float32
+accumulator in K order (``rows_gemm_kernel.py``). A row's output therefore depends on the
+weight's shape and the split count, not on the other rows: measured on the H200, the bits of a
+row are the same for every tile of one split count (16 to 128 rows, swapped or not, block_k 64
+to 256, 4 or 8 warps), so ``ROWS_CONFIG`` picks a tile per M bucket and keeps one split count
+per shape. A request gets the same bits alone (M = 1, the other rows of its tile masked to
+zero) and batched: batch invariance. cuBLAS picks its kernel per M (Qwen3-1.7B's down_proj:
+split-K at M = 1 only), so its rows are not.
 
 Optional parts, each replacing one launch of the unfused step:
 * ``norm`` (``residual``-add + RMSNorm): ``s = x + residual`` rounded like torch's add (the
-  programs of the first column block write it: the new residual); the sum of squares of each row
-  comes from the diagonal of ``s @ s^T`` through the same chained tensor-core products (an exact
-  sum of one non-zero per row at the end, so it does not depend on the register layout of the
-  tile either); the dot reads ``s * w_norm`` rounded to the dtype and the finished sums are
-  scaled by ``1/rms(s)``;
+  programs of the first column block write it: the new residual); each row's sum of squares
+  accumulates element-wise in K order and is reduced by a fixed pairwise tree over the
+  ``block_k`` lanes (so it depends on block_k, not on the register layout); the dot reads
+  ``s * w_norm`` rounded to the dtype and the finished sums are scaled by ``1/rms(s)``. Measured
+  2-3x slower than the norm kernel + the plain product on the H200, so the engine does not use
+  it (``decode_rows.FUSED_NORM_DTYPES``);
 * ``gated`` epilogue: W holds ``[gate; up]`` (``[2I, K]``) and the output is ``act(gate) * up``
   ``[M, I]`` with ``fused_act``'s roundings;
 * ``out_dtype=torch.float32``: the dtype-rounded values widened (the LM head's logits).

@@ -1,22 +1,22 @@
-"""The decode-step path of a Llama-family decoder layer on CUDA: four launches of the
-batch-invariant small GEMM (``kernels/rows_gemm.py``) with the norms and the gated activation
-fused in, instead of two norm kernels, four cuBLAS GEMMs (one with a split-K reduce at M = 1)
-and the activation kernel.
+"""The small-step path of a Llama-family decoder layer on CUDA: the four products through the
+batch-invariant small GEMM (``kernels/rows_gemm.py``), the gated activation in gate/up's
+epilogue, instead of four cuBLAS GEMMs (one with a split-K reduce at M = 1) and the activation
+kernel.
 
-    qkv, residual = rows_gemm(W_qkv, RMSNorm_in(x + residual))      # norm prologue
-    o             = attention (RoPE + K/V store, paged decode)      # as the batched path
-    h             = rows_gemm(W_o, o)
-    a, residual   = rows_gemm(W_gate_up, RMSNorm_post(h + residual)) # norm prologue, act(g)*u
-    out           = rows_gemm(W_down, a)
+    h, residual   = RMSNorm_in(x + residual)            # the norm kernel, per row
+    qkv           = rows_gemm(W_qkv, h)
+    o             = attention (RoPE + K/V store, paged decode)   # as the batched path
+    h, residual   = RMSNorm_post(rows_gemm(W_o, o) + residual)
+    out           = rows_gemm(W_down, rows_gemm(W_gate_up, h, act(gate) * up))
 
-(float16: the two norms run first, in their per-row kernels, and the GEMMs read their output;
-see ``FUSED_NORM_DTYPES``.) It runs for every step of at most ``MAX_ROWS`` tokens (every decode
-batch up to the largest CUDA graph by default), so a request's hidden states and logits have
-the same bits whether it is alone in its step or batched with up to ``MAX_ROWS - 1`` others:
-each product's tile is a function of the weight only (``rows_gemm``), and the other parts of a
-layer compute each row on its own (attention too, while the decode kernels split every row's
-context the same way: see docs/benchmarks.md on long contexts). cuBLAS picks its kernel per M (its rows are not batch-invariant). Steps of more tokens
-(prefill chunks, mixed steps) run the batched path.
+(``FUSED_NORM_DTYPES`` would run the norms inside the GEMMs: measured slower, empty.) It runs
+for every step of at most ``MAX_ROWS`` tokens, so a request's hidden states and logits have the
+same bits whether it is alone in its step or batched with up to ``MAX_ROWS - 1`` others: each
+product's sums do not depend on the other rows (``rows_gemm``), and the other parts of a layer
+compute each row on its own (attention too, while the decode kernels split every row's context
+the same way: contexts under 256 tokens, or batches whose split counts agree; see
+docs/benchmarks.md). Steps of more tokens (larger decode batches, prefill chunks, mixed steps)
+run the batched path (cuBLAS), whose bits differ from rows_gemm's.
 
 One rank only (``tp_group().size == 1``): under tensor parallelism the batched path runs, with
 its all-reduces. Same values as the batched path to within about one rounding per product.
