@@ -32,7 +32,12 @@ import torch
 
 from kvfit.parallel.state import tp_group
 
-ENABLED = True
+# OFF by default: on the H200 (round B, the same call as main) this path's batch-1 step was
+# slower than main's cuBLAS path (fp8 557 vs 590 tok/s, bf16 527 vs 558 at 1k: its products
+# match cuBLAS but its GPU replay took ~100 us more), and the round's GPU tests with it on had
+# five failures whose messages the slot cut off. Turn it on for batch invariance of steps of
+# up to MAX_ROWS tokens (tests/gpu/test_rows_gemm_cuda.py).
+ENABLED = False
 # steps of up to MAX_ROWS tokens: where rows_gemm is as fast as cuBLAS on the H200 (Qwen3-1.7B
 # shapes: on par at M = 1, 20-30% slower per product at M = 64, 2x at 256; docs/benchmarks.md)
 MAX_ROWS = 16
