@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import fcntl
 import json
 import os
 import statistics
@@ -37,13 +38,15 @@ def _sync():
     torch.cuda.synchronize()
 
 
-def build_runner(kvd: str, tokens: int, max_len: int, max_bs: int, model: str):
+def build_runner(kvd: str, tokens: int, max_len: int, max_bs: int, model: str,
+                 backend: str | None = None):
     from kvfit.config import make_config
     from kvfit.engine.runner import ModelRunner
 
+    extra = {} if backend is None else {"attention_backend": backend}
     cfg = make_config(model=model, load_format="dummy", kv_dtype=kvd, device="cuda",
                       num_tokens=tokens, max_model_len=max_len, max_num_seqs=max_bs,
-                      cuda_graph_max_bs=max_bs, max_num_batched_tokens=1024)
+                      cuda_graph_max_bs=max_bs, max_num_batched_tokens=1024, **extra)
     return ModelRunner(cfg)
 
 
@@ -147,6 +150,16 @@ def profile_step(runner, ctx: int, trace_path: str | None, steps: int = 3) -> di
             "gpu_kernel_us_per_step": sum(e.device_time for e in kern) / steps, "top": top}
 
 
+def wait_barrier(spec: str, name: str, limit_s: float = 20.0) -> None:
+    """Marks ``name`` ready in the barrier folder, then waits until N names are (``DIR:N``)."""
+    folder, n = spec.rsplit(":", 1)
+    os.makedirs(folder, exist_ok=True)
+    open(os.path.join(folder, name), "w").close()
+    t0 = time.time()
+    while len(os.listdir(folder)) < int(n) and time.time() - t0 < limit_s:
+        time.sleep(0.2)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--label", required=True)
@@ -157,20 +170,31 @@ def main() -> None:
     p.add_argument("--model", default=MODEL)
     p.add_argument("--trace-dir", default=None)
     p.add_argument("--one-token", choices=["on", "off"], default="on",
-                   help="trees with kvfit.models.one_token: its batch-1 GEMV path on or off")
+                   help="trees with kvfit.models.decode_rows (or one_token): that path on or off")
     p.add_argument("--lm-head-gemv", choices=["on", "off", "default"], default="default",
-                   help="trees with kvfit.models.one_token: the one-row LM head as a GEMV")
+                   help="trees with decode_rows/one_token: the LM head through that GEMM")
     p.add_argument("--overlapped", action="store_true",
                    help="also time each point with no host sync between steps")
     p.add_argument("--pdl", choices=["on", "off", "default"], default="default",
                    help="trees with kvfit.kernels.pdl: programmatic dependent launch")
+    p.add_argument("--attention-backend", default=None, help="default: the engine's auto")
+    p.add_argument("--barrier", default=None,
+                   help="DIR:N: before measuring, wait (at most 20 s) until N processes have "
+                        "built their runners (a file each in DIR)")
+    p.add_argument("--lock", default=None,
+                   help="a file held (flock) around each KV dtype's measurements: processes "
+                        "started together build their runners in parallel and measure one at "
+                        "a time")
     args = p.parse_args()
     if args.pdl != "default":
         from kvfit.kernels import pdl
 
         pdl.ENABLED = args.pdl == "on"
     try:
-        from kvfit.models import one_token
+        try:
+            from kvfit.models import decode_rows as one_token  # the batch-invariant rows path
+        except ImportError:
+            from kvfit.models import one_token  # trees with the batch-1 GEMV path
 
         one_token.ENABLED = args.one_token == "on"
         if args.lm_head_gemv != "default":
@@ -191,8 +215,16 @@ def main() -> None:
         need = sum(b * (ctx + args.steps * args.repeats + 64) for b, ctx in points) + 4096
         max_ctx = max(c for _, c in points)
         runner = build_runner(kvd, need, max_ctx + args.steps * args.repeats + 64,
-                              max(b for b, _ in points), args.model)
+                              max(b for b, _ in points), args.model, args.attention_backend)
         fill(runner.pool)
+        torch.cuda.synchronize()
+        if args.barrier:  # every process of the job built its runner: the CPUs are quiet
+            wait_barrier(args.barrier, f"{args.label}-{kvd}")
+        lock = open(args.lock, "a+") if args.lock else None
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the measurements are done
+            print(f"[{args.label}] {kvd}: measuring from {time.strftime('%H:%M:%S')}",
+                  flush=True)
         rec = {"label": args.label, "kv_dtype": kvd, "backend": runner.backend_name,
                "page_size": runner.pool.page_size, "startup_s": time.time() - t0,
                "points": []}
@@ -228,6 +260,8 @@ def main() -> None:
               f"kernels/step, GPU {pr['gpu_kernel_us_per_step']:.0f} us/step", flush=True)
         for t in pr["top"]:
             print(f"     {t['per_step']:6.1f}/step {t['us_each']:7.1f} us  {t['name']}")
+        if lock is not None:
+            lock.close()  # releases the flock
         print("RESULT " + json.dumps(rec), flush=True)
         del runner
         torch.cuda.empty_cache()

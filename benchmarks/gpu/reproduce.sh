@@ -19,6 +19,8 @@
 #   prefill            `kvfit bench kernels --no-decode`: prefill vs FlashInfer fa2          ~2
 #   studies            ncu, profiler and launch sweeps of docs/kernels.md (needs ncu)       ~10
 #   quality            the CPU quality tables (`kvfit bench quality`): hours on 2 CPU cores
+#   batch-invariance   rows_gemm vs cuBLAS rows across batch sizes and tiles, their speed, and
+#                      the batch-1/64 decode step (bf16, fp8)                                ~2
 #   tests              the GPU tests (tests/gpu)                                            ~4
 # Groups: seed = the four seed-*; kernels = decode-page16 decode-page32 decode-page-size prefill.
 set -uo pipefail
@@ -89,6 +91,18 @@ target() {
       table prefill_vs_flashinfer prefill ;;
     studies) gpu_env; studies ;;
     quality) quality ;;
+    batch-invariance) gpu_env
+      TILES="16,16,256,4,4;16,16,256,4,4,0,2;16,16,256,4,4,0,4;16,16,512,4,3,0,2;16,16,128,4,4,0,4;16,32,256,4,4;16,32,256,4,4,0,2;16,64,128,4,3;16,128,128,4,3,1;32,64,128,4,3;64,64,64,4,3;64,128,64,4,3,1;64,128,64,8,3;64,64,64,4,3,0,2;64,64,128,4,3,0,4;128,64,64,8,3,0,2"
+      INV="16,16,256,4,4;16,64,128,4,3;64,64,64,4,3;128,64,64,8,3;16,128,128,4,3,1;64,128,64,4,3,1;16,16,256,4,4,0,2"
+      python3 benchmarks/kernels/rows_precompile.py --model-shapes --pdl off,on --tiles "$TILES" \
+        --variants plain,norm_add,gated --workers 15
+      run batch_invariance_probe python3 benchmarks/kernels/rows_gemm_probe.py \
+        --parts inv,time,chain --ms 1,2,3,8,33,64,256 --time-ms 1,64,256 --reps 20 \
+        --tiles "$TILES" --inv-tiles "$INV" --json "$OUT/batch_invariance_probe.json"
+      for kvd in bfloat16 fp8_e4m3; do
+        run batch_invariance_step_$kvd python3 benchmarks/engine/ab_decode_step.py --label b1v \
+          --kv-dtypes $kvd --points 1x1024,64x1024,1x16384 --steps 32 --repeats 3 --overlapped
+      done ;;
     tests) gpu_env
       run gpu_tests python3 -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/gpu
       tail -3 "$OUT/gpu_tests.log" ;;

@@ -1,6 +1,6 @@
-"""The batch-1 GEMV (kernels/gemv.py) and the one-token decoder path (models/one_token.py) on
-the GPU: against float64 products and the unfused kernels at Qwen3-1.7B's layer shapes, and a
-tiny Llama's batch-1 greedy decode (eager and CUDA graph) equal to the batched path's."""
+"""The batch-1 GEMV (kernels/gemv.py) on the GPU: against float64 products and the unfused
+kernels at Qwen3-1.7B's layer shapes. (The decode step's path is models/decode_rows.py, tested in
+test_rows_gemm_cuda.py.)"""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from kvhelpers import DEV
-from test_cuda_graph import generate, make_backend, tiny_model
 
 pytestmark = pytest.mark.gpu
 ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}  # relative spacing, upper bound
@@ -70,35 +69,3 @@ def test_fused_norm_and_act_match_unfused_kernels(n, k, gated):
         _within(y, exact, dtype, 1)
     assert (y.double() - unfused).norm() <= 2 * ULP[dtype] * unfused.norm()
 
-
-@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
-@pytest.mark.parametrize("pdl_on", [False, True])
-def test_one_token_path_decodes_like_the_batched_path(kv_dtype, pdl_on):
-    """Greedy tokens of one request: batched path (one_token off, PDL off) == one-token path,
-    eager and graphed, with programmatic dependent launch off and on."""
-    from kvfit.engine.cuda_graph import DecodeGraphs
-    from kvfit.kernels import pdl
-    from kvfit.models import one_token
-
-    torch.manual_seed(0)
-    cfg, model = tiny_model(128)
-    ps, num_pages = 16, 64
-    prompts = [torch.randint(0, 512, (23,)).tolist()]
-    tables = [list(range(3, 3 + 200 // ps + 1))]
-    defaults = one_token.ENABLED, pdl.ENABLED
-    try:
-        one_token.ENABLED, pdl.ENABLED = False, False
-        ctx = make_backend("triton", cfg, model, kv_dtype, num_pages, ps)
-        ref = generate(model, ctx, prompts, tables, 12)
-        one_token.ENABLED, pdl.ENABLED = True, pdl_on
-        ctx = make_backend("triton", cfg, model, kv_dtype, num_pages, ps)
-        x = torch.randn(1, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
-        assert one_token.applies(model.model.layers[0], x, None)
-        eager = generate(model, ctx, prompts, tables, 12)
-        ctx_g = make_backend("triton", cfg, model, kv_dtype, num_pages, ps)
-        graphs = DecodeGraphs(model, ctx_g, 1, 200 // ps + 1, DEV)
-        graphed = generate(model, ctx_g, prompts, tables, 12, graphs)
-    finally:
-        one_token.ENABLED, pdl.ENABLED = defaults
-    assert eager == ref
-    assert graphed == ref

@@ -1,4 +1,8 @@
-"""Batch-1 GEMV with the decoder's neighbours fused in: the CUDA path of a one-token decode step.
+"""Batch-1 GEMV with the decoder's neighbours fused in: the fastest one-row product measured on
+the H200 (docs/benchmarks.md), kept as the reference the batch-invariant decode products
+(``kernels/rows_gemm.py``) are measured against. The engine does not run it: its CUDA-core sums
+differ from any tensor-core GEMM's, so a request alone in its step would get other bits than
+batched.
 
 Owns nothing; returns new tensors. ``y = W @ x`` for ONE token (x ``[1, K]``, W ``[N, K]``
 row-major as ``nn.Linear`` stores it), each program computing ``BLOCK_N`` outputs over the whole

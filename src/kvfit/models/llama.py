@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from kvfit.kvcache.spec import KVLayerSpec
-from kvfit.models import one_token
+from kvfit.models import decode_rows
 from kvfit.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from kvfit.parallel.layers import (RowParallelLinear, VocabParallelEmbedding,
                                    vocab_parallel_logits)
@@ -99,10 +99,11 @@ class DecoderLayer(nn.Module):
         with ``residual`` None, for layer 0) and ``residual`` the stream before it; returns
         ``(mlp_out, residual)``. Each add is fused into the following norm (one kernel on CUDA);
         on the torch path the values equal ``x = x + attn(norm(x)); x = x + mlp(norm(x))`` bit
-        for bit. One CUDA token (batch-1 decode) runs ``one_token.layer_forward``: the same
-        values through four fused GEMV launches."""
-        if one_token.applies(self, x, residual):
-            return one_token.layer_forward(self, x, residual, positions, rotary, ctx)
+        for bit. A CUDA step of up to ``decode_rows.MAX_ROWS`` tokens runs
+        ``decode_rows.layer_forward``: the same values (to within a rounding per product)
+        through four fused batch-invariant GEMM launches."""
+        if decode_rows.applies(self, x, residual):
+            return decode_rows.layer_forward(self, x, residual, positions, rotary, ctx)
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
@@ -174,8 +175,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden):
         """float32 logits [N, vocab] (every rank gets all of them under tensor parallelism)."""
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if hidden.is_cuda and hidden.shape[0] == 1:
-            out = one_token.logits(hidden, w)  # one rank, one row: the GEMV (float32 out)
+        if hidden.is_cuda:
+            out = decode_rows.logits(hidden, w)  # one rank, few rows: float32 out, invariant
             if out is not None:
                 return out
         return vocab_parallel_logits(hidden, w, self.config.vocab_size)

@@ -1,0 +1,181 @@
+"""The batch-invariant small GEMM (kernels/rows_gemm.py) on the CPU under the Triton interpreter:
+against float64 references on small shapes (plain, bias, float32 out, the residual-add + RMSNorm
+prologue, the gated epilogue, K not a multiple of the tile), each row's bits the same for every
+batch size, bad input refused; and models/decode_rows.py wired into a tiny Llama: a decode step
+of one and of three rows gives the batched path's hidden states and K/V to within a few
+roundings, and the first row's bits do not change with the batch.
+
+float16 is compared at one rounding per product (the interpreter rounds float16 like the GPU);
+its dot runs in float32 (models/rows_gemm: F32_DOT), the GPU's on the tensor cores."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if torch.cuda.is_available():  # the interpreter flag is process-wide: never set it next to a GPU
+    pytest.skip("Triton-interpreter tests run on CPU-only machines; the GPU runs "
+                "tests/gpu/test_rows_gemm_cuda.py", allow_module_level=True)
+os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from kvfit.kernels.rows_gemm import rows_gemm  # noqa: E402
+
+DT = torch.float16
+ULP = 2.0 ** -10
+TILE = (16, 16, 32, 4, 1)
+SWAPPED = (16, 16, 32, 4, 1, 1)  # W_tile @ x_tile^T
+SPLIT3 = (16, 16, 32, 4, 1, 0, 3)  # K in three ranges, partials added by the last program
+
+
+def _close(y, ref, roundings=1.0):
+    tol = roundings * ULP * ref.abs() + 1e-3 * ref.abs().max()
+    bad = (y.double() - ref).abs() > tol
+    assert not bad.any(), (y[bad][:5], ref[bad][:5])
+
+
+def _data(m, k, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(DT)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DT)
+    return x, w, g
+
+
+@pytest.mark.parametrize("tile", [TILE, SWAPPED, SPLIT3])
+@pytest.mark.parametrize("m,k", [(3, 96), (18, 80)])  # 80: K not a multiple of the tile
+def test_plain_bias_and_float32_out(m, k, tile):
+    x, w, g = _data(m, k, 20, 1)  # 20 columns: the last column block is partial
+    bias = torch.randn(20, generator=g).to(DT)
+    y = rows_gemm(x, w, config=tile)
+    assert y.shape == (m, 20) and y.dtype == DT
+    _close(y, x.double() @ w.double().t())
+    yb = rows_gemm(x, w, bias, config=tile)
+    _close(yb, x.double() @ w.double().t() + bias.double())
+    y32 = rows_gemm(x, w, out_dtype=torch.float32, config=tile)
+    assert y32.dtype == torch.float32 and torch.equal(y32, y.float())
+
+
+@pytest.mark.parametrize("tile", [TILE, SWAPPED, SPLIT3])
+@pytest.mark.parametrize("gated", [False, True])
+def test_norm_prologue_and_gated_epilogue(gated, tile):
+    m, k, n = 5, 64, 32
+    x, w, g = _data(m, k, n, 2)
+    res = torch.randn(m, k, generator=g).to(DT)
+    nw = (1 + 0.2 * torch.randn(k, generator=g)).to(DT)
+    y, s = rows_gemm(x, w, norm=(nw, 1e-6, 0.0), residual=res,
+                     gated_act="silu" if gated else None, config=tile)
+    assert torch.equal(s, x + res)  # the new residual, rounded like torch's add
+    s64 = s.double()
+    h = s64 * torch.rsqrt((s64 * s64).mean(-1, keepdim=True) + 1e-6) * nw.double()
+    exact = h @ w.double().t()
+    if gated:
+        gate, up = exact.chunk(2, dim=-1)
+        exact = F.silu(gate) * up
+        assert y.shape == (m, n // 2)
+    _close(y, exact, 4.0 if gated else 2.0)  # + the normed input's rounding before the dot
+    y0, s0 = rows_gemm(x, w, norm=(nw, 1e-6, 1.0), config=tile)  # offset, no residual
+    assert s0 is x
+    h0 = x.double() * torch.rsqrt((x.double() ** 2).mean(-1, keepdim=True) + 1e-6) \
+        * (1.0 + nw.double())
+    _close(y0, h0 @ w.double().t(), 2.0)
+
+
+@pytest.mark.parametrize("tile", [TILE, SWAPPED, SPLIT3])
+def test_rows_do_not_depend_on_the_batch(tile):
+    """Row i of x[:M] has the same bits for every M (one tile for every M), plain and fused."""
+    k, n = 48, 40
+    x, w, g = _data(20, k, n, 3)
+    res = torch.randn(20, k, generator=g).to(DT)
+    nw = (1 + 0.2 * torch.randn(k, generator=g)).to(DT)
+    full = rows_gemm(x, w, config=tile)
+    fused, s_full = rows_gemm(x, w, norm=(nw, 1e-6, 0.0), residual=res, gated_act="silu",
+                              config=tile)
+    for m in (1, 2, 3, 17):  # 17: a second row block
+        assert torch.equal(rows_gemm(x[:m], w, config=tile), full[:m])
+        y, s = rows_gemm(x[:m], w, norm=(nw, 1e-6, 0.0), residual=res[:m], gated_act="silu",
+                         config=tile)
+        assert torch.equal(y, fused[:m]) and torch.equal(s, s_full[:m])
+    if tile == SPLIT3:  # every tile's last program reset its counter for the next launch
+        from kvfit.kernels.rows_gemm import _COUNTERS
+
+        assert not _COUNTERS[x.device].any()
+
+
+def test_bad_input_is_refused():
+    x = torch.randn(2, 16).half()
+    w = torch.randn(8, 16).half()
+    with pytest.raises(ValueError, match="16-bit rows"):
+        rows_gemm(x, w.float())
+    with pytest.raises(ValueError, match="16-bit rows"):
+        rows_gemm(x[:, :8], w)
+    with pytest.raises(ValueError, match="even row count"):
+        rows_gemm(x, w[:7], gated_act="silu")
+    with pytest.raises(ValueError, match="float32, not"):
+        rows_gemm(x, w, out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="norm weight"):
+        rows_gemm(x, w, norm=(torch.ones(8).half(), 1e-6, 0.0))
+    with pytest.raises(ValueError, match="residual"):
+        rows_gemm(x, w, norm=(torch.ones(16).half(), 1e-6, 0.0), residual=x[:1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])  # norms unfused / fused
+def test_decode_rows_layer_path_equals_the_batched_path(monkeypatch, dtype):
+    """models/decode_rows.py wired into a tiny float16 Llama on the CPU (the GEMMs interpreted,
+    the torch attention backend): a decode step of 1 and of 3 requests through the rows path
+    gives the batched path's hidden states to within a few roundings and stores the same K/V;
+    request 0's hidden state has the same bits alone and batched."""
+    from transformers import LlamaConfig
+
+    from kvfit.attention.meta_builder import build_metadata
+    from kvfit.attention.torch_ref import TorchRefBackend
+    from kvfit.engine.context import Context
+    from kvfit.kernels import rows_gemm as rows_mod
+    from kvfit.kvcache.dtypes import kv_format
+    from kvfit.kvcache.pool import MHAKVCache
+    from kvfit.models import decode_rows
+    from kvfit.models.llama import LlamaForCausalLM
+    from kvfit.models.weights import init_dummy
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=97,
+                      max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg, 64).to(dtype).eval()
+    with torch.no_grad():
+        init_dummy(model, 0)
+        for layer in model.model.layers:  # non-trivial norm weights
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.normal_(1.0, 0.2)
+    prompts = [[5, 17, 3, 44, 9, 60], [8, 2, 33], [70, 71, 72, 73, 74]]
+    tables = [[2, 5], [1], [3, 4]]
+
+    def run(rows_on: bool, nreq: int):
+        pool = MHAKVCache(model.kv_layer_specs(cfg), 8, 4, kv_format(str(dtype)[6:]), "cpu")
+        ctx = Context(TorchRefBackend(pool, dtype, model.sm_scale(cfg)), pool, dtype)
+        ps, ts = prompts[:nreq], tables[:nreq]
+        with torch.inference_mode(), monkeypatch.context() as m:
+            m.setattr(decode_rows, "ENABLED", False)  # the prompts: batched path, both runs
+            lens = [len(p) for p in ps]
+            ctx.backend.prepare(build_metadata(lens, lens, ts, 4, "cpu"))
+            model(torch.tensor(sum(ps, [])), torch.cat([torch.arange(n) for n in lens]), ctx)
+            if rows_on:  # the GPU path's dispatch, on the CPU under the interpreter
+                m.setattr(rows_mod, "supports", rows_mod._fits)
+            m.setattr(decode_rows, "ENABLED", rows_on)
+            assert decode_rows.applies(model.model.layers[0], torch.zeros(nreq, 64, dtype=dtype),
+                                       torch.zeros(nreq, 64, dtype=dtype)) == rows_on
+            ctx.backend.prepare(build_metadata([1] * nreq, [n + 1 for n in lens], ts, 4, "cpu"))
+            hidden = model(torch.tensor([11, 12, 13][:nreq]), torch.tensor(lens), ctx)
+            logits = model.compute_logits(hidden)
+        return hidden, logits, pool.k_caches[0][5, :, 2].double()
+
+    h_ref, l_ref, k_ref = run(False, 3)
+    h, lg, k = run(True, 3)
+    ulp = 8 * (ULP if dtype == torch.float16 else 2.0 ** -7)  # a few roundings
+    assert (h.double() - h_ref.double()).abs().max() <= ulp * h_ref.abs().max()
+    assert (lg.double() - l_ref.double()).abs().max() <= ulp * l_ref.abs().max()
+    assert (k - k_ref).abs().max() <= ulp * k_ref.abs().max()
+    h1, l1, _ = run(True, 1)
+    assert torch.equal(h1[0], h[0]) and torch.equal(l1[0], lg[0])
