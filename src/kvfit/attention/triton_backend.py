@@ -41,6 +41,7 @@ from kvfit.attention.base import AttentionBackend, AttentionMetadata, KVStoreTar
 from kvfit.attention.triton_mla import TritonMLA
 from kvfit.kernels.decode import DecodeConfig, choose_config, paged_decode
 from kvfit.kernels.prefill import order_prefill_blocks, paged_prefill, prefill_config
+from kvfit.kernels.prefill_split import ExtendSplit, wants_split
 from kvfit.kernels.store import split_store_chunks, store_kv, store_kv_chunks
 
 
@@ -66,6 +67,8 @@ class TritonBackend(AttentionBackend):
         self._blocks = None
         self._prefill_cfg = None
         self._store_chunks: Optional[torch.Tensor] = None
+        self.extend_split = ExtendSplit()  # split-KV scratch of short prefill/extend steps
+        self._split_step = False  # this step's full layers split their keys
         self._graph_max_len: Optional[int] = None
         self._scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._v_t = pool.v_layout == "HDN"
@@ -140,6 +143,8 @@ class TritonBackend(AttentionBackend):
             self._q_lens = list(meta.q_lens_cpu)
             self._kv_lens = list(meta.kv_lens_cpu)
             self._blocks = {}
+            self._split_step = wants_split(meta.num_tokens, max(self._kv_lens, default=0),
+                                           self._prefill_cfg.block_n)
             if self._v_t:  # token-minor V: store a page row's new tokens together
                 real = len(self._q_lens) if meta.num_real_reqs is None else meta.num_real_reqs
                 self._store_chunks = split_store_chunks(
@@ -276,7 +281,9 @@ class TritonBackend(AttentionBackend):
             paged_prefill(q, kc, vc, table, meta.cu_seqlens_q, meta.kv_lens,
                           self._prefill_blocks(group), self._prefill_cfg, out, self.sm_scale,
                           ks, vs, self.logit_softcap, window, v_t=self._v_t, k_scale_cache=ksc,
-                          v_scale_cache=vsc, q_bias=q_bias)
+                          v_scale_cache=vsc, q_bias=q_bias,
+                          split=self.extend_split if self._split_step and window is None
+                          else None)
         return out
 
     # -- CUDA graphs ------------------------------------------------------------------------
