@@ -93,9 +93,79 @@ def main():
         print(name, v_layout, "ok", flush=True)
 
 
+def check_graph_step():
+    """A prefill graph's step without the graph: the triton backend prepared from the padded
+    static buffers of ``PrefillStaging`` (spare programs and chunks, padded tokens and
+    requests) writes the same pool bytes and the same output bits as the eager step, for a
+    token-minor fp8 pool (chunked V store) and an int8 HND pool (slot-mapped store)."""
+    from kvfit.attention.meta_builder import build_metadata
+    from kvfit.attention.triton_backend import TritonBackend
+    from kvfit.engine.prefill_graph import MAX_REQS
+    from kvfit.engine.prefill_staging import PrefillStaging
+    from kvfit.kvcache.dtypes import kv_format
+    from kvfit.kvcache.pool import MHAKVCache
+    from kvfit.kvcache.spec import KVLayerSpec
+
+    seed = int.from_bytes(os.urandom(2), "little")
+    torch.manual_seed(seed)
+    hq, hkv, d, ps = 4, 2, 64, 16
+    q_lens, kv_lens = [12, 1, 9], [140, 40, 9]
+    t = sum(q_lens)
+    for name, v_layout in (("fp8_e4m3", "HDN"), ("int8", "HND")):
+        npg = sum(-(-n // ps) for n in kv_lens) + 2
+        tables = _tables(kv_lens, ps, npg, seed)
+        pools = [MHAKVCache([KVLayerSpec("full", hkv, d)], npg, ps, kv_format(name), "cpu",
+                            v_layout=v_layout) for _ in range(2)]
+        pre = [kv - q for q, kv in zip(q_lens, kv_lens)]
+        full = build_metadata(pre, pre, tables, ps, "cpu")
+        k0, v0 = torch.randn(sum(pre), hkv, d), torch.randn(sum(pre), hkv, d)
+        for p in pools:
+            for c in (*p.k_caches, *p.v_caches, *p.k_scale_caches, *p.v_scale_caches):
+                c.view(torch.uint8).fill_(0x55)  # same poison in both pools
+            p.store_kv(0, k0, v0, full.slot_mapping)
+        q = torch.randn(t, hq, d).to(torch.float16)
+        k = torch.randn(t, hkv, d).to(torch.float16)
+        v = torch.randn(t, hkv, d).to(torch.float16)
+        eager = TritonBackend(pools[0], torch.float16, d ** -0.5)
+        eager.extend_split.min_tiles = 2  # contexts over 2 tiles split (64-token tiles)
+        eager.prepare(build_metadata(q_lens, kv_lens, tables, ps, "cpu"))
+        if not eager._split_step:
+            raise AssertionError("the eager step should split its keys")
+        out_e = eager.forward(q, k, v, 0)
+        graph = TritonBackend(pools[1], torch.float16, d ** -0.5)
+        graph.extend_split.min_tiles = 2
+        bucket = 32
+        st = PrefillStaging(64, MAX_REQS, 16, ps, hq // hkv, graph.prefill_graph_block_m(),
+                            "cpu")
+        st.stage([3, 3], [50, 45], tables[:2], 64, True)  # an earlier, larger step's leftovers
+        n_pages = st.stage(q_lens, kv_lens, tables, bucket, v_layout == "HDN")
+        from kvfit.attention.base import AttentionMetadata
+
+        pad = [0] * (MAX_REQS - len(q_lens))
+        meta = AttentionMetadata(st.cu_seqlens, st.kv_lens, st.block_table,
+                                 st.slot_mapping[:bucket], q_lens + pad, kv_lens + pad, n_pages,
+                                 False, len(q_lens))
+        nb, nc = st.grid(bucket)
+        graph.prepare_prefill_graph(meta, st.blocks[:nb], st.chunks[:nc], hq // hkv)
+        extra = bucket - t
+        out_g = graph.forward(torch.cat([q, torch.randn(extra, hq, d).to(q.dtype)]),
+                              torch.cat([k, torch.randn(extra, hkv, d).to(k.dtype)]),
+                              torch.cat([v, torch.randn(extra, hkv, d).to(v.dtype)]), 0)
+        for a, b in zip((*pools[0].k_caches, *pools[0].v_caches, *pools[0].k_scale_caches),
+                        (*pools[1].k_caches, *pools[1].v_caches, *pools[1].k_scale_caches)):
+            if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+                raise AssertionError(f"{name} {v_layout}: the padded step stored other bytes")
+        if not torch.equal(out_g[:t], out_e):
+            raise AssertionError(f"{name} {v_layout}: the padded step's output differs")
+        if torch.isnan(out_e.float()).any():
+            raise AssertionError(f"{name} {v_layout}: NaN in the output")
+        print("graph step", name, v_layout, "ok", flush=True)
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     main()
+    check_graph_step()
     print("ok split")

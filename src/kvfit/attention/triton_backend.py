@@ -144,7 +144,7 @@ class TritonBackend(AttentionBackend):
             self._kv_lens = list(meta.kv_lens_cpu)
             self._blocks = {}
             self._split_step = wants_split(meta.num_tokens, max(self._kv_lens, default=0),
-                                           self._prefill_cfg.block_n)
+                                           self._prefill_cfg.block_n, self.extend_split.min_tiles)
             if self._v_t:  # token-minor V: store a page row's new tokens together
                 real = len(self._q_lens) if meta.num_real_reqs is None else meta.num_real_reqs
                 self._store_chunks = split_store_chunks(
@@ -319,6 +319,41 @@ class TritonBackend(AttentionBackend):
             return
         self._blocks = None
         self._prepare_decode(meta, self._graph_max_len)
+
+
+    # -- CUDA graphs of prefill/extend steps ---------------------------------------------------
+    supports_prefill_graph = True
+
+    def prefill_graph_block_m(self) -> int:
+        """Rows per prefill program (the graphs' fixed grid is counted in these)."""
+        _, d = self._layer_shape()
+        return prefill_config(d, self.compute_dtype, self.pool.dtype).block_m
+
+    def init_prefill_graph(self, max_tokens: int, num_q_heads: int) -> None:
+        """Reserve the split scratch for steps of ``max_tokens`` tokens and freeze it (graphs
+        capture its addresses). Mutates self."""
+        if self._mla is not None:
+            raise RuntimeError("prefill CUDA graphs cover MHA pools, not MLA latent slabs")
+        _, d = self._layer_shape()
+        for layer in range(self.pool.num_layers):  # K means on the device before any capture
+            self._k_mean(layer)
+        self.extend_split.reserve(max_tokens, num_q_heads, d, self.pool.device)
+        self.extend_split.frozen = True
+
+    def prepare_prefill_graph(self, meta: AttentionMetadata, blocks: torch.Tensor,
+                              chunks: torch.Tensor, group: int) -> None:
+        """``prepare`` for a prefill step padded to a graph bucket: the program list and the V
+        store chunks are the graph's static buffers (spare entries exit), and the full layers
+        always split their keys (a block of a short context computes the same bits as without
+        a split, so eager steps, which split only long contexts, agree)."""
+        self.meta = meta
+        _, d = self._layer_shape()
+        self._prefill_cfg = prefill_config(d, self.compute_dtype, self.pool.dtype)
+        self._q_lens = list(meta.q_lens_cpu)
+        self._kv_lens = list(meta.kv_lens_cpu)
+        self._blocks = {group: blocks}
+        self._store_chunks = chunks
+        self._split_step = True
 
 
 def _eight_bit(kv_dtype: str) -> bool:

@@ -89,13 +89,14 @@ def build():
     return _merge
 
 
-def wants_split(num_tokens: int, max_kv_len: int, block_n: int) -> bool:
+def wants_split(num_tokens: int, max_kv_len: int, block_n: int,
+                min_tiles: int = MIN_TILES) -> bool:
     """Whether a prefill step of ``num_tokens`` tokens (padded, in a graph) whose longest
     request holds ``max_kv_len`` tokens splits the keys of its full layers: only short steps
     (graph buckets stop at ``SPLIT_MAX_TOKENS``), and only when some block can have more than
     one split (else the split kernel computes the same bits as the plain one, without the
     merge launch)."""
-    return num_tokens <= SPLIT_MAX_TOKENS and max_kv_len > MIN_TILES * block_n
+    return num_tokens <= SPLIT_MAX_TOKENS and max_kv_len > min_tiles * block_n
 
 
 class ExtendSplit:
