@@ -1,6 +1,6 @@
 """CUDA graphs of prefill/extend steps (engine/prefill_graph.py): a cached-prefix extend next to
-a decode token, replayed from a padded bucket, gives the eager step's hidden states and the
-torch reference's tokens, every KV format; whole engines with prefill graphs on and off give the
+a decode token, replayed from a padded bucket, gives the eager step's and the torch reference's
+hidden states (within rounding) and tokens, every KV format; whole engines with prefill graphs on and off give the
 same greedy tokens with prefix caching, chunked prefill and preemption."""
 
 from __future__ import annotations
@@ -80,13 +80,16 @@ def test_graph_extend_equals_eager_and_reference(kv_dtype):
                 # a second replay of a smaller step in the same bucket: no leftovers read
                 graphs.run(ids[:5], pos[:5], [5], [len(prefixes[0]) + 5], tables[:1])
         hidden[name] = h.float()
-    assert torch.equal(hidden["graph"], hidden["eager"])
+    # the padded bucket's matmuls have more rows than the eager step's (cuBLAS may pick
+    # another kernel): close, not necessarily the same bits; the same tokens
+    err = ((hidden["graph"] - hidden["eager"]).norm() / hidden["eager"].norm()).item()
+    assert err < 1e-2, err
     err = ((hidden["graph"] - hidden["torch"]).norm() / hidden["torch"].norm()).item()
     assert err < 3e-2, err
     last = torch.tensor([59, 60], device=DEV)
     toks = {k: model.compute_logits(h[last].to(torch.bfloat16)).argmax(-1).tolist()
             for k, h in hidden.items()}
-    assert toks["graph"] == toks["torch"]
+    assert toks["graph"] == toks["eager"] == toks["torch"]
 
 
 CFG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256,
