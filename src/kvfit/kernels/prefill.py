@@ -133,7 +133,7 @@ def build():
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_T: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
                  F16: tl.constexpr, ROWS: tl.constexpr, HAS_QBIAS: tl.constexpr,
-                 NUM_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr):
+                 NUM_SPLITS: tl.constexpr, SPLIT_TILES):
         # one program per (listed block, KV head[, key split]); heads vary fastest so the
         # heaviest blocks (listed first by order_prefill_blocks) start first on every head.
         # A block of request -1 is a spare program of a fixed (CUDA-graph) grid: it exits.

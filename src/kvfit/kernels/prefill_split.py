@@ -43,7 +43,7 @@ def build():
     @triton.jit
     def _merge(OP, LSE, CU, KVLEN, BLK, OUT, v_scale, stride_ot, stride_oh, stride_ps,
                G: tl.constexpr, D: tl.constexpr, HKV: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr):
+               BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_TILES):
         # one program per (listed block, KV head), as in the prefill kernel; blocks of one
         # split (written by the prefill kernel itself) and spare blocks exit
         pid = tl.program_id(0)
