@@ -41,7 +41,7 @@ from kvfit.attention.base import AttentionBackend, AttentionMetadata, KVStoreTar
 from kvfit.attention.triton_mla import TritonMLA
 from kvfit.kernels.decode import DecodeConfig, choose_config, paged_decode
 from kvfit.kernels.prefill import order_prefill_blocks, paged_prefill, prefill_config
-from kvfit.kernels.prefill_split import ExtendSplit, wants_split
+from kvfit.kernels.prefill_split import SPLIT_MAX_TOKENS, ExtendSplit, wants_split
 from kvfit.kernels.store import split_store_chunks, store_kv, store_kv_chunks
 
 
@@ -330,14 +330,16 @@ class TritonBackend(AttentionBackend):
         return prefill_config(d, self.compute_dtype, self.pool.dtype).block_m
 
     def init_prefill_graph(self, max_tokens: int, num_q_heads: int) -> None:
-        """Reserve the split scratch for steps of ``max_tokens`` tokens and freeze it (graphs
-        capture its addresses). Mutates self."""
+        """Reserve the split scratch for steps of ``max_tokens`` tokens (and eager steps up to
+        ``SPLIT_MAX_TOKENS``) and freeze it (graphs capture its addresses). Mutates self."""
         if self._mla is not None:
             raise RuntimeError("prefill CUDA graphs cover MHA pools, not MLA latent slabs")
         _, d = self._layer_shape()
         for layer in range(self.pool.num_layers):  # K means on the device before any capture
             self._k_mean(layer)
-        self.extend_split.reserve(max_tokens, num_q_heads, d, self.pool.device)
+        # eager steps split up to SPLIT_MAX_TOKENS tokens: room for them too, never regrown
+        self.extend_split.reserve(max(max_tokens, SPLIT_MAX_TOKENS), num_q_heads, d,
+                                  self.pool.device)
         self.extend_split.frozen = True
 
     def prepare_prefill_graph(self, meta: AttentionMetadata, blocks: torch.Tensor,
