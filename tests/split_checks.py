@@ -106,6 +106,9 @@ def check_graph_step():
     from kvfit.kvcache.pool import MHAKVCache
     from kvfit.kvcache.spec import KVLayerSpec
 
+    from kvfit.kernels import prefill_split
+
+    prefill_split.EAGER_SPLIT = True  # the eager step splits as the graph step does
     seed = int.from_bytes(os.urandom(2), "little")
     torch.manual_seed(seed)
     hq, hkv, d, ps = 4, 2, 64, 16

@@ -4,8 +4,10 @@ off, on one engine:
 
 - ``graph+split``: prefill/extend steps of up to --cuda-graph-max-prefill-tokens tokens replay a
   CUDA graph (engine/prefill_graph.py), their keys split over the SMs (kernels/prefill_split.py);
-- ``eager+split``: the same steps eager (the graphs set aside), keys split;
-- ``eager``: eager and unsplit (what the engine did before both).
+- ``eager+split``: the same steps eager (the graphs set aside), keys split
+  (``prefill_split.EAGER_SPLIT``);
+- ``eager``: eager and unsplit (what the engine did before both, and does with
+  ``--enforce-eager``).
 
     PYTHONPATH=src python3 benchmarks/serve/probe_graphs.py \
         --model src/kvfit/bench/configs/qwen3-1.7b.json --kv-dtype fp8_e4m3 --out x.json
@@ -51,14 +53,13 @@ def main() -> None:
     build_s = time.perf_counter() - t0
     runner = eng.runner
     graphs = runner.prefill_graphs
-    split_max = prefill_split.SPLIT_MAX_TOKENS
     rows = []
     for m, mode in enumerate(args.modes):
         if mode == "graph+split" and graphs is None:
             print("no prefill graphs on this engine: graph+split skipped")
             continue
         runner.prefill_graphs = graphs if mode == "graph+split" else None
-        prefill_split.SPLIT_MAX_TOKENS = 0 if mode == "eager" else split_max
+        prefill_split.EAGER_SPLIT = mode == "eager+split"
         seed = 10000 * (m + 1)  # fresh prefixes per mode: an earlier mode's are cached
         wl.ttft_probe(eng, 64, 8, seed)  # warm-up: compiles of this mode's kernels
         wl.ttft_probe(eng, args.prefix_len, args.suffix_len, seed + 1)
@@ -73,7 +74,7 @@ def main() -> None:
         if args.profile and m == 0:
             _profile(eng, args, torch, seed + 200)
     runner.prefill_graphs = graphs
-    prefill_split.SPLIT_MAX_TOKENS = split_max
+    prefill_split.EAGER_SPLIT = False
     print(f"engine built in {build_s:.1f} s ({args.kv_dtype}); probe: {args.prefix_len} prefix "
           f"+ {args.suffix_len} new tokens, median of {args.repeats}")
     print("| mode | uncached TTFT ms | cached TTFT ms | cached/uncached | cached step GPU ms | "

@@ -101,6 +101,7 @@ CFG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2
 
 def _engine_run(path, kv_dtype, graph_tokens, num_pages):
     from kvfit.engine import prefill_graph
+    from kvfit.kernels import prefill_split
     from kvfit.llm import LLM
     from kvfit.sampling_params import SamplingParams
 
@@ -112,6 +113,7 @@ def _engine_run(path, kv_dtype, graph_tokens, num_pages):
         return run(self, *a, **k)
 
     prefill_graph.PrefillGraphs.run = counted
+    prefill_split.EAGER_SPLIT = True  # eager steps split as graph steps do: the same bits
     try:
         llm = LLM(str(path), load_format="dummy", attention_backend="triton", kv_dtype=kv_dtype,
                   device="cuda", num_pages=num_pages, page_size=16, max_model_len=1536,
@@ -130,6 +132,7 @@ def _engine_run(path, kv_dtype, graph_tokens, num_pages):
         del llm, eng
     finally:
         prefill_graph.PrefillGraphs.run = run
+        prefill_split.EAGER_SPLIT = False
     torch.cuda.empty_cache()
     return [o.outputs[0].token_ids for o in outs], pre, len(calls)
 
