@@ -52,7 +52,8 @@ def _random_step(rng, max_tokens, ps, max_pages):
 @pytest.mark.parametrize("page_size,group,block_m", [(16, 2, 64), (32, 4, 128), (8, 1, 16)])
 def test_staging_matches_eager_metadata(page_size, group, block_m):
     rng = random.Random(int.from_bytes(np.random.bytes(2), "little"))
-    max_tokens, max_pages = 128, 12
+    max_tokens = 128
+    max_pages = max_tokens // page_size + 4  # room for any request of the step and a prefix
     st = PrefillStaging(max_tokens, MAX_REQS, max_pages, page_size, group, block_m, "cpu")
     for _ in range(40):  # rows, lists and buckets shrink and grow between steps
         q_lens, kv_lens, tables = _random_step(rng, max_tokens, page_size, max_pages)

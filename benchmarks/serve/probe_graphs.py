@@ -115,6 +115,10 @@ def _profile(eng, args, torch, seed) -> None:
           f"{sum(n for n, _ in kern.values())} launches, {total / 1e3:.2f} ms GPU")
     for k, (n, t) in sorted(kern.items(), key=lambda kv: -kv[1][1])[:14]:
         print(f"  {t:9.1f} us  {n:4d}x  {k}")
+    print("host: top CPU ops by self time")
+    ops = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:12]
+    for a in ops:
+        print(f"  {a.self_cpu_time_total:9.1f} us  {a.count:4d}x  {a.key[:70]}")
 
 
 def _cached_step_gpu_ms(eng, runner, args, torch, seed) -> tuple[float, float]:
