@@ -5,8 +5,9 @@ launch overhead; the split's merge launch included), medians of 5.
 
     PYTHONPATH=src python3 benchmarks/kernels/extend_split_bench.py [--out x.json]
 
-Prints one table: microseconds per layer for the plain kernel and for splits of at least
-``min_tiles`` 64-token tiles (the engine's constant is ``prefill_split.MIN_TILES``).
+Prints one table, a row per variant as it is measured: microseconds per layer for the plain
+kernel and for split variants (programs per block, tiles per split at least, rows per block;
+the engine's are ``prefill_split.NUM_SPLITS``/``MIN_TILES`` and ``prefill_config``).
 """
 
 from __future__ import annotations
@@ -29,10 +30,15 @@ from kvfit.kvcache.dtypes import kv_format  # noqa: E402
 from kvfit.kvcache.pool import MHAKVCache  # noqa: E402
 from kvfit.kvcache.spec import KVLayerSpec  # noqa: E402
 
-MIN_TILES = (4, 8, 16)
+# (label, (num_splits, min_tiles, block_m or None = the engine's)) ; None = the plain kernel
+VARIANTS = [("plain", None), ("s8 t8", (8, 8, None)), ("s8 t16", (8, 16, None)),
+            ("s16 t4", (16, 4, None)), ("s8 t8 m32", (8, 8, 32)), ("s16 t4 m32", (16, 4, 32))]
 
 
 def point(kv_dtype, ps, v_layout, q_len, ctx):
+    """Yields (label, us per layer) for each variant at one point."""
+    import dataclasses
+
     hq, hkv, d = 16, 8, 128
     pages = -(-ctx // ps)
     pool = MHAKVCache([KVLayerSpec("full", hkv, d)], pages + 1, ps, kv_format(kv_dtype), "cuda",
@@ -44,23 +50,24 @@ def point(kv_dtype, ps, v_layout, q_len, ctx):
     meta = build_metadata([q_len], [ctx], table, ps, "cuda")
     q = torch.randn(q_len, hq, d, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    cfg = prefill_config(d, q.dtype, pool.dtype)
-    blocks = order_prefill_blocks([q_len], hq // hkv, cfg.block_m, "cuda", [ctx])
-    row = {"kv_dtype": kv_dtype, "q_len": q_len, "ctx": ctx}
-    for label, mt in [("plain", None)] + [(f"split{m}", m) for m in MIN_TILES]:
-        split = None
-        if mt is not None:
+    base = prefill_config(d, q.dtype, pool.dtype)
+    for label, var in VARIANTS:
+        split, cfg = None, base
+        if var is not None:
+            ns, mt, bm = var
             split = ExtendSplit()
-            split.min_tiles = mt
+            split.num_splits, split.min_tiles = ns, mt
             split.reserve(q_len, hq, d, "cuda")
+            if bm is not None:
+                cfg = dataclasses.replace(base, block_m=bm)
+        blocks = order_prefill_blocks([q_len], hq // hkv, cfg.block_m, "cuda", [ctx])
 
-        def f(split=split):
+        def f(split=split, cfg=cfg, blocks=blocks):
             paged_prefill(q, pool.k_caches[0], pool.v_caches[0], meta.block_table,
                           meta.cu_seqlens_q, meta.kv_lens, blocks, cfg, out, d ** -0.5,
                           v_t=v_layout == "HDN", split=split)
 
-        row[label] = graph_us([f])
-    return row
+        yield label, graph_us([f])
 
 
 def main():
@@ -70,19 +77,18 @@ def main():
     p.add_argument("--ctxs", type=int, nargs="+", default=[1024, 4224, 16384])
     args = p.parse_args()
     rows = []
+    print("| KV | q_len | context | variant (splits, min tiles, rows) | us per layer |")
+    print("|---|---:|---:|---|---:|", flush=True)
     for kv_dtype, ps, lay in (("fp8_e4m3", 32, "HDN"), ("bfloat16", 16, "HND")):
         for q_len in args.q_lens:
             for ctx in args.ctxs:
-                rows.append(point(kv_dtype, ps, lay, q_len, ctx))
-    cols = ["plain"] + [f"split{m}" for m in MIN_TILES]
-    print("| KV | q_len | context | " + " | ".join(f"{c} us" for c in cols) + " |")
-    print("|---|---:|---:|" + "---:|" * len(cols))
-    for r in rows:
-        print(f"| {r['kv_dtype']} | {r['q_len']} | {r['ctx']} | "
-              + " | ".join(f"{r[c]:.1f}" for c in cols) + " |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+                for label, us in point(kv_dtype, ps, lay, q_len, ctx):
+                    rows.append({"kv_dtype": kv_dtype, "q_len": q_len, "ctx": ctx,
+                                 "variant": label, "us": us})
+                    print(f"| {kv_dtype} | {q_len} | {ctx} | {label} | {us:.1f} |", flush=True)
+                    if args.out:
+                        with open(args.out, "w") as f:
+                            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
