@@ -112,7 +112,8 @@ def _generate(argv: list[str]) -> int:
 
 # EngineConfig fields that do not change what ``kvfit plan`` prices
 _NOT_PLANNED = ("tokenizer", "kv_scales", "memory_ratio", "cpu_kv_space_gib", "num_pages",
-                "num_tokens", "enforce_eager", "cuda_graph_max_bs", "async_scheduling", "load_format",
+                "num_tokens", "enforce_eager", "cuda_graph_max_bs", "cuda_graph_max_prefill_tokens",
+                "async_scheduling", "load_format",
                 "seed")
 
 

@@ -78,6 +78,9 @@ class EngineConfig:
     cuda_graph_max_bs: Optional[int] = _f(None, "largest decode batch captured in a CUDA graph "
                                           "(default: max_num_seqs, so every decode batch "
                                           "replays a graph)")
+    cuda_graph_max_prefill_tokens: int = _f(
+        512, "largest prefill/extend step (tokens, up to 8 requests) run from a CUDA graph; "
+        "0 = such steps run eagerly; at most 512 (larger steps are compute bound)")
     async_scheduling: AsyncMode = _f("auto", "overlap the host's scheduling and output "
                                      "processing of one step with the GPU's next step; auto = "
                                      "on with CUDA, off on CPU")
@@ -95,6 +98,9 @@ class EngineConfig:
                      "tensor_parallel_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.cuda_graph_max_prefill_tokens <= 512:
+            raise ValueError(f"cuda_graph_max_prefill_tokens must be in 0..512 (0 = no prefill "
+                             f"graphs), got {self.cuda_graph_max_prefill_tokens}")
         if self.kv_k_centering not in typing.get_args(KCentering):
             raise ValueError(f"kv_k_centering must be one of {typing.get_args(KCentering)}, "
                              f"got {self.kv_k_centering!r}")

@@ -121,6 +121,9 @@ class AttentionBackend:
     page_sizes: ClassVar[Optional[frozenset[int]]] = None  # None = any
     head_dims: ClassVar[Optional[frozenset[int]]] = None  # None = any
     supports_cuda_graph: ClassVar[bool] = False
+    # prefill/extend steps in CUDA graphs (engine/prefill_graph.py): init_prefill_graph,
+    # prepare_prefill_graph and prefill_graph_block_m
+    supports_prefill_graph: ClassVar[bool] = False
     # why this backend leaves a KV dtype out of kv_dtypes, and what to use instead (the guard)
     kv_dtype_refusals: ClassVar[dict[str, str]] = {}
     # the parts of pool.kv_transform it applies (kvcache/kv_transform.py): "k_mean" (K centering,

@@ -41,6 +41,7 @@ from kvfit.attention.base import AttentionBackend, AttentionMetadata, KVStoreTar
 from kvfit.attention.triton_mla import TritonMLA
 from kvfit.kernels.decode import DecodeConfig, choose_config, paged_decode
 from kvfit.kernels.prefill import order_prefill_blocks, paged_prefill, prefill_config
+from kvfit.kernels.prefill_split import SPLIT_MAX_TOKENS, ExtendSplit, wants_split
 from kvfit.kernels.store import split_store_chunks, store_kv, store_kv_chunks
 
 
@@ -66,6 +67,8 @@ class TritonBackend(AttentionBackend):
         self._blocks = None
         self._prefill_cfg = None
         self._store_chunks: Optional[torch.Tensor] = None
+        self.extend_split = ExtendSplit()  # split-KV scratch of short prefill/extend steps
+        self._split_step = False  # this step's full layers split their keys
         self._graph_max_len: Optional[int] = None
         self._scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._v_t = pool.v_layout == "HDN"
@@ -141,6 +144,8 @@ class TritonBackend(AttentionBackend):
             self._q_lens = list(meta.q_lens_cpu)
             self._kv_lens = list(meta.kv_lens_cpu)
             self._blocks = {}
+            self._split_step = wants_split(meta.num_tokens, max(self._kv_lens, default=0),
+                                           self._prefill_cfg.block_n, self.extend_split.min_tiles)
             if self._v_t:  # token-minor V: store a page row's new tokens together
                 real = len(self._q_lens) if meta.num_real_reqs is None else meta.num_real_reqs
                 self._store_chunks = split_store_chunks(
@@ -283,7 +288,9 @@ class TritonBackend(AttentionBackend):
             paged_prefill(q, kc, vc, table, meta.cu_seqlens_q, meta.kv_lens,
                           self._prefill_blocks(group), self._prefill_cfg, out, self.sm_scale,
                           ks, vs, self.logit_softcap, window, v_t=self._v_t, k_scale_cache=ksc,
-                          v_scale_cache=vsc, q_bias=q_bias, rotate_q=fused_rotation)
+                          v_scale_cache=vsc, q_bias=q_bias, rotate_q=fused_rotation,
+                          split=self.extend_split if self._split_step and window is None
+                          else None)
         return out
 
     # -- CUDA graphs ------------------------------------------------------------------------
@@ -319,6 +326,43 @@ class TritonBackend(AttentionBackend):
             return
         self._blocks = None
         self._prepare_decode(meta, self._graph_max_len)
+
+
+    # -- CUDA graphs of prefill/extend steps ---------------------------------------------------
+    supports_prefill_graph = True
+
+    def prefill_graph_block_m(self) -> int:
+        """Rows per prefill program (the graphs' fixed grid is counted in these)."""
+        _, d = self._layer_shape()
+        return prefill_config(d, self.compute_dtype, self.pool.dtype).block_m
+
+    def init_prefill_graph(self, max_tokens: int, num_q_heads: int) -> None:
+        """Reserve the split scratch for steps of ``max_tokens`` tokens (and eager steps up to
+        ``SPLIT_MAX_TOKENS``) and freeze it (graphs capture its addresses). Mutates self."""
+        if self._mla is not None:
+            raise RuntimeError("prefill CUDA graphs cover MHA pools, not MLA latent slabs")
+        _, d = self._layer_shape()
+        for layer in range(self.pool.num_layers):  # K means on the device before any capture
+            self._k_mean(layer)
+        # eager steps split up to SPLIT_MAX_TOKENS tokens: room for them too, never regrown
+        self.extend_split.reserve(max(max_tokens, SPLIT_MAX_TOKENS), num_q_heads, d,
+                                  self.pool.device)
+        self.extend_split.frozen = True
+
+    def prepare_prefill_graph(self, meta: AttentionMetadata, blocks: torch.Tensor,
+                              chunks: torch.Tensor, group: int) -> None:
+        """``prepare`` for a prefill step padded to a graph bucket: the program list and the V
+        store chunks are the graph's static buffers (spare entries exit), and the full layers
+        always split their keys (a block of a short context computes the same bits as without
+        a split, so eager steps, which split only long contexts, agree)."""
+        self.meta = meta
+        _, d = self._layer_shape()
+        self._prefill_cfg = prefill_config(d, self.compute_dtype, self.pool.dtype)
+        self._q_lens = list(meta.q_lens_cpu)
+        self._kv_lens = list(meta.kv_lens_cpu)
+        self._blocks = {group: blocks}
+        self._store_chunks = chunks
+        self._split_step = True
 
 
 def _eight_bit(kv_dtype: str) -> bool:

@@ -137,7 +137,27 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.ctx, config.resolved_cuda_graph_max_bs,
                                        -(-self.max_model_len // config.page_size), self.device)
             log.info("captured decode CUDA graphs in %.1f s", time.monotonic() - t)
+        self.prefill_graphs = self._prefill_graphs(backend_cls)
         log.info("model runner built in %.1f s", time.monotonic() - t0)
+
+    def _prefill_graphs(self, backend_cls):
+        """CUDA graphs of short prefill/extend steps (engine/prefill_graph.py), or None: on
+        CPU, with --enforce-eager, --cuda-graph-max-prefill-tokens 0, or a backend/pool
+        without them (logged)."""
+        config = self.config
+        if (self.device.type != "cuda" or config.enforce_eager
+                or config.cuda_graph_max_prefill_tokens == 0
+                or not backend_cls.supports_cuda_graph):
+            return None
+        from kvfit.engine.prefill_graph import PrefillGraphs, graph_reason
+
+        why = graph_reason(self.backend, self.pool)
+        if why is not None:
+            log.info("prefill steps run eagerly: %s", why)
+            return None
+        max_tokens = min(config.cuda_graph_max_prefill_tokens, config.max_num_batched_tokens)
+        return PrefillGraphs(self.model, self.ctx, max_tokens,
+                             -(-self.max_model_len // config.page_size), self.device)
 
     # -- tensor parallelism ---------------------------------------------------------------
     def _join_tensor_parallel(self, settings: EngineSettings, rank: int,
@@ -373,6 +393,8 @@ class ModelRunner:
         if self.graphs is not None and all(q == 1 for q in q_lens) and self.graphs.can_run(bs):
             hidden = self.graphs.run(input_ids, positions, kv_lens, plan.tables,
                                      lookups.swa_tables)
+        elif self.prefill_graphs is not None and self.prefill_graphs.bucket_for(q_lens):
+            hidden = self.prefill_graphs.run(input_ids, positions, q_lens, kv_lens, plan.tables)
         else:
             meta = build_step_metadata(self.pool, q_lens, kv_lens, plan.tables,
                                        plan.request_ids, self.device, lookups)

@@ -144,22 +144,26 @@ def build():
         return softmax_pv(qk, v, vs, acc, m_i, l_i, vis, MASKED, ROWS, PREC, False)
 
     @triton.jit
-    def _prefill(Q, KC, VC, KS, VS, QB, BT, CU, KVLEN, BLK, OUT,
+    def _prefill(Q, KC, VC, KS, VS, QB, BT, CU, KVLEN, BLK, OUT, OP, LSE,
                  qk_scale, softcap, window, v_scale,
                  stride_qt, stride_qh, stride_ot, stride_oh,
-                 stride_cp, stride_ch, stride_sp, stride_sh, stride_bt, stride_qb,
+                 stride_cp, stride_ch, stride_sp, stride_sh, stride_bt, stride_qb, stride_ps,
                  G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, HKV: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_T: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
                  F16: tl.constexpr, ROWS: tl.constexpr, HAS_QBIAS: tl.constexpr,
+                 NUM_SPLITS: tl.constexpr, SPLIT_TILES,
                  ROTATE_Q: tl.constexpr = False, LOG2D: tl.constexpr = 0,
                  HSCALE: tl.constexpr = 1.0, I8_ASM: tl.constexpr = False):
-        # one program per (listed block, KV head); heads vary fastest so the heaviest blocks
-        # (listed first by order_prefill_blocks) start first on every head
+        # one program per (listed block, KV head[, key split]); heads vary fastest so the
+        # heaviest blocks (listed first by order_prefill_blocks) start first on every head.
+        # A block of request -1 is a spare program of a fixed (CUDA-graph) grid: it exits.
         pid = tl.program_id(0)
         blk = pid // HKV
         h = pid % HKV
         req = tl.load(BLK + 2 * blk)
+        if req < 0:
+            return
         row0 = tl.load(BLK + 2 * blk + 1)
         q_start, q_len, prefix = request_span(CU, KVLEN, req)
         r = row0 + tl.arange(0, BLOCK_M)
@@ -205,25 +209,57 @@ def build():
             t_win = tl.minimum(tl.cdiv(tl.maximum(prefix + last_tok - window + 1 - lo, 0),
                                        BLOCK_N), n_tiles)
             t_diag = tl.maximum(t_diag, t_win)
+        # key splits (NUM_SPLITS > 1, no window): split s takes tiles [t0, t1) of the block's
+        # n_tiles, at least SPLIT_TILES each, so the partition depends on the block alone (the
+        # same bits in a padded graph grid as in an eager one); a block of one split writes
+        # OUT itself, others write partial rows (OP) and base-2 LSEs for prefill_split's merge
+        a1 = t_win  # tile runs [0, a1) masked, [b0, b1) unmasked, [c0, c1) masked
+        b0 = t_win
+        b1 = t_diag
+        c0 = t_diag
+        c1 = n_tiles
+        s = 0
+        ns = 1
+        if NUM_SPLITS > 1:
+            per = tl.maximum(tl.cdiv(n_tiles, NUM_SPLITS), SPLIT_TILES)
+            ns = tl.cdiv(n_tiles, per)
+            s = tl.program_id(1)
+            if s >= ns:
+                return
+            t0 = s * per
+            t1 = tl.minimum(t0 + per, n_tiles)
+            b0 = t0
+            b1 = tl.minimum(t_diag, t1)
+            c0 = tl.maximum(t_diag, t0)
+            c1 = t1
         bt_row = BT + req.to(tl.int64) * stride_bt
         head_off = h * stride_ch
         s_head = h * stride_sh
-        for t in range(0, t_win):
+        for t in range(0, a1):
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, lo + t * BLOCK_N, hi, qpos, KC, VC, KS, VS,
                                   bt_row, head_off, s_head, stride_cp, stride_sp, qk_scale,
                                   softcap, qb, window, D, PAGE, BLOCK_N, V_T, HAS_SOFTCAP,
                                   HAS_WINDOW, PREC, ROWS, True, I8_ASM)
-        for t in range(t_win, t_diag):
+        for t in range(b0, b1):
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, lo + t * BLOCK_N, hi, qpos, KC, VC, KS, VS,
                                   bt_row, head_off, s_head, stride_cp, stride_sp, qk_scale,
                                   softcap, qb, window, D, PAGE, BLOCK_N, V_T, HAS_SOFTCAP,
                                   HAS_WINDOW, PREC, ROWS, False, I8_ASM)
-        for t in range(t_diag, n_tiles):
+        for t in range(c0, c1):
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, lo + t * BLOCK_N, hi, qpos, KC, VC, KS, VS,
                                   bt_row, head_off, s_head, stride_cp, stride_sp, qk_scale,
                                   softcap, qb, window, D, PAGE, BLOCK_N, V_T, HAS_SOFTCAP,
                                   HAS_WINDOW, PREC, ROWS, True, I8_ASM)
         safe_l = tl.where(l_i > 0, l_i, 1.0)
+        if NUM_SPLITS > 1:  # partial rows [split, token, head, D] and their LSEs (-inf: none)
+            many = (tok * 0 + ns) > 1  # [BLOCK_M] (a vector mask: the interpreter wants one)
+            part = rmask & many
+            prow = (s * stride_ps + (q_start + tok) * (HKV * G) + hq).to(tl.int64)  # [BLOCK_M]
+            tl.store(OP + prow[:, None] * D + d[None, :], acc / safe_l[:, None],
+                     mask=part[:, None])
+            tl.store(LSE + prow, tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf")),
+                     mask=part)
+            rmask = rmask & (many == 0)
         o = acc / safe_l[:, None] * v_scale
         tl.store(OUT + (q_start + tok).to(tl.int64)[:, None] * stride_ot + hq[:, None] * stride_oh
                  + d[None, :], o.to(OUT.dtype.element_ty), mask=rmask[:, None])
@@ -264,13 +300,10 @@ def prefill_config(head_dim: int, q_dtype: torch.dtype,
     return PrefillConfig(128, 64, 8, 5)
 
 
-def order_prefill_blocks(q_lens: Sequence[int], group: int, block_m: int, device,
-                kv_lens: Sequence[int] | None = None) -> torch.Tensor:
-    """[NB, 2] int32 (request, first row) for every program of a step (host work, one copy).
-
-    Blocks are listed heaviest first (most KV tokens under their last row; ``kv_lens`` default
-    to ``q_lens``, no cached prefix), so the long causal blocks start in the first wave and the
-    short ones fill the tail."""
+def prefill_block_list(q_lens: Sequence[int], group: int, block_m: int,
+                       kv_lens: Sequence[int] | None = None) -> list[int]:
+    """The flat host list (request, first row, request, first row, ...) of
+    ``order_prefill_blocks``: every program of a step, heaviest block first."""
     work: list[tuple[int, int, int]] = []
     for i, ql in enumerate(q_lens):
         prefix = (kv_lens[i] if kv_lens is not None else ql) - ql
@@ -279,7 +312,24 @@ def order_prefill_blocks(q_lens: Sequence[int], group: int, block_m: int, device
             last = min((r0 + block_m - 1) // group, ql - 1)
             work.append((prefix + last, i, r0))
     work.sort(key=lambda w: -w[0])
-    flat = [x for _, i, r0 in work for x in (i, r0)]
+    return [x for _, i, r0 in work for x in (i, r0)]
+
+
+def max_prefill_blocks(num_tokens: int, num_reqs: int, group: int, block_m: int) -> int:
+    """The most programs ``prefill_block_list`` lists for any step of at most ``num_tokens``
+    tokens in at most ``num_reqs`` requests (a fixed CUDA-graph grid): each request's rows
+    end in at most one partial block."""
+    return -(-num_tokens * group // block_m) + num_reqs
+
+
+def order_prefill_blocks(q_lens: Sequence[int], group: int, block_m: int, device,
+                kv_lens: Sequence[int] | None = None) -> torch.Tensor:
+    """[NB, 2] int32 (request, first row) for every program of a step (host work, one copy).
+
+    Blocks are listed heaviest first (most KV tokens under their last row; ``kv_lens`` default
+    to ``q_lens``, no cached prefix), so the long causal blocks start in the first wave and the
+    short ones fill the tail."""
+    flat = prefill_block_list(q_lens, group, block_m, kv_lens)
     # pinned: a pageable copy would wait for the GPU's earlier work (kvfit.transfer)
     return to_device(np.asarray(flat, dtype=np.int32).reshape(-1, 2), torch.device(device))
 
@@ -291,9 +341,13 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   window: int | None = None, v_t: bool = False,
                   k_scale_cache: torch.Tensor | None = None,
                   v_scale_cache: torch.Tensor | None = None,
-                  q_bias: torch.Tensor | None = None, rotate_q: bool = False) -> torch.Tensor:
+                  q_bias: torch.Tensor | None = None, rotate_q: bool = False,
+                  split=None) -> torch.Tensor:
     """q ``[T, Hq, D]`` -> ``out [T, Hq, D]`` (written) for the programs listed in ``blocks``
-    (``order_prefill_blocks`` with ``cfg.block_m`` rows).
+    (``order_prefill_blocks`` with ``cfg.block_m`` rows; entries of request -1 are spare
+    programs, which exit). ``split`` (``prefill_split.ExtendSplit``, no window): split each
+    block's keys over up to ``split.num_splits`` programs and merge (short extends over long
+    contexts); the tile partition depends only on the block, never on the grid.
 
     K pages ``[pages, Hkv, P, D]``; V the same, or token-minor ``[pages, Hkv, D, P]`` if ``v_t``.
     int8 pages need ``k_scale_cache``/``v_scale_cache`` (float16 ``[pages, Hkv, P]``), which
@@ -321,13 +375,20 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if rows:
         k_scale = v_scale = 1.0
     qb = _checked_bias(q_bias, q, k_scale, softcap)
-    kern[(nb * hkv,)](
+    ns, per, op, lse = 1, 1, out, out
+    if split is not None:
+        if window is not None:
+            raise ValueError("paged_prefill: key splits are for layers without a window")
+        ns, per = split.num_splits, split.min_tiles
+        op, lse = split.scratch(q)
+    kern[(nb * hkv, ns)](
         q, k_cache, v_cache, ks, vs, q if qb is None else qb, block_table, cu_seqlens_q,
-        kv_lens, blocks, out,
+        kv_lens, blocks, out, op, lse,
         float(sm_scale * k_scale * LOG2E), float(softcap or 0.0), int(window or 0), float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), ssp, ssh, block_table.stride(0),
-        0 if qb is None else qb.stride(0), G=hq // hkv, D=d, PAGE=k_cache.shape[2], HKV=hkv,
+        0 if qb is None else qb.stride(0), q.shape[0] * hq, G=hq // hkv, D=d,
+        PAGE=k_cache.shape[2], HKV=hkv,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, V_T=v_t, HAS_SOFTCAP=softcap is not None,
         HAS_WINDOW=window is not None, PREC="ieee" if fp32 else "tf32",
@@ -335,5 +396,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         ROTATE_Q=bool(rotate_q), LOG2D=d.bit_length() - 1,
         I8_ASM=rows and not fp32 and cfg.i8_cvt == "asm",
         HSCALE=fwht_scale(d) if rotate_q else 1.0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        NUM_SPLITS=ns, SPLIT_TILES=per, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split is not None:
+        split.merge(op, lse, cu_seqlens_q, kv_lens, blocks, out, cfg, hkv, float(v_scale))
     return out

@@ -113,6 +113,8 @@ def build():
         c = tl.program_id(0)
         h = tl.program_id(1)
         req = tl.load(CHUNKS + 2 * c)
+        if req < 0:  # a spare program of a fixed (CUDA-graph) grid
+            return
         a = tl.load(CHUNKS + 2 * c + 1)
         q_start, q_len, prefix = request_span(CU, KVLEN, req)
         pos = a + tl.arange(0, PP)
@@ -241,14 +243,28 @@ def chunk_tokens(page_size: int) -> int:
     return min(page_size, 32)
 
 
-def split_store_chunks(q_lens, kv_lens, page_size: int, device) -> torch.Tensor:
-    """[NC, 2] int32 (request, first position) covering every request's new positions
-    ``[kv_len - q_len, kv_len)`` in page-aligned chunks of ``chunk_tokens(page_size)``."""
+def store_chunk_list(q_lens, kv_lens, page_size: int) -> list[int]:
+    """The flat host list (request, first position, ...) of ``split_store_chunks``."""
     pp = chunk_tokens(page_size)
     flat: list[int] = []
     for i, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
         for a in range((kl - ql) // pp * pp, kl, pp):
             flat += (i, a)
+    return flat
+
+
+def max_store_chunks(num_tokens: int, num_reqs: int, page_size: int) -> int:
+    """The most chunks ``store_chunk_list`` lists for any step of at most ``num_tokens`` tokens
+    in at most ``num_reqs`` requests (a fixed CUDA-graph grid): a request's new positions
+    start and end inside a chunk at worst."""
+    return -(-num_tokens // chunk_tokens(page_size)) + 2 * num_reqs
+
+
+def split_store_chunks(q_lens, kv_lens, page_size: int, device) -> torch.Tensor:
+    """[NC, 2] int32 (request, first position) covering every request's new positions
+    ``[kv_len - q_len, kv_len)`` in page-aligned chunks of ``chunk_tokens(page_size)``; a
+    request of -1 is a spare entry (its programs exit)."""
+    flat = store_chunk_list(q_lens, kv_lens, page_size)
     # pinned: a pageable copy would wait for the GPU's earlier work (kvfit.transfer)
     return to_device(np.asarray(flat, dtype=np.int32).reshape(-1, 2), torch.device(device))
 
