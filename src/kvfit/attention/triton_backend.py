@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 
 from kvfit.attention.base import AttentionBackend, AttentionMetadata, KVStoreTarget
+from kvfit.attention.triton_int4 import GRAPH_REFUSAL, TritonInt4
 from kvfit.attention.triton_mla import TritonMLA
 from kvfit.kernels.decode import DecodeConfig, choose_config, paged_decode
 from kvfit.kernels.prefill import order_prefill_blocks, paged_prefill, prefill_config
@@ -47,8 +48,9 @@ from kvfit.kernels.store import split_store_chunks, store_kv, store_kv_chunks
 class TritonBackend(AttentionBackend):
     name = "triton"
     devices = frozenset({"cuda"})
-    pools = frozenset({"MHAKVCache", "HybridSWAKVCache", "MLAKVCache"})
-    kv_dtypes = frozenset({"float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8"})
+    pools = frozenset({"MHAKVCache", "HybridSWAKVCache", "MLAKVCache", "Int4KVCache"})
+    kv_dtypes = frozenset({"float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8",
+                           "int4"})
     # K centering (subtracted in the store kernels; q . mu added back before a soft-cap) and
     # the rotation (fused into the RoPE + store kernel, or transform_qk before the store)
     kv_transforms = frozenset({"k_mean", "rotate"})
@@ -73,6 +75,14 @@ class TritonBackend(AttentionBackend):
         # MLA pools (latent slabs): the MLA kernels own prepare/forward_mla/graph hooks
         self._mla = (TritonMLA(pool, compute_dtype, sm_scale, logit_softcap)
                      if "mla" in pool.layer_kinds else None)
+        # the int4 pool (packed pages + residual slots): attention/triton_int4.py
+        self._int4 = (TritonInt4(pool, compute_dtype, sm_scale, logit_softcap)
+                      if pool.name == "Int4KVCache" else None)
+
+    @classmethod
+    def cuda_graph_refusal(cls, pool_name: str) -> Optional[str]:
+        """Why decode steps over the pool ``pool_name`` run without CUDA graphs (None: graphs)."""
+        return GRAPH_REFUSAL if pool_name == "Int4KVCache" else None
 
     @classmethod
     def head_dims_for(cls, pool_name: str):
@@ -130,6 +140,9 @@ class TritonBackend(AttentionBackend):
         self.meta = meta
         if self._mla is not None:
             self._mla.prepare(meta)
+            return
+        if self._int4 is not None:
+            self._int4.prepare(meta)
             return
         if meta.is_decode:
             self._prepare_decode(meta, max(meta.kv_lens_cpu, default=1))
@@ -214,7 +227,8 @@ class TritonBackend(AttentionBackend):
         """The slot-mapped store (decode steps, and prefill into HND pages) may be fused into
         the caller's RoPE kernel, K centering and the rotation included (the RoPE kernel then
         returns q rotated); prefill into token-minor V pages stores by page-row chunks."""
-        if self._mla is not None or (self._v_t and not self.meta.is_decode):
+        if (self._mla is not None or self._int4 is not None
+                or (self._v_t and not self.meta.is_decode)):
             return None
         pool = self.pool
         _, slots, _ = self._tables(layer_id)
@@ -236,6 +250,8 @@ class TritonBackend(AttentionBackend):
         """Stores k/v (quantize, K centering) unless ``kv_stored``, then attends. With a
         rotating transform q and k are rotated first here (``kv_transform.transform_qk``, which
         also centers k), unless ``kv_stored``: the fused RoPE store rotated q already."""
+        if self._int4 is not None:
+            return self._int4.forward(q, k, v, layer_id)
         meta = self.meta
         pool = self.pool
         kc, vc = pool.k_caches[layer_id], pool.v_caches[layer_id]
@@ -283,6 +299,9 @@ class TritonBackend(AttentionBackend):
     def init_cuda_graph(self, max_bs: int, max_pages_per_req: int) -> None:
         """Allocate split-K scratch for ``max_bs`` decode rows at the most splits any batch size
         gets with contexts up to ``max_pages_per_req`` pages (static across replays)."""
+        why = self.cuda_graph_refusal(self.pool.name)
+        if why:
+            raise RuntimeError(f"no CUDA graphs over the {self.pool.name} pool: {why}")
         self._graph_max_len = max_pages_per_req * self.pool.page_size
         if self._mla is not None:
             self._mla.init_cuda_graph(max_bs, max_pages_per_req)

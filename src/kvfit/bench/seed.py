@@ -82,6 +82,14 @@ def fill_pool(pool) -> None:
     import torch
 
     g = torch.Generator(device=pool.device).manual_seed(0)
+    if pool.residual_slots is not None:  # int4: random codes, positive scales, residual pages
+        for t in (*pool.k_caches, *pool.v_caches):
+            t.random_(0, 256, generator=g)
+        for t in (*pool.k_scale_caches, *pool.v_scale_caches):
+            t.copy_(torch.rand(t.shape, generator=g, device=pool.device) * 0.1 + 0.01)
+        for t in (*pool.k_zero_caches, *pool.v_zero_caches, *pool.k_residual, *pool.v_residual):
+            t.copy_(torch.randn(t.shape, generator=g, device=pool.device))
+        return
     # MLA pools hold one latent slab per token (kv_caches), the others K and V
     caches = getattr(pool, "kv_caches", None) or (*pool.k_caches, *pool.v_caches)
     for t in caches:
@@ -121,6 +129,19 @@ def free_sliding(pool, rids: list[str]) -> None:
             pool.sliding_pages.free(rid)
 
 
+def hold_residual_slots(pool, rids: list[str]) -> None:
+    """The int4 pool's residual slots for the bench's requests (as the scheduler assigns)."""
+    if pool.residual_slots is not None:
+        for rid in rids:
+            pool.residual_slots.assign(rid)
+
+
+def free_residual_slots(pool, rids: list[str]) -> None:
+    if pool.residual_slots is not None:
+        for rid in rids:
+            pool.residual_slots.release(rid)
+
+
 def decode_point(runner, batch: int, ctx: int, steps: int) -> float:
     """tok/s of ``steps`` decode steps of ``batch`` requests at context ``ctx`` (pages filled)."""
     import torch
@@ -131,6 +152,7 @@ def decode_point(runner, batch: int, ctx: int, steps: int) -> float:
     per = -(-(ctx + steps + 4) // ps)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
     rids = [f"bench{i}" for i in range(batch)]
+    hold_residual_slots(runner.pool, rids)
     swa = sliding_tables(runner.pool, rids, ctx, ctx + steps + 4,
                          runner.config.max_num_batched_tokens)
     dev = runner.device
@@ -161,6 +183,7 @@ def decode_point(runner, batch: int, ctx: int, steps: int) -> float:
             _sync()
     finally:
         free_sliding(runner.pool, rids)
+        free_residual_slots(runner.pool, rids)
     return batch * steps / (time.perf_counter() - t0)
 
 
@@ -173,8 +196,10 @@ def prefill_point(runner, n: int) -> float:
     pages = list(range(-(-n // ps)))
     if runner.pool.sliding_pages is not None:  # the sliding layers' pages of the prompt
         runner.pool.sliding_pages.reserve("bench-prefill", 0, n)
+    hold_residual_slots(runner.pool, ["bench-prefill"])
     meta = build_step_metadata(runner.pool, [n], [n], [pages], ["bench-prefill"], runner.device)
     free_sliding(runner.pool, ["bench-prefill"])  # the tables are built: the pages may go back
+    free_residual_slots(runner.pool, ["bench-prefill"])  # the plan holds the slot's index
     ids = torch.randint(0, runner.hf_config.vocab_size, (n,), device=runner.device)
     pos = torch.arange(n, device=runner.device)
     times = []

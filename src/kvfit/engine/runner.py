@@ -124,7 +124,12 @@ class ModelRunner:
             log.info(self.sizing.capacity_line(self.kv_format, self.max_model_len,
                                                s.tp_size, s.full_layers))
         self.graphs = None
+        no_graphs = backend_cls.cuda_graph_refusal(self.pool.name)
         if (self.device.type == "cuda" and not config.enforce_eager
+                and backend_cls.supports_cuda_graph and no_graphs):
+            log.info("CUDA graphs off (%s backend, %s pool): %s", backend_cls.name,
+                     self.pool.name, no_graphs)
+        elif (self.device.type == "cuda" and not config.enforce_eager
                 and backend_cls.supports_cuda_graph):
             from kvfit.engine.cuda_graph import DecodeGraphs
 

@@ -175,7 +175,7 @@ def build():
             qk = tl.where(col[None, :], qk * qk_scale, float("-inf"))
             acc_e, acc_o, m_i, l_i = _online(qk, v_e, v_o, acc_e, acc_o, m_i, l_i, PREC)
         if (tail > 0) & (s == num_splits - 1):  # the partial page, full precision (residual)
-            slot = tl.load(RSLOT + b).to(tl.int64)
+            slot = tl.maximum(tl.load(RSLOT + b), 0).to(tl.int64)  # padded rows: -1
             rlive = t < tail
             rbase = slot * stride_rs + h * stride_rh + t[:, None] * D + 2 * j[None, :]
             k_e = tl.load(KR + rbase, mask=rlive[:, None], other=0.0).to(q_e.dtype)
