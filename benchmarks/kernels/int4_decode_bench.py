@@ -29,22 +29,16 @@ SHAPES = [  # (name, Hq, Hkv, D, batch, context)
     ("smollm2-like", 9, 3, 64, 64, 2048),
     ("gemma3-like", 4, 1, 256, 128, 1024),
 ]
-# (pages per tile, warps, stages, asm, programs per SM in the split rule); None = the default
-VARIANTS = [
-    (2, 4, 2, False, 2),
-    (2, 4, 2, True, 2),
-    (2, 4, 3, True, 2),
-    (4, 4, 2, True, 2),
-    (4, 4, 3, True, 2),
-    (4, 8, 2, True, 2),
-    (4, 8, 3, True, 2),
-    (2, 8, 3, True, 2),
-    (4, 4, 3, True, 4),
-    (8, 8, 2, True, 2),
-]
-
-
-DUMP_VARIANTS = [(2, 4, 3, True, 2), (4, 8, 3, True, 2)]
+# per head size: (pages per tile, warps, stages, asm, programs per SM in the split rule,
+# register cap); the first (cast) is the reference of the max diff column
+_COMMON = [(2, 4, 3, False, 2, None), (2, 4, 3, True, 2, None), (2, 4, 2, True, 2, None),
+           (4, 8, 3, True, 2, None)]
+VARIANTS = {
+    64: _COMMON + [(2, 4, 3, True, 4, 96), (2, 4, 2, True, 4, 96), (4, 4, 3, True, 2, None)],
+    128: _COMMON + [(2, 4, 3, True, 4, 128), (2, 4, 2, True, 4, 128), (4, 8, 3, True, 2, 128)],
+    256: _COMMON + [(2, 8, 3, True, 2, None), (2, 8, 2, True, 2, None), (2, 4, 3, True, 2, 168)],
+}
+DUMP_VARIANTS = [(2, 4, 3, True, 2, None), (2, 4, 3, True, 4, 128)]
 
 
 def _table(batch, pages_per_req, dev, g):
@@ -119,14 +113,26 @@ def variant_cfg(variant, batch, hkv, d, ctx, sms):
 
     if variant is None:
         return choose_config(batch, hkv, d, ctx, sms)
-    npg, warps, stages, asm, per_sm = variant
+    npg, warps, stages, asm, per_sm, maxnreg = variant
     base = choose_config(batch, hkv, d, ctx, sms, npg, warps, stages, per_sm)
-    return Int4DecodeConfig(base.num_splits, npg, warps, stages, asm)
+    return Int4DecodeConfig(base.num_splits, npg, warps, stages, asm, maxnreg)
 
 
 def _sms(dev) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" \
         else 132
+
+
+def _resources(ck) -> tuple:
+    """(registers per thread, shared KB) of a CompiledKernel (Triton 3.6 sets ``n_regs`` when
+    its handles are loaded); (0, 0) without one."""
+    if ck is None:
+        return 0, 0
+    try:
+        ck._init_handles()
+    except Exception:  # noqa: BLE001  (a Triton without it: report what is there)
+        pass
+    return getattr(ck, "n_regs", 0), ck.metadata.shared / 1024
 
 
 def _bench(fn):
@@ -148,17 +154,22 @@ def main() -> None:
     p.add_argument("--parts", type=int, default=1)
     p.add_argument("--dump", default=None,
                    help="folder: write the SASS of the variants in DUMP_VARIANTS per shape")
+    p.add_argument("--only", type=int, default=None, help="run only SHAPES[ONLY] (for ncu)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, TRITON_INTERPRET=1: tiny shapes, every code path once, no timing")
     args = p.parse_args()
     dev = torch.device("cpu" if args.smoke else "cuda")
     if args.smoke:
         SHAPES[:] = [("tiny", 4, 2, 64, 2, 200)]
+    if args.only is not None:
+        SHAPES[:] = [SHAPES[args.only]]
     g = torch.Generator(device=dev)
     g.manual_seed(0)
     sms = _sms(dev)
-    variants = VARIANTS if args.sweep else [None]
-    jobs = [(s, None) for s in SHAPES] + [(s, v) for s in SHAPES for v in variants]
+    def variants_of(shape):
+        return VARIANTS[shape[3]] if args.sweep else [None]
+
+    jobs = [(s, None) for s in SHAPES] + [(s, v) for s in SHAPES for v in variants_of(s)]
     if args.compile_only:  # jobs: fp8 per shape, then the int4 variants; every parts-th
         for i, (shape, v) in enumerate(jobs):
             if i % args.parts != args.part:
@@ -183,7 +194,7 @@ def main() -> None:
         f_ms = _bench(fp8_fn)
         run, i_bytes, compiled = setup_int4(hq, hkv, d, b, ctx, dev, g)
         base = None
-        for v in variants:
+        for v in variants_of((name, hq, hkv, d, b, ctx)):
             cfg = variant_cfg(v, b, hkv, d, ctx, sms)
             out = run(cfg)
             if base is None:
@@ -191,9 +202,10 @@ def main() -> None:
             diff = float((out.float() - base).abs().max() / base.abs().max())
             i_ms = _bench(lambda: run(cfg))  # noqa: B023
             ck = compiled(cfg) if dev.type == "cuda" else None
-            regs, smem = (ck.n_regs, ck.metadata.shared / 1024) if ck else (0, 0)
+            regs, smem = _resources(ck)
             launch = (f"S={cfg.num_splits} NPG={cfg.pages_per_tile} w={cfg.num_warps} "
-                      f"st={cfg.num_stages} {'asm' if cfg.asm else 'cast'}")
+                      f"st={cfg.num_stages} {'asm' if cfg.asm else 'cast'}"
+                      + (f" r{cfg.maxnreg}" if cfg.maxnreg else ""))
             row = dict(shape=name, hq=hq, hkv=hkv, d=d, batch=b, context=ctx, fp8_page=ps,
                        launch=launch, fp8_us=f_ms * 1e3, int4_us=i_ms * 1e3,
                        fp8_tbs=f_bytes / f_ms / 1e9, int4_tbs=i_bytes / i_ms / 1e9,

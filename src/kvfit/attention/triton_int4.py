@@ -31,7 +31,7 @@ import torch
 
 from kvfit.kernels.decode_int4 import Int4DecodeConfig, choose_config, int4_decode
 from kvfit.kernels.prefill import order_prefill_blocks, paged_prefill, prefill_config
-from kvfit.kvcache.kivi import dequantize_k_page, dequantize_v_tokens
+from kvfit.kvcache.kivi import channel_order, dequantize_k_page, dequantize_v_tokens
 from kvfit.transfer import to_device
 
 GRAPH_REFUSAL = ("the int4 pool's decode store quantizes a page when a request's residual page "
@@ -97,9 +97,9 @@ class PrefillPages:
         v = torch.empty_like(k)
         if self.full_dst.numel():
             pages = block_table[self.full_req, self.full_col].long()
-            k[self.full_dst] = dequantize_k_page(pool.k_caches[layer_id][pages],
-                                                 pool.k_scale_caches[layer_id][pages],
-                                                 pool.k_zero_caches[layer_id][pages], dtype)
+            k[self.full_dst] = dequantize_k_page(
+                pool.k_caches[layer_id][pages], channel_order(pool.k_scale_caches[layer_id][pages]),
+                channel_order(pool.k_zero_caches[layer_id][pages]), dtype)
             v[self.full_dst] = dequantize_v_tokens(pool.v_caches[layer_id][pages],
                                                    pool.v_scale_caches[layer_id][pages],
                                                    pool.v_zero_caches[layer_id][pages], dtype)

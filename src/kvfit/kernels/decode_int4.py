@@ -43,29 +43,38 @@ class Int4DecodeConfig:
     num_warps: int = 4
     num_stages: int = 3
     asm: bool = True  # 16-bit queries: nibbles -> float16 by inline asm (False: casts)
+    maxnreg: int | None = None  # register cap per thread (more programs per SM)
+
+
+# per head size: (pages per tile, warps, stages, register cap, programs per SM it allows);
+# compiled for sm_90 without spills (``cuobjdump -res-usage``)
+TILES = {64: (2, 4, 3, 96, 4), 128: (2, 4, 3, 128, 4), 256: (2, 8, 3, None, 2)}
 
 
 @functools.lru_cache(maxsize=1024)
 def choose_config(batch: int, num_kv_heads: int, head_dim: int, max_kv_len: int,
                   num_sms: int = 132, pages_per_tile: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
-                  ctas_per_sm: int = 2) -> Int4DecodeConfig:
+                  ctas_per_sm: int | None = None) -> Int4DecodeConfig:
     """Tile and a wave-aware split count: ``batch * kv_heads * splits`` programs on
     ``num_sms * ctas_per_sm`` slots, the split count minimising waves per unit of work with
-    splits of >= 4 tiles and a 1%-per-split merge cost (as the fp8 decode's rule)."""
-    npg = pages_per_tile or (2 if head_dim >= 256 else 4)
-    warps = num_warps or (8 if head_dim * npg >= 512 else 4)
-    stages = num_stages or 3
+    splits of >= 4 tiles and a 1%-per-split merge cost (as the fp8 decode's rule). An explicit
+    tile (pages, warps, stages) runs without the register cap of the measured default."""
+    npg, warps, stages, maxnreg, per_sm = TILES.get(head_dim, TILES[256])
+    if (pages_per_tile, num_warps, num_stages) != (None, None, None):
+        npg, warps, stages = pages_per_tile or npg, num_warps or warps, num_stages or stages
+        maxnreg, per_sm = None, 2
+    per_sm = ctas_per_sm or per_sm
     programs = max(1, batch * num_kv_heads)
     tile = npg * PAGE
     max_splits = int(min(64, max(1, math.ceil(max(1, max_kv_len) / (4 * tile)))))
-    slots = num_sms * ctas_per_sm
+    slots = num_sms * per_sm
     best = (float("inf"), 1)
     for sp in range(1, max_splits + 1):
         cost = math.ceil(programs * sp / slots) / sp * (1 + 0.01 * sp)
         if cost < best[0] - 1e-12:
             best = (cost, sp)
-    return Int4DecodeConfig(best[1], npg, warps, stages)
+    return Int4DecodeConfig(best[1], npg, warps, stages, maxnreg=maxnreg)
 
 
 @functools.cache
@@ -83,25 +92,26 @@ def build():
     def _dequant(x, s, z, HI: tl.constexpr, F32: tl.constexpr, ASM: tl.constexpr):
         # the even (HI False) or odd channels' values of packed codes x, float16 or float32
         if F32:
-            return dequant_cast(x, s, z, HI, tl.float32)
-        if ASM:
+            r = dequant_cast(x, s, z, HI, tl.float32)
+        elif ASM:
             if HI:
-                return dequant_hi(x, s, z)
-            return dequant_lo(x, s, z)
-        return dequant_cast(x, s, z, HI, tl.float16)
+                r = dequant_hi(x, s, z)
+            else:
+                r = dequant_lo(x, s, z)
+        else:
+            r = dequant_cast(x, s, z, HI, tl.float16)
+        return r
 
     @triton.jit
-    def _online(qk, v_e, v_o, acc_e, acc_o, m_i, l_i, PREC: tl.constexpr):
+    def _online(qk, v, acc, m_i, l_i, PREC: tl.constexpr):
         # one tile of base-2 logits [G_PAD, N] (dead columns -inf, at least one live) into the
-        # running softmax and the even/odd output halves
+        # running softmax and the output [G_PAD, D]
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         pr = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(pr, 1)
-        pd = pr.to(v_e.dtype)
-        acc_e = tl.dot(pd, v_e, acc_e * alpha[:, None], input_precision=PREC)
-        acc_o = tl.dot(pd, v_o, acc_o * alpha[:, None], input_precision=PREC)
-        return acc_e, acc_o, m_new, l_i
+        acc = tl.dot(pr.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+        return acc, m_new, l_i
 
     @triton.jit
     def _int4_decode_kernel(Q, OUT, OP, LSE, KC, VC, KS, KZ, VS, VZ, KR, VR, BT, KVLEN, RSLOT,
@@ -120,6 +130,7 @@ def build():
         PREC: tl.constexpr = "ieee" if F32 else "tf32"
         g = tl.arange(0, G_PAD)
         j = tl.arange(0, HALF)  # channel pair j: channels 2j (low nibble) and 2j + 1 (high)
+        d = tl.arange(0, D)
         gmask = g < G
         qrow = Q + b * stride_qb + (h * G + g)[:, None] * stride_qh
         q_e = tl.load(qrow + 2 * j[None, :], mask=gmask[:, None], other=0.0)
@@ -135,8 +146,7 @@ def build():
         tail = kv_len - nfull * PAGE
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
-        acc_e = tl.zeros([G_PAD, HALF], tl.float32)
-        acc_o = tl.zeros([G_PAD, HALF], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
         per = tl.cdiv(tl.cdiv(nfull, num_splits), NPG) * NPG  # full pages per split
         p0 = s * per
         p1 = tl.minimum(p0 + per, nfull)
@@ -144,61 +154,64 @@ def build():
         t = tl.arange(0, PAGE)
         grp = tl.arange(0, NG)
         c16 = tl.arange(0, 16)
-        # [1, PAGE, NG, 16] byte offsets of a page's codes (token-major, D/2 bytes a token)
-        code_off = (t[None, :, None, None] * HALF + grp[None, None, :, None] * 16
-                    + c16[None, None, None, :])
-        chan = (grp[:, None] * 16 + c16[None, :]) * 2  # [NG, 16]: even channel of each byte
+        # K codes as K^T: [D/2, NPG, PAGE] (channel pair, page, token), the MMA's B operand shape
+        kt_off = j[:, None, None] + t[None, None, :] * HALF  # [D/2, 1, PAGE]
+        # V codes [NPG, PAGE, NG, 16] (page, token, channel group, pair in group)
+        v_off = (t[None, :, None, None] * HALF + grp[None, None, :, None] * 16
+                 + c16[None, None, None, :])
         vs_off = t[None, :, None, None] * NG + grp[None, None, :, None]  # [1, PAGE, NG, 1]
         bt_row = BT + b.to(tl.int64) * stride_bt
         for p in range(p0, p1, NPG):
             live = (p + ip) < p1  # [NPG]
             pg = tl.load(bt_row + p + ip, mask=live, other=0).to(tl.int64)
+            cb = pg * stride_cp + h * stride_ch  # [NPG]
+            lk = live[None, :, None]
+            kb = tl.load(KC + cb[None, :, None] + kt_off, mask=lk, other=0)  # [D/2, NPG, PAGE]
+            # K's scale/zero: the even channels' [D/2], then the odd ones' (pool order)
+            # (the [D/2, NPG, PAGE] addresses repeat a page's row for its tokens: the loads take
+            # the codes' register layout, channels contiguous in a thread, instead of one value
+            # per thread; the repeats hit L1)
+            kso = ((pg * stride_kp + h * stride_kh)[None, :, None] + j[:, None, None]
+                   + 0 * t[None, None, :])
+            ks_e = tl.load(KS + kso, mask=lk, other=0.0)  # [D/2, NPG, PAGE]
+            ks_o = tl.load(KS + kso + HALF, mask=lk, other=0.0)
+            kz_e = tl.load(KZ + kso, mask=lk, other=0.0)
+            kz_o = tl.load(KZ + kso + HALF, mask=lk, other=0.0)
+            kt_e = tl.reshape(_dequant(kb, ks_e, kz_e, False, F32, ASM), (HALF, N))
+            kt_o = tl.reshape(_dequant(kb, ks_o, kz_o, True, F32, ASM), (HALF, N))
+            qk = tl.dot(q_e, kt_e, input_precision=PREC)
+            qk = tl.dot(q_o, kt_o, qk, input_precision=PREC)  # [G_PAD, N]
             lv = live[:, None, None, None]
-            cb = (pg * stride_cp + h * stride_ch)[:, None, None, None]
-            kb = tl.load(KC + cb + code_off, mask=lv, other=0)  # [NPG, PAGE, NG, 16] uint8
-            vb = tl.load(VC + cb + code_off, mask=lv, other=0)
-            kso = (pg * stride_kp + h * stride_kh)[:, None, None, None] + chan[None, None, :, :]
-            ks_e = tl.load(KS + kso, mask=lv, other=0.0)  # [NPG, 1, NG, 16]
-            ks_o = tl.load(KS + kso + 1, mask=lv, other=0.0)
-            kz_e = tl.load(KZ + kso, mask=lv, other=0.0)
-            kz_o = tl.load(KZ + kso + 1, mask=lv, other=0.0)
+            vb = tl.load(VC + cb[:, None, None, None] + v_off, mask=lv, other=0)
             vso = (pg * stride_vp + h * stride_vh)[:, None, None, None] + vs_off
             vs = tl.load(VS + vso, mask=lv, other=0.0)  # [NPG, PAGE, NG, 1]
             vz = tl.load(VZ + vso, mask=lv, other=0.0)
-            k_e = tl.reshape(_dequant(kb, ks_e, kz_e, False, F32, ASM), (N, HALF))
-            k_o = tl.reshape(_dequant(kb, ks_o, kz_o, True, F32, ASM), (N, HALF))
-            v_e = tl.reshape(_dequant(vb, vs, vz, False, F32, ASM), (N, HALF))
-            v_o = tl.reshape(_dequant(vb, vs, vz, True, F32, ASM), (N, HALF))
-            qk = tl.dot(q_e, tl.trans(k_e), input_precision=PREC)
-            qk = tl.dot(q_o, tl.trans(k_o), qk, input_precision=PREC)  # [G_PAD, N]
+            v_e = _dequant(vb, vs, vz, False, F32, ASM)
+            v_o = _dequant(vb, vs, vz, True, F32, ASM)
+            v = tl.reshape(tl.join(v_e, v_o), (N, D))  # channels back in order
             col = tl.reshape(tl.broadcast_to(live[:, None], (NPG, PAGE)), (N,))
             qk = tl.where(col[None, :], qk * qk_scale, float("-inf"))
-            acc_e, acc_o, m_i, l_i = _online(qk, v_e, v_o, acc_e, acc_o, m_i, l_i, PREC)
+            acc, m_i, l_i = _online(qk, v, acc, m_i, l_i, PREC)
         if (tail > 0) & (s == num_splits - 1):  # the partial page, full precision (residual)
             slot = tl.maximum(tl.load(RSLOT + b), 0).to(tl.int64)  # padded rows: -1
             rlive = t < tail
-            rbase = slot * stride_rs + h * stride_rh + t[:, None] * D + 2 * j[None, :]
-            k_e = tl.load(KR + rbase, mask=rlive[:, None], other=0.0).to(q_e.dtype)
-            k_o = tl.load(KR + rbase + 1, mask=rlive[:, None], other=0.0).to(q_e.dtype)
-            v_e = tl.load(VR + rbase, mask=rlive[:, None], other=0.0).to(q_e.dtype)
-            v_o = tl.load(VR + rbase + 1, mask=rlive[:, None], other=0.0).to(q_e.dtype)
-            qk = tl.dot(q_e, tl.trans(k_e), input_precision=PREC)
-            qk = tl.dot(q_o, tl.trans(k_o), qk, input_precision=PREC)
+            rrow = slot * stride_rs + h * stride_rh + t[:, None] * D
+            k_e = tl.load(KR + rrow + 2 * j[None, :], mask=rlive[:, None], other=0.0)
+            k_o = tl.load(KR + rrow + 2 * j[None, :] + 1, mask=rlive[:, None], other=0.0)
+            v = tl.load(VR + rrow + d[None, :], mask=rlive[:, None], other=0.0)
+            qk = tl.dot(q_e, tl.trans(k_e.to(q_e.dtype)), input_precision=PREC)
+            qk = tl.dot(q_o, tl.trans(k_o.to(q_e.dtype)), qk, input_precision=PREC)
             qk = tl.where(rlive[None, :], qk * qk_scale, float("-inf"))
-            acc_e, acc_o, m_i, l_i = _online(qk, v_e, v_o, acc_e, acc_o, m_i, l_i, PREC)
+            acc, m_i, l_i = _online(qk, v.to(q_e.dtype), acc, m_i, l_i, PREC)
         safe_l = tl.where(l_i > 0, l_i, 1.0)
-        o_e = acc_e / safe_l[:, None]
-        o_o = acc_o / safe_l[:, None]
+        o = acc / safe_l[:, None]
         if SINGLE:
-            orow = OUT + b * stride_ob + (h * G + g)[:, None] * stride_oh + 2 * j[None, :]
-            tl.store(orow, o_e.to(OUT.dtype.element_ty), mask=gmask[:, None])
-            tl.store(orow + 1, o_o.to(OUT.dtype.element_ty), mask=gmask[:, None])
+            orow = OUT + b * stride_ob + (h * G + g)[:, None] * stride_oh + d[None, :]
+            tl.store(orow, o.to(OUT.dtype.element_ty), mask=gmask[:, None])
         else:  # the merge kernel's layout: row (b * Hq + head) * splits + s, base-2 lse
             lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
             row = (b * (tl.num_programs(1) * G) + h * G + g) * num_splits + s
-            prow = OP + row[:, None] * D + 2 * j[None, :]
-            tl.store(prow, o_e, mask=gmask[:, None])
-            tl.store(prow + 1, o_o, mask=gmask[:, None])
+            tl.store(OP + row[:, None] * D + d[None, :], o, mask=gmask[:, None])
             tl.store(LSE + row, lse, mask=gmask)
 
     expose_for_interpreter(globals(), locals())
@@ -226,8 +239,10 @@ def _launch(q, pool, layer_id, block_table, kv_lens, residual_slots, out, op, ls
             kr.stride(0), kr.stride(1), block_table.stride(0), sm_scale * LOG2E,
             cfg.num_splits)
     opts = dict(G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d,
-                PAGE=pool.page_size, NPG=cfg.pages_per_tile, F32=f32, ASM=cfg.asm,
+                PAGE=pool.page_size, NPG=cfg.pages_per_tile, F32=f32, ASM=cfg.asm and not f32,
                 SINGLE=cfg.num_splits == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.maxnreg:
+        opts["maxnreg"] = cfg.maxnreg
     return build(), (b, hkv, cfg.num_splits), args, opts
 
 

@@ -21,36 +21,6 @@ import types
 
 from kvfit.kernels.interpret import expose_for_interpreter, interpreting
 
-# $0, $1: four float16 results; $2: four packed bytes; $3, $4 the scales, $5, $6 the zeros
-_LO = """{
-.reg .b32 a, b, c, m;
-mov.b32 c, 0x64006400;
-mov.b32 m, 0x000f000f;
-prmt.b32 a, $2, 0, 0x4140;
-prmt.b32 b, $2, 0, 0x4342;
-lop3.b32 a, a, m, c, 0xea;
-lop3.b32 b, b, m, c, 0xea;
-sub.f16x2 a, a, c;
-sub.f16x2 b, b, c;
-fma.rn.f16x2 $0, a, $3, $5;
-fma.rn.f16x2 $1, b, $4, $6;
-}"""
-_HI = """{
-.reg .b32 a, b, c, m;
-mov.b32 c, 0x64006400;
-mov.b32 m, 0x000f000f;
-prmt.b32 a, $2, 0, 0x4140;
-prmt.b32 b, $2, 0, 0x4342;
-shr.b32 a, a, 4;
-shr.b32 b, b, 4;
-lop3.b32 a, a, m, c, 0xea;
-lop3.b32 b, b, m, c, 0xea;
-sub.f16x2 a, a, c;
-sub.f16x2 b, b, c;
-fma.rn.f16x2 $0, a, $3, $5;
-fma.rn.f16x2 $1, b, $4, $6;
-}"""
-
 
 @functools.cache
 def build() -> types.SimpleNamespace:
@@ -76,13 +46,44 @@ def build() -> types.SimpleNamespace:
     else:
         @triton.jit
         def dequant_lo(x, s, z):
-            return tl.inline_asm_elementwise(_LO, "=r,=r,r,r,r,r,r", [x, s, z],
-                                             dtype=tl.float16, is_pure=True, pack=4)
+            # $0, $1: four float16 results; $2: four packed bytes; $3, $4 the scales, $5, $6
+            # the zeros (the asm text is a literal: Triton reads no non-constexpr globals)
+            return tl.inline_asm_elementwise(
+                "{\n"
+                ".reg .b32 a, b, c, m;\n"
+                "mov.b32 c, 0x64006400;\n"
+                "mov.b32 m, 0x000f000f;\n"
+                "prmt.b32 a, $2, 0, 0x4140;\n"
+                "prmt.b32 b, $2, 0, 0x4342;\n"
+                "lop3.b32 a, a, m, c, 0xea;\n"
+                "lop3.b32 b, b, m, c, 0xea;\n"
+                "sub.f16x2 a, a, c;\n"
+                "sub.f16x2 b, b, c;\n"
+                "fma.rn.f16x2 $0, a, $3, $5;\n"
+                "fma.rn.f16x2 $1, b, $4, $6;\n"
+                "}\n",
+                "=r,=r,r,r,r,r,r", [x, s, z], dtype=tl.float16, is_pure=True, pack=4)
 
         @triton.jit
         def dequant_hi(x, s, z):
-            return tl.inline_asm_elementwise(_HI, "=r,=r,r,r,r,r,r", [x, s, z],
-                                             dtype=tl.float16, is_pure=True, pack=4)
+            # as dequant_lo, the high nibbles shifted down first
+            return tl.inline_asm_elementwise(
+                "{\n"
+                ".reg .b32 a, b, c, m;\n"
+                "mov.b32 c, 0x64006400;\n"
+                "mov.b32 m, 0x000f000f;\n"
+                "prmt.b32 a, $2, 0, 0x4140;\n"
+                "prmt.b32 b, $2, 0, 0x4342;\n"
+                "shr.b32 a, a, 4;\n"
+                "shr.b32 b, b, 4;\n"
+                "lop3.b32 a, a, m, c, 0xea;\n"
+                "lop3.b32 b, b, m, c, 0xea;\n"
+                "sub.f16x2 a, a, c;\n"
+                "sub.f16x2 b, b, c;\n"
+                "fma.rn.f16x2 $0, a, $3, $5;\n"
+                "fma.rn.f16x2 $1, b, $4, $6;\n"
+                "}\n",
+                "=r,=r,r,r,r,r,r", [x, s, z], dtype=tl.float16, is_pure=True, pack=4)
 
     expose_for_interpreter(globals(), locals())
     return types.SimpleNamespace(dequant_lo=dequant_lo, dequant_hi=dequant_hi,
