@@ -30,15 +30,19 @@ SHAPES = [  # (name, Hq, Hkv, D, batch, context)
     ("gemma3-like", 4, 1, 256, 128, 1024),
 ]
 # per head size: (pages per tile, warps, stages, asm, programs per SM in the split rule,
-# register cap); the first (cast) is the reference of the max diff column
-_COMMON = [(2, 4, 3, False, 2, None), (2, 4, 3, True, 2, None), (2, 4, 2, True, 2, None),
-           (4, 8, 3, True, 2, None)]
+# register cap, K's scale folded into q); the first (cast) is the reference of the max diff
+_COMMON = [(2, 4, 3, False, 2, None, False), (2, 4, 3, True, 2, None, False),
+           (2, 4, 2, True, 2, None, False), (4, 8, 3, True, 2, None, False),
+           (1, 4, 4, True, 2, None, True)]
 VARIANTS = {
-    64: _COMMON + [(2, 4, 3, True, 4, 96), (2, 4, 2, True, 4, 96), (4, 4, 3, True, 2, None)],
-    128: _COMMON + [(2, 4, 3, True, 4, 128), (2, 4, 2, True, 4, 128), (4, 8, 3, True, 2, 128)],
-    256: _COMMON + [(2, 8, 3, True, 2, None), (2, 8, 2, True, 2, None), (2, 4, 3, True, 2, 168)],
+    64: _COMMON + [(2, 4, 3, True, 4, 96, False), (2, 4, 2, True, 4, 96, False),
+                   (4, 4, 3, True, 2, None, False)],
+    128: _COMMON + [(2, 4, 3, True, 4, 128, False), (2, 4, 2, True, 4, 128, False),
+                    (4, 8, 3, True, 2, 128, False)],
+    256: _COMMON + [(2, 8, 3, True, 2, None, False), (2, 8, 2, True, 2, None, False),
+                    (2, 4, 3, True, 2, 168, False)],
 }
-DUMP_VARIANTS = [(2, 4, 3, True, 2, None), (2, 4, 3, True, 4, 128)]
+DUMP_VARIANTS = [(2, 4, 3, True, 2, None, False), (2, 4, 3, True, 4, 128, False)]
 
 
 def _table(batch, pages_per_req, dev, g):
@@ -113,9 +117,9 @@ def variant_cfg(variant, batch, hkv, d, ctx, sms):
 
     if variant is None:
         return choose_config(batch, hkv, d, ctx, sms)
-    npg, warps, stages, asm, per_sm, maxnreg = variant
+    npg, warps, stages, asm, per_sm, maxnreg, fold = variant
     base = choose_config(batch, hkv, d, ctx, sms, npg, warps, stages, per_sm)
-    return Int4DecodeConfig(base.num_splits, npg, warps, stages, asm, maxnreg)
+    return Int4DecodeConfig(base.num_splits, npg, warps, stages, asm, maxnreg, fold)
 
 
 def _sms(dev) -> int:
@@ -205,7 +209,8 @@ def main() -> None:
             regs, smem = _resources(ck)
             launch = (f"S={cfg.num_splits} NPG={cfg.pages_per_tile} w={cfg.num_warps} "
                       f"st={cfg.num_stages} {'asm' if cfg.asm else 'cast'}"
-                      + (f" r{cfg.maxnreg}" if cfg.maxnreg else ""))
+                      + (f" r{cfg.maxnreg}" if cfg.maxnreg else "")
+                      + (" foldK" if cfg.fold_k else ""))
             row = dict(shape=name, hq=hq, hkv=hkv, d=d, batch=b, context=ctx, fp8_page=ps,
                        launch=launch, fp8_us=f_ms * 1e3, int4_us=i_ms * 1e3,
                        fp8_tbs=f_bytes / f_ms / 1e9, int4_tbs=i_bytes / i_ms / 1e9,

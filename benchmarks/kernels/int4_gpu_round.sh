@@ -9,9 +9,9 @@ T0=$(date +%s)
 el() { echo "[t=$(( $(date +%s) - T0 ))s] $*"; }
 el "start: $(nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader 2>&1)"
 B=benchmarks/kernels/int4_decode_bench.py
-(timeout 55 python3 -m pytest -q -s -m gpu tests/gpu/test_int4_decode.py -k "not 256 and not float32" \
+(timeout 55 python3 -m pytest -q -s -m gpu tests/gpu/test_int4_decode.py -k "not 256 and not float32 and not folded" \
    > "$OUT_DIR/pytest_a.txt" 2>&1; echo "rc=$?" >> "$OUT_DIR/pytest_a.txt") &
-(timeout 55 python3 -m pytest -q -s -m gpu tests/gpu/test_int4_decode.py -k "256 or float32" \
+(timeout 55 python3 -m pytest -q -s -m gpu tests/gpu/test_int4_decode.py -k "256 or float32 or folded" \
    > "$OUT_DIR/pytest_b.txt" 2>&1; echo "rc=$?" >> "$OUT_DIR/pytest_b.txt") &
 N=11
 for i in $(seq 0 $((N - 1))); do

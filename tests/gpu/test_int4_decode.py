@@ -1,6 +1,7 @@
 """The int4 Triton decode kernel on the GPU against the float64 reference over the same int4
 pages and residual: head_dim 64/128/256, GQA groups 3/2/8, 1-4 splits, 2 and 4 pages per tile,
-the asm and the cast nibble conversion (bf16 queries and residual), and the exact float32 path;
+the asm and the cast nibble conversion, K's scale folded into the query (bf16 queries and
+residual), and the exact float32 path;
 lengths ending mid-page, on a page boundary and inside the first page."""
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ def test_int4_decode_matches_reference(hq, hkv, d, splits, npg, asm):
                     num_splits=splits, pages_per_tile=npg, asm=asm,
                     num_warps=8 if d * npg >= 512 else 4, num_stages=3)
     print(f"hq={hq} hkv={hkv} d={d} splits={splits} npg={npg} asm={asm}: rel error {err:.2e}")
+
+
+@pytest.mark.parametrize("hq,hkv,d,splits", [(9, 3, 64, 1), (16, 8, 128, 4), (8, 1, 256, 2)])
+def test_int4_decode_folded_k_matches_reference(hq, hkv, d, splits):
+    err = run_check(torch.device("cuda"), torch.bfloat16, LENS, hq, hkv, d, 5e-3,
+                    num_splits=splits, num_stages=4, fold_k=True)
+    print(f"fold_k hq={hq} hkv={hkv} d={d} splits={splits}: rel error {err:.2e}")
 
 
 def test_int4_decode_float32_is_exact():

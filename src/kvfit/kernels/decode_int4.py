@@ -44,6 +44,9 @@ class Int4DecodeConfig:
     num_stages: int = 3
     asm: bool = True  # 16-bit queries: nibbles -> float16 by inline asm (False: casts)
     maxnreg: int | None = None  # register cap per thread (more programs per SM)
+    # one page a step with K's scale folded into the query (q*s) . codes + q . zero, codes as
+    # exact float16 0..15 (no scale/zero per element); pages_per_tile is then 1
+    fold_k: bool = False
 
 
 # per head size: (pages per tile, warps, stages, register cap, programs per SM it allows);
@@ -83,10 +86,27 @@ def build():
     import triton
     import triton.language as tl
 
+    globals().update(triton=triton, tl=tl)  # jit signatures name tl.constexpr
+
     from kvfit.kernels.nibbles import build as build_nibbles
 
     nib = build_nibbles()
     dequant_lo, dequant_hi, dequant_cast = nib.dequant_lo, nib.dequant_hi, nib.dequant_cast
+    codes_lo, codes_hi, codes_cast = nib.codes_lo, nib.codes_hi, nib.codes_cast
+
+    @triton.jit
+    def _codes(x, HI: tl.constexpr, F32: tl.constexpr, ASM: tl.constexpr):
+        # the even (HI False) or odd channels' codes 0..15 of packed x, float16 or float32
+        if F32:
+            r = codes_cast(x, HI, tl.float32)
+        elif ASM:
+            if HI:
+                r = codes_hi(x)
+            else:
+                r = codes_lo(x)
+        else:
+            r = codes_cast(x, HI, tl.float16)
+        return r
 
     @triton.jit
     def _dequant(x, s, z, HI: tl.constexpr, F32: tl.constexpr, ASM: tl.constexpr):
@@ -120,7 +140,7 @@ def build():
                             stride_rs, stride_rh, stride_bt, qk_scale, num_splits,
                             G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                             PAGE: tl.constexpr, NPG: tl.constexpr, F32: tl.constexpr,
-                            ASM: tl.constexpr, SINGLE: tl.constexpr):
+                            ASM: tl.constexpr, KFOLD: tl.constexpr, SINGLE: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -161,37 +181,67 @@ def build():
                  + c16[None, None, None, :])
         vs_off = t[None, :, None, None] * NG + grp[None, None, :, None]  # [1, PAGE, NG, 1]
         bt_row = BT + b.to(tl.int64) * stride_bt
-        for p in range(p0, p1, NPG):
-            live = (p + ip) < p1  # [NPG]
-            pg = tl.load(bt_row + p + ip, mask=live, other=0).to(tl.int64)
-            cb = pg * stride_cp + h * stride_ch  # [NPG]
-            lk = live[None, :, None]
-            kb = tl.load(KC + cb[None, :, None] + kt_off, mask=lk, other=0)  # [D/2, NPG, PAGE]
-            # K's scale/zero: the even channels' [D/2], then the odd ones' (pool order)
-            # (the [D/2, NPG, PAGE] addresses repeat a page's row for its tokens: the loads take
-            # the codes' register layout, channels contiguous in a thread, instead of one value
-            # per thread; the repeats hit L1)
-            kso = ((pg * stride_kp + h * stride_kh)[None, :, None] + j[:, None, None]
-                   + 0 * t[None, None, :])
-            ks_e = tl.load(KS + kso, mask=lk, other=0.0)  # [D/2, NPG, PAGE]
-            ks_o = tl.load(KS + kso + HALF, mask=lk, other=0.0)
-            kz_e = tl.load(KZ + kso, mask=lk, other=0.0)
-            kz_o = tl.load(KZ + kso + HALF, mask=lk, other=0.0)
-            kt_e = tl.reshape(_dequant(kb, ks_e, kz_e, False, F32, ASM), (HALF, N))
-            kt_o = tl.reshape(_dequant(kb, ks_o, kz_o, True, F32, ASM), (HALF, N))
-            qk = tl.dot(q_e, kt_e, input_precision=PREC)
-            qk = tl.dot(q_o, kt_o, qk, input_precision=PREC)  # [G_PAD, N]
-            lv = live[:, None, None, None]
-            vb = tl.load(VC + cb[:, None, None, None] + v_off, mask=lv, other=0)
-            vso = (pg * stride_vp + h * stride_vh)[:, None, None, None] + vs_off
-            vs = tl.load(VS + vso, mask=lv, other=0.0)  # [NPG, PAGE, NG, 1]
-            vz = tl.load(VZ + vso, mask=lv, other=0.0)
-            v_e = _dequant(vb, vs, vz, False, F32, ASM)
-            v_o = _dequant(vb, vs, vz, True, F32, ASM)
-            v = tl.reshape(tl.join(v_e, v_o), (N, D))  # channels back in order
-            col = tl.reshape(tl.broadcast_to(live[:, None], (NPG, PAGE)), (N,))
-            qk = tl.where(col[None, :], qk * qk_scale, float("-inf"))
-            acc, m_i, l_i = _online(qk, v, acc, m_i, l_i, PREC)
+        if KFOLD:  # one page a step, K's scale folded into q: logits = (q*s) . codes + q . z
+            q_e32 = q_e.to(tl.float32)
+            q_o32 = q_o.to(tl.float32)
+            kt_off1 = j[:, None] + t[None, :] * HALF  # [D/2, PAGE]: K^T codes
+            v_off1 = t[:, None, None] * HALF + grp[None, :, None] * 16 + c16[None, None, :]
+            vs_off1 = t[:, None, None] * NG + grp[None, :, None]  # [PAGE, NG, 1]
+            for p in range(p0, p1):
+                pg = tl.load(bt_row + p).to(tl.int64)
+                cb = pg * stride_cp + h * stride_ch
+                kb = tl.load(KC + cb + kt_off1)  # [D/2, PAGE] uint8
+                kso = pg * stride_kp + h * stride_kh
+                ks_e = tl.load(KS + kso + j).to(tl.float32)  # [D/2], pool order: evens first
+                ks_o = tl.load(KS + kso + HALF + j).to(tl.float32)
+                kz_e = tl.load(KZ + kso + j).to(tl.float32)
+                kz_o = tl.load(KZ + kso + HALF + j).to(tl.float32)
+                qs_e = (q_e32 * ks_e[None, :]).to(q_e.dtype)  # [G_PAD, D/2]
+                qs_o = (q_o32 * ks_o[None, :]).to(q_e.dtype)
+                qz = tl.sum(q_e32 * kz_e[None, :] + q_o32 * kz_o[None, :], 1)  # [G_PAD]
+                qk = tl.dot(qs_e, _codes(kb, False, F32, ASM), input_precision=PREC)
+                qk = tl.dot(qs_o, _codes(kb, True, F32, ASM), qk, input_precision=PREC)
+                qk = (qk + qz[:, None]) * qk_scale  # [G_PAD, PAGE]
+                vb = tl.load(VC + cb + v_off1)  # [PAGE, NG, 16]
+                vso = pg * stride_vp + h * stride_vh + vs_off1
+                vs = tl.load(VS + vso)  # [PAGE, NG, 1]
+                vz = tl.load(VZ + vso)
+                v_e = _dequant(vb, vs, vz, False, F32, ASM)
+                v_o = _dequant(vb, vs, vz, True, F32, ASM)
+                v = tl.reshape(tl.join(v_e, v_o), (PAGE, D))  # channels back in order
+                acc, m_i, l_i = _online(qk, v, acc, m_i, l_i, PREC)
+        else:
+            for p in range(p0, p1, NPG):
+                live = (p + ip) < p1  # [NPG]
+                pg = tl.load(bt_row + p + ip, mask=live, other=0).to(tl.int64)
+                cb = pg * stride_cp + h * stride_ch  # [NPG]
+                lk = live[None, :, None]
+                kb = tl.load(KC + cb[None, :, None] + kt_off, mask=lk, other=0)  # [D/2, NPG, PAGE]
+                # K's scale/zero: the even channels' [D/2], then the odd ones' (pool order)
+                # (the [D/2, NPG, PAGE] addresses repeat a page's row for its tokens: the loads take
+                # the codes' register layout, channels contiguous in a thread, instead of one value
+                # per thread; the repeats hit L1)
+                kso = ((pg * stride_kp + h * stride_kh)[None, :, None] + j[:, None, None]
+                       + 0 * t[None, None, :])
+                ks_e = tl.load(KS + kso, mask=lk, other=0.0)  # [D/2, NPG, PAGE]
+                ks_o = tl.load(KS + kso + HALF, mask=lk, other=0.0)
+                kz_e = tl.load(KZ + kso, mask=lk, other=0.0)
+                kz_o = tl.load(KZ + kso + HALF, mask=lk, other=0.0)
+                kt_e = tl.reshape(_dequant(kb, ks_e, kz_e, False, F32, ASM), (HALF, N))
+                kt_o = tl.reshape(_dequant(kb, ks_o, kz_o, True, F32, ASM), (HALF, N))
+                qk = tl.dot(q_e, kt_e, input_precision=PREC)
+                qk = tl.dot(q_o, kt_o, qk, input_precision=PREC)  # [G_PAD, N]
+                lv = live[:, None, None, None]
+                vb = tl.load(VC + cb[:, None, None, None] + v_off, mask=lv, other=0)
+                vso = (pg * stride_vp + h * stride_vh)[:, None, None, None] + vs_off
+                vs = tl.load(VS + vso, mask=lv, other=0.0)  # [NPG, PAGE, NG, 1]
+                vz = tl.load(VZ + vso, mask=lv, other=0.0)
+                v_e = _dequant(vb, vs, vz, False, F32, ASM)
+                v_o = _dequant(vb, vs, vz, True, F32, ASM)
+                v = tl.reshape(tl.join(v_e, v_o), (N, D))  # channels back in order
+                col = tl.reshape(tl.broadcast_to(live[:, None], (NPG, PAGE)), (N,))
+                qk = tl.where(col[None, :], qk * qk_scale, float("-inf"))
+                acc, m_i, l_i = _online(qk, v, acc, m_i, l_i, PREC)
         if (tail > 0) & (s == num_splits - 1):  # the partial page, full precision (residual)
             slot = tl.maximum(tl.load(RSLOT + b), 0).to(tl.int64)  # padded rows: -1
             rlive = t < tail
@@ -239,7 +289,8 @@ def _launch(q, pool, layer_id, block_table, kv_lens, residual_slots, out, op, ls
             kr.stride(0), kr.stride(1), block_table.stride(0), sm_scale * LOG2E,
             cfg.num_splits)
     opts = dict(G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d,
-                PAGE=pool.page_size, NPG=cfg.pages_per_tile, F32=f32, ASM=cfg.asm and not f32,
+                PAGE=pool.page_size, NPG=1 if cfg.fold_k else cfg.pages_per_tile, F32=f32,
+                ASM=cfg.asm and not f32, KFOLD=cfg.fold_k,
                 SINGLE=cfg.num_splits == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.maxnreg:
         opts["maxnreg"] = cfg.maxnreg
