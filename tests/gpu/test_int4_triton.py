@@ -68,3 +68,11 @@ def test_int4_greedy_tokens_triton_equal_torch(tmp_path, caplog):
             gap = sorted(rlp[i].values(), reverse=True)
             assert gap[0] - gap[1] < 1e-3, (i, rt, gt, rlp[i], glp[i])
     print(f"{same}/{len(ref)} identical greedy sequences of 40 tokens")
+
+
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 64), (torch.bfloat16, 128),
+                                     (torch.float32, 256)])
+def test_int4_decode_store_kernel_equals_the_torch_store(dtype, d):
+    from int4_store_check import run_store_check
+
+    assert not run_store_check(torch.device("cuda"), dtype, d=d)

@@ -5,9 +5,11 @@ Per step, ``prepare`` (host work only): a decode step picks the int4 decode laun
 (kernels/decode_int4.py: split count from the batch and the longest context); any other step
 lists the pages its requests read (``PrefillPages``). Per layer, ``forward``:
 
-* store: ``pool.store_step`` with the step's residual plan (``meta.residual``; torch on the
-  device): pages that fill this step are quantized whole, their earlier tokens read from the
-  request's residual slot, the other new tokens go to the residual slot;
+* store: a decode step in one launch (kernels/int4_store.py: the new row to the residual slot,
+  or, when it completes a page, the page quantized into the pool); other steps through
+  ``pool.store_step`` with the step's residual plan (``meta.residual``; torch on the device):
+  pages that fill are quantized whole, their earlier tokens read from the residual slot, the
+  other new tokens go to the residual slot (the same bytes either way);
 * decode (every request has one new token): the int4 decode kernel over the packed pages and
   each request's full-precision residual page, dequantized in registers;
 * prefill and mixed steps: each request's pages dequantized into a compact paged cache in the
@@ -30,6 +32,7 @@ import numpy as np
 import torch
 
 from kvfit.kernels.decode_int4 import Int4DecodeConfig, choose_config, int4_decode
+from kvfit.kernels.int4_store import int4_store_decode
 from kvfit.kernels.prefill import order_prefill_blocks, paged_prefill, prefill_config
 from kvfit.kvcache.kivi import channel_order, dequantize_k_page, dequantize_v_tokens
 from kvfit.transfer import to_device
@@ -155,7 +158,13 @@ class TritonInt4:
         tf = pool.kv_transform
         if tf is not None:  # none is calibrated for int4 today; applied as the reference does
             q, k = tf.transform_qk(layer_id, q, k)
-        pool.store_step(layer_id, k, v, meta.residual)
+        if meta.is_decode:  # one token per request: one launch (kernels/int4_store.py)
+            k = k if k.stride(-1) == 1 else k.contiguous()
+            v = v if v.stride(-1) == 1 else v.contiguous()
+            int4_store_decode(pool, layer_id, k, v, meta.block_table, meta.kv_lens,
+                              meta.residual.slots)
+        else:
+            pool.store_step(layer_id, k, v, meta.residual)
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty_like(q)
