@@ -152,12 +152,6 @@ class AttentionBackend:
         return cls.head_dims
 
     @classmethod
-    def cuda_graph_refusal(cls, pool_name: str) -> Optional[str]:
-        """Why decode steps over the pool ``pool_name`` run without CUDA graphs on this backend
-        although it ``supports_cuda_graph`` (None: they are captured). Default: None."""
-        return None
-
-    @classmethod
     def default_page_size(cls, kv_dtype: str, head_dim: int) -> int:
         """Tokens per page when the user sets none (vLLM's 16 unless a backend measured better)."""
         return 16

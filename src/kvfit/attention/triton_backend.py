@@ -1,6 +1,7 @@
 """The ``triton`` attention backend: our own kernels (kvfit.kernels) over the MHAKVCache pool,
-the hybrid sliding-window pool (HybridSWAKVCache, Gemma 2/3), and the MLAKVCache latent pool
-through ``attention/triton_mla.py`` (``forward_mla``).
+the hybrid sliding-window pool (HybridSWAKVCache, Gemma 2/3), the MLAKVCache latent pool
+through ``attention/triton_mla.py`` (``forward_mla``), and the int4 pool (Int4KVCache,
+``--kv-dtype int4``) through ``attention/triton_int4.py``.
 
 Per step ``prepare`` picks the decode launch configuration (split count from batch size and the
 longest context) or, for steps with prefill chunks, the list of prefill programs. Per layer
@@ -38,7 +39,7 @@ from typing import Optional
 import torch
 
 from kvfit.attention.base import AttentionBackend, AttentionMetadata, KVStoreTarget
-from kvfit.attention.triton_int4 import GRAPH_REFUSAL, TritonInt4
+from kvfit.attention.triton_int4 import TritonInt4
 from kvfit.attention.triton_mla import TritonMLA
 from kvfit.kernels.decode import DecodeConfig, choose_config, paged_decode
 from kvfit.kernels.prefill import order_prefill_blocks, paged_prefill, prefill_config
@@ -78,11 +79,6 @@ class TritonBackend(AttentionBackend):
         # the int4 pool (packed pages + residual slots): attention/triton_int4.py
         self._int4 = (TritonInt4(pool, compute_dtype, sm_scale, logit_softcap)
                       if pool.name == "Int4KVCache" else None)
-
-    @classmethod
-    def cuda_graph_refusal(cls, pool_name: str) -> Optional[str]:
-        """Why decode steps over the pool ``pool_name`` run without CUDA graphs (None: graphs)."""
-        return GRAPH_REFUSAL if pool_name == "Int4KVCache" else None
 
     @classmethod
     def head_dims_for(cls, pool_name: str):
@@ -299,10 +295,11 @@ class TritonBackend(AttentionBackend):
     def init_cuda_graph(self, max_bs: int, max_pages_per_req: int) -> None:
         """Allocate split-K scratch for ``max_bs`` decode rows at the most splits any batch size
         gets with contexts up to ``max_pages_per_req`` pages (static across replays)."""
-        why = self.cuda_graph_refusal(self.pool.name)
-        if why:
-            raise RuntimeError(f"no CUDA graphs over the {self.pool.name} pool: {why}")
         self._graph_max_len = max_pages_per_req * self.pool.page_size
+        if self._int4 is not None:
+            hq = self.num_q_heads or 16 * self.pool.layers[0].num_kv_heads
+            self._int4.init_cuda_graph(max_bs, max_pages_per_req, hq)
+            return
         if self._mla is not None:
             self._mla.init_cuda_graph(max_bs, max_pages_per_req)
             return
@@ -328,6 +325,9 @@ class TritonBackend(AttentionBackend):
         self.meta = meta
         if self._mla is not None:
             self._mla.prepare_cuda_graph(meta)
+            return
+        if self._int4 is not None:
+            self._int4.prepare_cuda_graph(meta)
             return
         self._blocks = None
         self._prepare_decode(meta, self._graph_max_len)

@@ -17,10 +17,11 @@ lists the pages its requests read (``PrefillPages``). Per layer, ``forward``:
   the torch reference attends over), then the 16-bit paged prefill kernel over it. This costs a
   pass over the requests' pages per layer and step; it is correct, not fast.
 
-CUDA graphs: not captured for this pool (``GRAPH_REFUSAL``): a decode step's store depends on
-which requests complete a page that step (the residual plan's index tensors change size every
-step), and the runner builds graph steps without a residual plan. Owns the per-step launch plan
-and the decode's split scratch; mutates the pool (stores).
+CUDA graphs: decode steps are captured (``init_cuda_graph``, ``prepare_cuda_graph``): the
+store and the decode kernels read the step's lengths, block table and residual slots from static
+device buffers, the split count is fixed per batch size from the longest context, and the split
+scratch is allocated once. Owns the per-step launch plan and the split scratch; mutates the pool
+(stores).
 """
 
 from __future__ import annotations
@@ -36,11 +37,6 @@ from kvfit.kernels.int4_store import int4_store_decode
 from kvfit.kernels.prefill import order_prefill_blocks, paged_prefill, prefill_config
 from kvfit.kvcache.kivi import channel_order, dequantize_k_page, dequantize_v_tokens
 from kvfit.transfer import to_device
-
-GRAPH_REFUSAL = ("the int4 pool's decode store quantizes a page when a request's residual page "
-                 "fills, so each step stores a different number of pages (a step plan of "
-                 "changing shapes that a CUDA graph cannot replay); int4 decode runs eagerly")
-
 
 @dataclass
 class PrefillPages:
@@ -129,6 +125,8 @@ class TritonInt4:
         self._pages: Optional[PrefillPages] = None
         self._prefill_cfg = None
         self._blocks: dict[int, torch.Tensor] = {}
+        self._graph_max_len: Optional[int] = None
+        self._scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         dev = torch.device(pool.device)
         self._num_sms = (torch.cuda.get_device_properties(dev).multi_processor_count
                          if dev.type == "cuda" else 132)
@@ -151,6 +149,29 @@ class TritonInt4:
         self._prefill_cfg = prefill_config(spec.head_dim, self.compute_dtype, self.compute_dtype)
         self._blocks = {}
 
+    def init_cuda_graph(self, max_bs: int, max_pages_per_req: int, num_q_heads: int) -> None:
+        """Allocate the split scratch for ``max_bs`` decode rows at the most splits any batch
+        size gets with contexts up to ``max_pages_per_req`` pages (static across replays)."""
+        spec = self.pool.layers[0]
+        self._graph_max_len = max_pages_per_req * self.pool.page_size
+        most = max(bs * choose_config(bs, spec.num_kv_heads, spec.head_dim,
+                                      self._graph_max_len, self._num_sms).num_splits
+                   for bs in range(1, max_bs + 1))
+        dev = self.pool.device
+        rows = most * num_q_heads
+        self._scratch = (torch.empty((rows, spec.head_dim), dtype=torch.float32, device=dev),
+                         torch.empty((rows,), dtype=torch.float32, device=dev))
+
+    def prepare_cuda_graph(self, meta) -> None:
+        """``prepare`` for a graph decode step: the split count fixed by the batch size."""
+        if self._graph_max_len is None:
+            raise RuntimeError("init_cuda_graph must be called before prepare_cuda_graph")
+        self.meta = meta
+        spec = self.pool.layers[0]
+        self._decode_cfg = choose_config(meta.batch_size, spec.num_kv_heads, spec.head_dim,
+                                         self._graph_max_len, self._num_sms)
+        self._pages = None
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer_id: int) -> torch.Tensor:
         """Stores k/v (quantizing pages that fill), then attends. q ``[T, Hq, D]``."""
@@ -169,8 +190,13 @@ class TritonInt4:
             q = q.contiguous()
         out = torch.empty_like(q)
         if meta.is_decode:
+            scratch = None  # the static split scratch when it is large enough
+            n = q.shape[0] * q.shape[1] * self._decode_cfg.num_splits
+            if self._scratch is not None and n <= self._scratch[1].shape[0]:
+                scratch = self._scratch
             return int4_decode(q, pool, layer_id, meta.block_table, meta.kv_lens,
-                               meta.residual.slots, out, self.sm_scale, self._decode_cfg)
+                               meta.residual.slots, out, self.sm_scale, self._decode_cfg,
+                               scratch)
         kc, vc = self._pages.gather(pool, layer_id, meta.block_table, q.dtype)
         group = q.shape[1] // kc.shape[1]
         if group not in self._blocks:

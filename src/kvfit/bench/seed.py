@@ -165,7 +165,9 @@ def decode_point(runner, batch: int, ctx: int, steps: int) -> float:
             lens[i] += 1
         pos = torch.tensor([n - 1 for n in lens], device=dev)
         if runner.graphs is not None and runner.graphs.can_run(batch):
-            hidden = runner.graphs.run(toks, pos, lens, tables, swa)
+            res = (None if runner.pool.residual_slots is None
+                   else [runner.pool.residual_slots.slot(r) for r in rids])
+            hidden = runner.graphs.run(toks, pos, lens, tables, swa, res)
         else:
             meta = build_step_metadata(runner.pool, [1] * batch, lens, tables, rids, dev)
             runner.backend.prepare(meta)

@@ -124,12 +124,7 @@ class ModelRunner:
             log.info(self.sizing.capacity_line(self.kv_format, self.max_model_len,
                                                s.tp_size, s.full_layers))
         self.graphs = None
-        no_graphs = backend_cls.cuda_graph_refusal(self.pool.name)
         if (self.device.type == "cuda" and not config.enforce_eager
-                and backend_cls.supports_cuda_graph and no_graphs):
-            log.info("CUDA graphs off (%s backend, %s pool): %s", backend_cls.name,
-                     self.pool.name, no_graphs)
-        elif (self.device.type == "cuda" and not config.enforce_eager
                 and backend_cls.supports_cuda_graph):
             from kvfit.engine.cuda_graph import DecodeGraphs
 
@@ -353,7 +348,9 @@ class ModelRunner:
             sliding = self.pool.sliding_pages
             swa = (None if sliding is None
                    else [sliding.table(rid) for rid in plan.request_ids])
-            hidden = self.graphs.run(input_ids, positions, kv_lens, plan.tables, swa)
+            res = (None if self.pool.residual_slots is None
+                   else [self.pool.residual_slots.slot(rid) for rid in plan.request_ids])
+            hidden = self.graphs.run(input_ids, positions, kv_lens, plan.tables, swa, res)
         else:
             meta = build_step_metadata(self.pool, q_lens, kv_lens, plan.tables,
                                        plan.request_ids, self.device)

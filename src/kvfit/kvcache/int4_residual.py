@@ -142,3 +142,12 @@ def plan_residual_store(q_lens: Sequence[int], kv_lens: Sequence[int],
     return ResidualPlan(full_pages, *rows(res, 3), *rows(new, 3), *rows(tail, 3),
                         slots_cpu=slots_cpu,
                         slots=to_device(np.asarray(slots_cpu, dtype=np.int32), device))
+
+
+def graph_residual_plan(slots: torch.Tensor, batch: int) -> ResidualPlan:
+    """The residual plan of a CUDA-graph decode step: ``slots`` ``[batch]`` int32, a static
+    device buffer the graph runner fills each step (-1: padding). Decode steps store through
+    ``kernels/int4_store.py``, which reads only the slots; the index lists are empty and
+    ``slots_cpu`` is all -1 (the host does not know the replayed step's slots)."""
+    empty = torch.zeros(0, dtype=torch.int64, device=slots.device)
+    return ResidualPlan(empty, *(empty,) * 9, slots_cpu=[-1] * batch, slots=slots)
