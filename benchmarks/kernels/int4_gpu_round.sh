@@ -24,11 +24,13 @@ el "sweep rc=$?"
 for f in "$OUT_DIR"/compile_*.txt; do [ -s "$f" ] && { echo "== $f"; tail -5 "$f"; }; done
 echo "== tests"; grep -h "rel\|error\|passed\|failed\|rc=" "$OUT_DIR"/pytest_*.txt | tail -30
 echo "== sweep"; cat "$OUT_DIR/sweep.txt"
-el "best effort in the slot's rest: ncu of the default launch (qwen3-like 64 x 2048), then the backend's GPU tests"
+el "best effort in the slot's rest: the triton int4 backend's GPU tests, then ncu of the default launch"
+timeout 45 python3 -m pytest -q -s -m gpu tests/gpu/test_int4_triton.py > "$OUT_DIR/pytest_triton.txt" 2>&1
+grep -E "passed|failed|rel|identical|difference|Error|assert" "$OUT_DIR/pytest_triton.txt" | tail -25
+el "ncu"
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 timeout 25 $NCU --clock-control none --kernel-name regex:_int4_decode_kernel --launch-skip 3 --launch-count 1 \
   --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
   python3 $B --only 0 > "$OUT_DIR/ncu.txt" 2>&1
 grep -E "Duration|Throughput|Memory \[%\]|Executed Ipc|Issue Slots|Registers|Achieved Occupancy|Theoretical Occupancy|Stall|Warp Cycles|Block Limit" "$OUT_DIR/ncu.txt" | head -40
-timeout 60 python3 -m pytest -q -s -m gpu tests/gpu/test_int4_triton.py 2>&1 | grep -v "^$" | tail -25
 el "done"
