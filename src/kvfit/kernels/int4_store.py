@@ -17,8 +17,8 @@ import functools
 
 import torch
 
+from kvfit.kernels.decode_int4 import PAGE as GROUP  # the int4 pool's page = K's group
 from kvfit.kernels.interpret import expose_for_interpreter
-from kvfit.kvcache.kivi import GROUP
 
 
 @functools.cache
