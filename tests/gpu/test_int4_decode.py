@@ -22,11 +22,11 @@ LENS = [1000, 512, 7, 33, 2049, 64]
 @pytest.mark.parametrize("hq,hkv,d,splits,npg,asm", [
     (9, 3, 64, 1, 2, True), (9, 3, 64, 4, 4, True), (16, 8, 128, 1, 4, True),
     (16, 8, 128, 4, 2, True), (16, 8, 128, 4, 2, False), (8, 1, 256, 1, 2, True),
-    (8, 1, 256, 3, 4, True)])
+    (8, 1, 256, 3, 2, True)])
 def test_int4_decode_matches_reference(hq, hkv, d, splits, npg, asm):
     err = run_check(torch.device("cuda"), torch.bfloat16, LENS, hq, hkv, d, 5e-3,
                     num_splits=splits, pages_per_tile=npg, asm=asm,
-                    num_warps=8 if d * npg >= 512 else 4, num_stages=3)
+                    num_warps=8 if d * npg >= 512 else 4, num_stages=2 if d >= 256 else 3)
     print(f"hq={hq} hkv={hkv} d={d} splits={splits} npg={npg} asm={asm}: rel error {err:.2e}")
 
 

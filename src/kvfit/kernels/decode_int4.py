@@ -47,11 +47,14 @@ class Int4DecodeConfig:
     # one page a step with K's scale folded into the query (q*s) . codes + q . zero, codes as
     # exact float16 0..15 (no scale/zero per element); pages_per_tile is then 1
     fold_k: bool = False
+    # K's scale/zero loaded once per token of the tile (redundant addresses: the loads then take
+    # the codes' register layout) instead of once per page (one value per thread)
+    ks_tokens: bool = False
 
 
 # per head size: (pages per tile, warps, stages, register cap, programs per SM it allows);
 # compiled for sm_90 without spills (``cuobjdump -res-usage``)
-TILES = {64: (2, 4, 3, 96, 4), 128: (2, 4, 3, 128, 4), 256: (2, 8, 3, None, 2)}
+TILES = {64: (2, 4, 3, 96, 4), 128: (2, 4, 3, None, 2), 256: (2, 8, 2, None, 2)}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -140,7 +143,8 @@ def build():
                             stride_rs, stride_rh, stride_bt, qk_scale, num_splits,
                             G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                             PAGE: tl.constexpr, NPG: tl.constexpr, F32: tl.constexpr,
-                            ASM: tl.constexpr, KFOLD: tl.constexpr, SINGLE: tl.constexpr):
+                            ASM: tl.constexpr, KFOLD: tl.constexpr, KS_TOKENS: tl.constexpr,
+                            SINGLE: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -221,9 +225,12 @@ def build():
                 # (the [D/2, NPG, PAGE] addresses repeat a page's row for its tokens: the loads take
                 # the codes' register layout, channels contiguous in a thread, instead of one value
                 # per thread; the repeats hit L1)
-                kso = ((pg * stride_kp + h * stride_kh)[None, :, None] + j[:, None, None]
-                       + 0 * t[None, None, :])
-                ks_e = tl.load(KS + kso, mask=lk, other=0.0)  # [D/2, NPG, PAGE]
+                if KS_TOKENS:
+                    kso = ((pg * stride_kp + h * stride_kh)[None, :, None] + j[:, None, None]
+                           + 0 * t[None, None, :])
+                else:
+                    kso = (pg * stride_kp + h * stride_kh)[None, :, None] + j[:, None, None]
+                ks_e = tl.load(KS + kso, mask=lk, other=0.0)  # [D/2, NPG, PAGE or 1]
                 ks_o = tl.load(KS + kso + HALF, mask=lk, other=0.0)
                 kz_e = tl.load(KZ + kso, mask=lk, other=0.0)
                 kz_o = tl.load(KZ + kso + HALF, mask=lk, other=0.0)
@@ -290,7 +297,7 @@ def _launch(q, pool, layer_id, block_table, kv_lens, residual_slots, out, op, ls
             cfg.num_splits)
     opts = dict(G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d,
                 PAGE=pool.page_size, NPG=1 if cfg.fold_k else cfg.pages_per_tile, F32=f32,
-                ASM=cfg.asm and not f32, KFOLD=cfg.fold_k,
+                ASM=cfg.asm and not f32, KFOLD=cfg.fold_k, KS_TOKENS=cfg.ks_tokens,
                 SINGLE=cfg.num_splits == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.maxnreg:
         opts["maxnreg"] = cfg.maxnreg
