@@ -34,13 +34,14 @@ SHAPES = [  # (name, Hq, Hkv, D, batch, context)
 # reference of the max diff column
 VARIANTS = {
     64: [(2, 4, 3, False, 2, None, False, False), (2, 4, 3, True, 4, 96, False, True),
-         (2, 4, 3, True, 4, 96, False, False), (2, 4, 2, True, 4, 96, False, False),
-         (2, 4, 3, True, 2, None, False, False)],
+         (2, 4, 3, True, 4, 96, False, False), (2, 4, 1, True, 4, None, False, False),
+         (4, 4, 3, True, 2, None, False, True)],
     128: [(2, 4, 3, False, 2, None, False, False), (2, 4, 3, True, 2, None, False, True),
           (2, 4, 3, True, 2, None, False, False), (2, 4, 2, True, 2, None, False, False),
-          (2, 4, 3, True, 4, 128, False, False), (4, 8, 2, True, 2, None, False, False)],
+          (2, 4, 1, True, 2, None, False, False), (2, 4, 1, True, 2, None, False, True),
+          (4, 8, 1, True, 2, None, False, False)],
     256: [(2, 4, 2, False, 2, None, False, False), (2, 8, 2, True, 2, None, False, False),
-          (2, 8, 2, True, 2, None, False, True)],
+          (2, 8, 1, True, 2, None, False, False)],
 }
 DUMP_VARIANTS = []
 

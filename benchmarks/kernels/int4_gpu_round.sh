@@ -1,6 +1,7 @@
 #!/bin/bash
 # The int4 GPU job (lead's queue): the triton backend's and the kernel's GPU tests in parallel with
-# the sweep's compiles (Triton's cache), then the timed sweep alone on the GPU.
+# the sweep's compiles (Triton's cache), then the timed sweep alone on the GPU, then (the slot's
+# rest) one `kvfit bench seed` point for int4.
 #   OUT_DIR=... bash benchmarks/kernels/int4_gpu_round.sh
 set -u
 mkdir -p "$OUT_DIR"
@@ -21,6 +22,10 @@ wait
 el "tests + compiles"
 for f in "$OUT_DIR"/t_*.txt; do echo "== $(basename $f): $(grep -E 'passed|failed' $f | tail -1) $(tail -1 $f)"; grep -hE "rel error|relative|identical|Error|assert |FAILED" $f | head -14; done
 for f in "$OUT_DIR"/compile_*.txt; do [ -s "$f" ] && { echo "== $f"; tail -3 "$f"; }; done
-timeout 28 python3 $B --sweep --json "$OUT_DIR/sweep.json" > "$OUT_DIR/sweep.txt" 2>&1
+timeout 25 python3 $B --sweep --json "$OUT_DIR/sweep.json" > "$OUT_DIR/sweep.txt" 2>&1
 el "sweep rc=$?"; cat "$OUT_DIR/sweep.txt"
+M=src/kvfit/bench/configs/qwen3-1.7b.json
+timeout ${SEED_S:-32} python3 -m kvfit.cli bench seed --model $M --kv-dtypes int4 --contexts 16384 \
+  --batches 1,64 --prefill-len 1024 --steps 16 --out "$OUT_DIR/seed" > "$OUT_DIR/seed.txt" 2>&1
+el "seed rc=$?"; grep -v "^INFO\|^WARNING\|^20" "$OUT_DIR/seed.txt" | tail -14
 el "done"

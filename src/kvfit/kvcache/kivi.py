@@ -50,7 +50,9 @@ def channel_order(x: torch.Tensor) -> torch.Tensor:
 
 def _scale_zero(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float16 scale and zero of groups with float32 minimum ``lo`` and maximum ``hi``."""
-    scale = ((hi - lo) / 15).clamp(MIN_SCALE, F16_MAX).to(torch.float16)
+    # a tensor divisor: torch divides by a Python scalar on CUDA as a multiply by its reciprocal,
+    # which is not the IEEE quotient the kernels (div_rn) and the CPU compute
+    scale = ((hi - lo) / hi.new_full((), 15.0)).clamp(MIN_SCALE, F16_MAX).to(torch.float16)
     zero = lo.clamp(-F16_MAX, F16_MAX).to(torch.float16)
     return scale, zero
 
