@@ -13,7 +13,8 @@ B=benchmarks/kernels/int4_decode_bench.py
 P="python3 -m pytest -q -s -m gpu -p no:cacheprovider"
 (timeout 45 $P tests/gpu/test_int4_triton.py -k "steps or store" > "$OUT_DIR/t_steps.txt" 2>&1; echo "rc=$?" >> "$OUT_DIR/t_steps.txt") &
 (timeout 45 $P tests/gpu/test_int4_triton.py -k greedy > "$OUT_DIR/t_greedy.txt" 2>&1; echo "rc=$?" >> "$OUT_DIR/t_greedy.txt") &
-(timeout 45 $P tests/gpu/test_int4_decode.py -k "not folded" > "$OUT_DIR/t_decode.txt" 2>&1; echo "rc=$?" >> "$OUT_DIR/t_decode.txt") &
+(timeout 45 $P tests/gpu/test_int4_decode.py -k "matches_reference and not folded and not variants" > "$OUT_DIR/t_decode.txt" 2>&1; echo "rc=$?" >> "$OUT_DIR/t_decode.txt") &
+(timeout 45 $P tests/gpu/test_int4_decode.py -k "variants or float32" > "$OUT_DIR/t_decode2.txt" 2>&1; echo "rc=$?" >> "$OUT_DIR/t_decode2.txt") &
 N=8
 for i in $(seq 0 $((N - 1))); do
   timeout 40 python3 $B --sweep --compile-only --part $i --parts $N > "$OUT_DIR/compile_$i.txt" 2>&1 &
@@ -25,7 +26,7 @@ for f in "$OUT_DIR"/compile_*.txt; do [ -s "$f" ] && { echo "== $f"; tail -3 "$f
 timeout 25 python3 $B --sweep --json "$OUT_DIR/sweep.json" > "$OUT_DIR/sweep.txt" 2>&1
 el "sweep rc=$?"; cat "$OUT_DIR/sweep.txt"
 M=src/kvfit/bench/configs/qwen3-1.7b.json
-timeout ${SEED_S:-32} python3 -m kvfit.cli bench seed --model $M --kv-dtypes int4 --contexts 16384 \
+timeout ${SEED_S:-30} python3 -m kvfit.cli bench seed --model $M --kv-dtypes int4 --contexts 16384 \
   --batches 1,64 --prefill-len 1024 --steps 16 --out "$OUT_DIR/seed" > "$OUT_DIR/seed.txt" 2>&1
 el "seed rc=$?"; grep -v "^INFO\|^WARNING\|^20" "$OUT_DIR/seed.txt" | tail -14
 el "done"

@@ -37,6 +37,15 @@ def test_int4_decode_folded_k_matches_reference(hq, hkv, d, splits):
     print(f"fold_k hq={hq} hkv={hkv} d={d} splits={splits}: rel error {err:.2e}")
 
 
+@pytest.mark.parametrize("hq,hkv,d,stages,variant", [
+    (9, 3, 64, 1, dict(k_rows=True)), (16, 8, 128, 1, dict(k_rows=True)),
+    (16, 8, 128, 1, dict(ks_tokens=True)), (8, 1, 256, 1, dict(k_rows=True))])
+def test_int4_decode_tile_variants_match_reference(hq, hkv, d, stages, variant):
+    err = run_check(torch.device("cuda"), torch.bfloat16, LENS, hq, hkv, d, 5e-3, num_splits=3,
+                    num_stages=stages, num_warps=8 if d >= 256 else 4, **variant)
+    print(f"{variant} hq={hq} hkv={hkv} d={d}: rel error {err:.2e}")
+
+
 def test_int4_decode_float32_is_exact():
     err = run_check(torch.device("cuda"), torch.float32, LENS, 16, 8, 128, 1e-5, num_splits=2,
                     pages_per_tile=2)
