@@ -30,20 +30,18 @@ SHAPES = [  # (name, Hq, Hkv, D, batch, context)
     ("gemma3-like", 4, 1, 256, 128, 1024),
 ]
 # per head size: (pages per tile, warps, stages, asm, programs per SM in the split rule,
-# register cap, K's scale folded into q, K's scale loaded per token[, K read row-major]); the
-# first (cast) is the
+# register cap, K's scale folded into q, K's scale loaded per token); the first (cast) is the
 # reference of the max diff column
 VARIANTS = {
     64: [(2, 4, 3, False, 2, None, False, False), (2, 4, 3, True, 4, 96, False, True),
          (2, 4, 3, True, 4, 96, False, False), (2, 4, 1, True, 4, None, False, False),
-         (2, 4, 1, True, 4, None, False, False, True)],
+         (4, 4, 3, True, 2, None, False, True)],
     128: [(2, 4, 3, False, 2, None, False, False), (2, 4, 3, True, 2, None, False, True),
           (2, 4, 3, True, 2, None, False, False), (2, 4, 2, True, 2, None, False, False),
           (2, 4, 1, True, 2, None, False, False), (2, 4, 1, True, 2, None, False, True),
-          (2, 4, 1, True, 2, None, False, False, True), (2, 4, 1, True, 4, 128, False, False, True),
-          (4, 8, 1, True, 2, None, False, False, True)],
+          (4, 8, 1, True, 2, None, False, False)],
     256: [(2, 4, 2, False, 2, None, False, False), (2, 8, 2, True, 2, None, False, False),
-          (2, 8, 1, True, 2, None, False, False), (2, 8, 1, True, 2, None, False, False, True)],
+          (2, 8, 1, True, 2, None, False, False)],
 }
 DUMP_VARIANTS = []
 
@@ -120,10 +118,9 @@ def variant_cfg(variant, batch, hkv, d, ctx, sms):
 
     if variant is None:
         return choose_config(batch, hkv, d, ctx, sms)
-    npg, warps, stages, asm, per_sm, maxnreg, fold, ks_tokens, *rows = variant
+    npg, warps, stages, asm, per_sm, maxnreg, fold, ks_tokens = variant
     base = choose_config(batch, hkv, d, ctx, sms, npg, warps, stages, per_sm)
-    return Int4DecodeConfig(base.num_splits, npg, warps, stages, asm, maxnreg, fold, ks_tokens,
-                            bool(rows and rows[0]))
+    return Int4DecodeConfig(base.num_splits, npg, warps, stages, asm, maxnreg, fold, ks_tokens)
 
 
 def _sms(dev) -> int:
@@ -214,8 +211,7 @@ def main() -> None:
             launch = (f"S={cfg.num_splits} NPG={cfg.pages_per_tile} w={cfg.num_warps} "
                       f"st={cfg.num_stages} {'asm' if cfg.asm else 'cast'}"
                       + (f" r{cfg.maxnreg}" if cfg.maxnreg else "")
-                      + (" foldK" if cfg.fold_k else "") + (" ksT" if cfg.ks_tokens else "")
-                      + (" Krow" if cfg.k_rows else ""))
+                      + (" foldK" if cfg.fold_k else "") + (" ksT" if cfg.ks_tokens else ""))
             row = dict(shape=name, hq=hq, hkv=hkv, d=d, batch=b, context=ctx, fp8_page=ps,
                        launch=launch, fp8_us=f_ms * 1e3, int4_us=i_ms * 1e3,
                        fp8_tbs=f_bytes / f_ms / 1e9, int4_tbs=i_bytes / i_ms / 1e9,

@@ -10,10 +10,10 @@ full-precision residual page (``kv_len % 32`` tokens), with an online softmax in
 * K and V codes: a byte's low nibble is an even channel, its high nibble the odd one; they
   become float16 ``code * scale + zero`` by inline asm (kernels/nibbles.py: no int->float
   conversion instruction on the GPU), so the logits are ``q_even . K_even + q_odd . K_odd``;
-* K is read as K^T ``[D/2, pages, tokens]`` and dequantized into the MMA's B operand (or, with
-  ``k_rows``, row-major like V and transposed through shared memory), its per-channel scale and
-  zero (stored even channels first) once per page (or per token with ``ks_tokens``), or folded
-  into the query (``fold_k``: one page a step, (q*s) . codes + q . zero);
+* K is read as K^T ``[D/2, pages, tokens]`` and dequantized into the MMA's B operand, its
+  per-channel scale and zero (stored even channels first) loaded once per page (or per token
+  with ``ks_tokens``), or folded into the query (``fold_k``: one page a step,
+  (q*s) . codes + q . zero);
 * V ``[pages, tokens, D/32, 16]`` with its per-token, per-32-channel scale/zero broadcast, the
   even/odd halves joined back to channel order for one P@V.
 
@@ -53,14 +53,13 @@ class Int4DecodeConfig:
     # K's scale/zero loaded once per token of the tile (redundant addresses: the loads then take
     # the codes' register layout) instead of once per page (one value per thread)
     ks_tokens: bool = False
-    # K's codes read row-major ([pages, tokens, D/2], as V's) and its scale/zero per token; the
-    # K tile then reaches the MMA transposed through shared memory (else: read as K^T)
-    k_rows: bool = False
 
 
-# per head size: (pages per tile, warps, stages, register cap, programs per SM it allows);
-# compiled for sm_90 without spills (``cuobjdump -res-usage``)
-TILES = {64: (2, 4, 3, 96, 4), 128: (2, 4, 3, None, 2), 256: (2, 8, 2, None, 2)}
+# per head size: (pages per tile, warps, stages, register cap, programs per SM in the split
+# rule, asm conversion): the fastest row of each head size in the H200 sweep of 2026-12-01
+# 08:18 UTC (docs/benchmarks.md; at 64 and 256 the cast conversion measured faster than asm)
+TILES = {64: (2, 4, 3, None, 2, False), 128: (2, 4, 3, None, 2, True),
+         256: (2, 4, 2, None, 2, False)}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -72,7 +71,7 @@ def choose_config(batch: int, num_kv_heads: int, head_dim: int, max_kv_len: int,
     ``num_sms * ctas_per_sm`` slots, the split count minimising waves per unit of work with
     splits of >= 4 tiles and a 1%-per-split merge cost (as the fp8 decode's rule). An explicit
     tile (pages, warps, stages) runs without the register cap of the measured default."""
-    npg, warps, stages, maxnreg, per_sm = TILES.get(head_dim, TILES[256])
+    npg, warps, stages, maxnreg, per_sm, asm = TILES.get(head_dim, TILES[256])
     if (pages_per_tile, num_warps, num_stages) != (None, None, None):
         npg, warps, stages = pages_per_tile or npg, num_warps or warps, num_stages or stages
         maxnreg, per_sm = None, 2
@@ -86,7 +85,7 @@ def choose_config(batch: int, num_kv_heads: int, head_dim: int, max_kv_len: int,
         cost = math.ceil(programs * sp / slots) / sp * (1 + 0.01 * sp)
         if cost < best[0] - 1e-12:
             best = (cost, sp)
-    return Int4DecodeConfig(best[1], npg, warps, stages, maxnreg=maxnreg)
+    return Int4DecodeConfig(best[1], npg, warps, stages, asm, maxnreg)
 
 
 def _launch(q, pool, layer_id, block_table, kv_lens, residual_slots, out, op, lse,
@@ -112,7 +111,6 @@ def _launch(q, pool, layer_id, block_table, kv_lens, residual_slots, out, op, ls
     opts = dict(G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d,
                 PAGE=pool.page_size, NPG=1 if cfg.fold_k else cfg.pages_per_tile, F32=f32,
                 ASM=cfg.asm and not f32, KFOLD=cfg.fold_k, KS_TOKENS=cfg.ks_tokens,
-                KROW=cfg.k_rows,
                 SINGLE=cfg.num_splits == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.maxnreg:
         opts["maxnreg"] = cfg.maxnreg

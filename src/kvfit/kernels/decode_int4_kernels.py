@@ -71,7 +71,7 @@ def build():
                             G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                             PAGE: tl.constexpr, NPG: tl.constexpr, F32: tl.constexpr,
                             ASM: tl.constexpr, KFOLD: tl.constexpr, KS_TOKENS: tl.constexpr,
-                            KROW: tl.constexpr, SINGLE: tl.constexpr):
+                            SINGLE: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -146,42 +146,25 @@ def build():
                 live = (p + ip) < p1  # [NPG]
                 pg = tl.load(bt_row + p + ip, mask=live, other=0).to(tl.int64)
                 cb = pg * stride_cp + h * stride_ch  # [NPG]
-                if KROW:  # K row-major like V: a thread dequantizes 16 bytes of one token
-                    lv = live[:, None, None, None]
-                    kb = tl.load(KC + cb[:, None, None, None] + v_off, mask=lv, other=0)
-                    # the page's scale/zero row repeated for its tokens (L1 hits): the loads
-                    # take the codes' layout ([NPG, PAGE, NG, 16], pool order: evens first)
-                    kso = ((pg * stride_kp + h * stride_kh)[:, None, None, None]
-                           + (grp[:, None] * 16 + c16[None, :])[None, None, :, :]
-                           + 0 * t[None, :, None, None])
-                    ks_e = tl.load(KS + kso, mask=lv, other=0.0)
-                    ks_o = tl.load(KS + kso + HALF, mask=lv, other=0.0)
-                    kz_e = tl.load(KZ + kso, mask=lv, other=0.0)
-                    kz_o = tl.load(KZ + kso + HALF, mask=lv, other=0.0)
-                    k_e = tl.reshape(_dequant(kb, ks_e, kz_e, False, F32, ASM), (N, HALF))
-                    k_o = tl.reshape(_dequant(kb, ks_o, kz_o, True, F32, ASM), (N, HALF))
-                    qk = tl.dot(q_e, tl.trans(k_e), input_precision=PREC)
-                    qk = tl.dot(q_o, tl.trans(k_o), qk, input_precision=PREC)  # [G_PAD, N]
+                lk = live[None, :, None]
+                kb = tl.load(KC + cb[None, :, None] + kt_off, mask=lk, other=0)  # [D/2, NPG, PAGE]
+                # K's scale/zero: the even channels' [D/2], then the odd ones' (pool order)
+                # (the [D/2, NPG, PAGE] addresses repeat a page's row for its tokens: the loads take
+                # the codes' register layout, channels contiguous in a thread, instead of one value
+                # per thread; the repeats hit L1)
+                if KS_TOKENS:
+                    kso = ((pg * stride_kp + h * stride_kh)[None, :, None] + j[:, None, None]
+                           + 0 * t[None, None, :])
                 else:
-                    lk = live[None, :, None]
-                    kb = tl.load(KC + cb[None, :, None] + kt_off, mask=lk, other=0)  # [D/2, NPG, PAGE]
-                    # K's scale/zero: the even channels' [D/2], then the odd ones' (pool order)
-                    # (the [D/2, NPG, PAGE] addresses repeat a page's row for its tokens: the loads take
-                    # the codes' register layout, channels contiguous in a thread, instead of one value
-                    # per thread; the repeats hit L1)
-                    if KS_TOKENS:
-                        kso = ((pg * stride_kp + h * stride_kh)[None, :, None] + j[:, None, None]
-                               + 0 * t[None, None, :])
-                    else:
-                        kso = (pg * stride_kp + h * stride_kh)[None, :, None] + j[:, None, None]
-                    ks_e = tl.load(KS + kso, mask=lk, other=0.0)  # [D/2, NPG, PAGE or 1]
-                    ks_o = tl.load(KS + kso + HALF, mask=lk, other=0.0)
-                    kz_e = tl.load(KZ + kso, mask=lk, other=0.0)
-                    kz_o = tl.load(KZ + kso + HALF, mask=lk, other=0.0)
-                    kt_e = tl.reshape(_dequant(kb, ks_e, kz_e, False, F32, ASM), (HALF, N))
-                    kt_o = tl.reshape(_dequant(kb, ks_o, kz_o, True, F32, ASM), (HALF, N))
-                    qk = tl.dot(q_e, kt_e, input_precision=PREC)
-                    qk = tl.dot(q_o, kt_o, qk, input_precision=PREC)  # [G_PAD, N]
+                    kso = (pg * stride_kp + h * stride_kh)[None, :, None] + j[:, None, None]
+                ks_e = tl.load(KS + kso, mask=lk, other=0.0)  # [D/2, NPG, PAGE or 1]
+                ks_o = tl.load(KS + kso + HALF, mask=lk, other=0.0)
+                kz_e = tl.load(KZ + kso, mask=lk, other=0.0)
+                kz_o = tl.load(KZ + kso + HALF, mask=lk, other=0.0)
+                kt_e = tl.reshape(_dequant(kb, ks_e, kz_e, False, F32, ASM), (HALF, N))
+                kt_o = tl.reshape(_dequant(kb, ks_o, kz_o, True, F32, ASM), (HALF, N))
+                qk = tl.dot(q_e, kt_e, input_precision=PREC)
+                qk = tl.dot(q_o, kt_o, qk, input_precision=PREC)  # [G_PAD, N]
                 lv = live[:, None, None, None]
                 vb = tl.load(VC + cb[:, None, None, None] + v_off, mask=lv, other=0)
                 vso = (pg * stride_vp + h * stride_vh)[:, None, None, None] + vs_off
