@@ -2,7 +2,7 @@
 run by tests/test_kernels_interpret.py in a subprocess with ``TRITON_INTERPRET=1`` (the
 interpreter must be chosen before any kernel is built, and must not leak into GPU tests).
 
-Usage: TRITON_INTERPRET=1 python3 tests/interp_checks.py stores|attention
+Usage: TRITON_INTERPRET=1 python3 tests/interp_checks.py stores|attention|rotation
 Small shapes only (the interpreter runs each program in numpy); exits non-zero on a mismatch.
 """
 
@@ -176,12 +176,23 @@ def check_attention():
             for use_dot in (True, False):
                 cfg = choose_config(3, hkv, hq // hkv, d, max(kv_lens), torch.int8, q.dtype,
                                     use_dot=use_dot, v_t=v_layout == "HDN")
-                for splits, cvt in ((1, "bias"), (3, "asm")):
+                cvts = ((1, "bias"), (3, "asm"))
+                if use_dot:  # K by int8 MMAs / biased, V biased / asm
+                    cvts += ((2, "imma"), (1, "imma-bias"), (3, "kbias"), (2, "imma1"))
+                for splits, cvt in cvts:
                     out = torch.full_like(q, float("nan"))
                     c = dataclasses.replace(cfg, num_splits=splits, i8_cvt=cvt)
                     paged_decode(q, caches[0], caches[1], meta.block_table, meta.kv_lens, out,
                                  d ** -0.5, c, window=window, **scales)
                     outs.append(out)
+            # several KV heads per program (2: both heads; 4: two of them masked)
+            for heads, splits, cvt in ((2, 1, "imma"), (4, 3, "asm"), (2, 2, "imma1")):
+                out = torch.full_like(q, float("nan"))
+                c = dataclasses.replace(cfg, use_dot=True, heads=heads, num_splits=splits,
+                                        i8_cvt=cvt, block_n=32)
+                paged_decode(q, caches[0], caches[1], meta.block_table, meta.kv_lens, out,
+                             d ** -0.5, c, window=window, **scales)
+                outs.append(out)
             # packed: 2 sub-splits of the group of 2 in the 16 MMA rows
             out = torch.full_like(q, float("nan"))
             c = dataclasses.replace(cfg, use_dot=True, pack=8, block_n=128, num_splits=2,
@@ -203,8 +214,97 @@ def check_attention():
                 raise AssertionError(f"int8 attention ({v_layout}) relative error {err}")
 
 
+def check_rotation():
+    """The prefill-side rotation: the page-chunk store of (k - mu) @ H (bytes of the torch
+    butterflies + reference store), the prefill kernel's in-register q @ H (against a prefill
+    of q rotated in torch), and TritonBackend with a rotating KVTransform over token-minor V
+    pages (prefill then decode steps) against the torch reference backend."""
+    from kvfit.attention.meta_builder import build_metadata
+    from kvfit.attention.torch_ref import TorchRefBackend
+    from kvfit.attention.triton_backend import TritonBackend
+    from kvfit.kernels.hadamard import fwht
+    from kvfit.kernels.prefill import PrefillConfig, order_prefill_blocks, paged_prefill
+    from kvfit.kernels.store import split_store_chunks, store_kv_chunks
+    from kvfit.kvcache.kv_transform import KVTransform
+    from kvfit.kvcache.pool import MHAKVCache
+    from kvfit.kvcache.spec import KVLayerSpec
+
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
+    fmt = _fmt()
+    hq, h, d, ps = 4, 2, 64, 16
+    q_lens, kv_lens = [21, 1, 5], [21, 40, 37]
+    npg = sum(-(-n // ps) for n in kv_lens) + 1
+    meta = build_metadata(q_lens, kv_lens, _tables(kv_lens, ps, npg, 2), ps, "cpu")
+    k = (torch.randn(sum(q_lens), h, d, generator=g) * 2).to(torch.bfloat16)
+    v = torch.randn(sum(q_lens), h, d, generator=g).to(torch.bfloat16)
+    mu = torch.randn(h, d, generator=g) * 3
+    caches = make_int8_caches(npg, h, ps, d, "cpu", "HDN")
+    ref = [c.clone() for c in caches]
+    store_kv_chunks(k, v, caches[0], caches[1], split_store_chunks(q_lens, kv_lens, ps, "cpu"),
+                    meta.cu_seqlens_q, meta.kv_lens, meta.block_table, fmt,
+                    k_scale_cache=caches[2], v_scale_cache=caches[3], k_mean=mu, rotate=True)
+    store_ref(fwht(k.float() - mu), v, *ref, meta.slot_mapping, "HDN")
+    for a, b in zip(caches, ref):
+        _same(a, b, "store_kv_chunks(rotate=True)")
+    # prompts with no cached prefix (every key the chunk store's), q rotated in the kernel
+    q_lens = kv_lens = [21, 7, 30]
+    meta = build_metadata(q_lens, kv_lens, _tables(kv_lens, ps, npg, 4), ps, "cpu")
+    k = (torch.randn(sum(q_lens), h, d, generator=g) * 2).to(torch.bfloat16)
+    v = torch.randn(sum(q_lens), h, d, generator=g).to(torch.bfloat16)
+    store_kv_chunks(k, v, caches[0], caches[1], split_store_chunks(q_lens, kv_lens, ps, "cpu"),
+                    meta.cu_seqlens_q, meta.kv_lens, meta.block_table, fmt,
+                    k_scale_cache=caches[2], v_scale_cache=caches[3], k_mean=mu, rotate=True)
+    q = (torch.randn(sum(q_lens), hq, d, generator=g) * 2).to(torch.bfloat16)
+    cfg = PrefillConfig(32, 32, 4, 1)
+    blocks = order_prefill_blocks(q_lens, hq // h, cfg.block_m, "cpu", kv_lens)
+    scales = dict(k_scale_cache=caches[2], v_scale_cache=caches[3])
+    outs = []
+    for qq, rot in ((q, True), (fwht(q).to(torch.float16), False)):
+        out = torch.full_like(q, float("nan"))
+        paged_prefill(qq, caches[0], caches[1], meta.block_table, meta.cu_seqlens_q,
+                      meta.kv_lens, blocks, cfg, out, d ** -0.5, v_t=True, rotate_q=rot,
+                      **scales)
+        outs.append(out.float())
+    err = ((outs[0] - outs[1]).norm() / outs[1].norm()).item()
+    if not err < 3e-3:  # NaN fails too
+        raise AssertionError(f"paged_prefill(rotate_q=True) vs q @ H: relative error {err}")
+    # the backend: prefill (fused rotation) then decode steps (rotation in torch here: no
+    # RoPE kernel stores on CPU), against the torch reference backend
+    for d, ps, npg, softcap in ((128, 32, 12, None), (128, 32, 12, 20.0), (64, 16, 20, None)):
+        # the pool's V layout as the backend asks for it (token-minor for 8-bit heads >= 64;
+        # 64-d decode then reads both KV heads in one program)
+        means = [torch.randn(h, d, generator=g) * 6]
+        pools = []
+        for _ in range(2):
+            pool = MHAKVCache([KVLayerSpec("full", h, d)], npg, ps, fmt, "cpu",
+                              v_layout=TritonBackend.v_layout("int8", ps, d))
+            pool.kv_transform = KVTransform(means, True, "cpu")
+            pools.append(pool)
+        be = TritonBackend(pools[0], torch.bfloat16, d ** -0.5, logit_softcap=softcap)
+        rb = TorchRefBackend(pools[1], torch.bfloat16, d ** -0.5, logit_softcap=softcap)
+        lens = [70, 9, 33]
+        tables = _tables([n + 3 for n in lens], ps, npg, 3)
+        for step in range(2):
+            q_lens = lens if step == 0 else [1, 1, 1]
+            kv_lens = lens if step == 0 else [n + step for n in lens]
+            meta = build_metadata(q_lens, kv_lens, tables, ps, "cpu")
+            t = sum(q_lens)
+            q, k, v = (torch.randn(t, n, d, generator=g).to(torch.bfloat16) * 2
+                       for n in (hq, h, h))
+            k = k + means[0].to(torch.bfloat16)
+            be.prepare(meta)
+            rb.prepare(meta)
+            out, ref = be.forward(q, k, v, 0).float(), rb.forward(q, k, v, 0).float()
+            err = ((out - ref).norm() / ref.norm()).item()
+            if not err < 1e-2:
+                raise AssertionError(f"rotating TritonBackend (d {d}, softcap {softcap}, "
+                                     f"step {step}) vs the torch reference: relative "
+                                     f"error {err}")
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1")
-    {"stores": check_stores, "attention": check_attention}[sys.argv[1]]()
+    {"stores": check_stores, "attention": check_attention,
+     "rotation": check_rotation}[sys.argv[1]]()
     print("ok", sys.argv[1])

@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.mark.parametrize("group", ["stores", "attention"])
+@pytest.mark.parametrize("group", ["stores", "attention", "rotation"])
 def test_int8_kernels_under_the_interpreter(group):
     src = os.path.join(os.path.dirname(HERE), "src")
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",

@@ -260,7 +260,11 @@ def test_triton_backend_asks_for_token_minor_v_only_where_measured_faster():
 
     assert TritonBackend.v_layout("fp8_e4m3", 16, 128) == "HDN"
     assert TritonBackend.v_layout("fp8_e5m2", 1, 256) == "HDN"
-    assert TritonBackend.v_layout("fp8_e4m3", 16, 64) == "HND"  # 64-d: HND measured faster
+    # 64-d: token-minor with several KV heads per program measured 3.34-3.43 TB/s against 2.68
+    # for the HND tile (docs/kernels.md); smaller heads keep HND
+    assert TritonBackend.v_layout("fp8_e4m3", 16, 64) == "HDN"
+    assert TritonBackend.v_layout("int8", 16, 64) == "HDN"
+    assert TritonBackend.v_layout("fp8_e4m3", 16, 32) == "HND"
     assert TritonBackend.v_layout("fp8_e4m3", 48, 128) == "HND"  # page not a power of two
     assert TritonBackend.v_layout("bfloat16", 16, 128) == "HND"
     assert FlashInferBackend.v_layout("fp8_e4m3", 16, 128) == "HND"

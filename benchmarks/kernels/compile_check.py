@@ -99,9 +99,10 @@ def run_variants():
         for mean in (None, mu):
             store_kv(k, k, kc, vc, meta.slot_mapping, i8, v_layout=vl, k_mean=mean, **sc)
             if vl == "HDN":
-                store_kv_chunks(k, k, kc, vc, split_store_chunks(q_lens, kv_lens, ps, "cpu"),
-                                meta.cu_seqlens_q, meta.kv_lens, meta.block_table, i8,
-                                k_mean=mean, **sc)
+                for rot in (False, True):
+                    store_kv_chunks(k, k, kc, vc, split_store_chunks(q_lens, kv_lens, ps, "cpu"),
+                                    meta.cu_seqlens_q, meta.kv_lens, meta.block_table, i8,
+                                    k_mean=mean, rotate=rot, **sc)
         cos = torch.ones(64, d)
         pos = torch.zeros(t, dtype=torch.int64)
         for rotate in (False, True):
@@ -122,7 +123,7 @@ def run_variants():
         out = torch.empty_like(dq)
         qb = torch.zeros(2, hq)
         base = choose_config(2, hkv, hq // hkv, d, 40, torch.int8, dq.dtype, v_t=vl == "HDN")
-        for cvt in ("asm", "bias", "cast"):
+        for cvt in ("asm", "bias", "cast", "kbias", "imma", "imma-bias"):
             for splits in (1, 2):
                 cfg = dataclasses.replace(base, i8_cvt=cvt, num_splits=splits)
                 paged_decode(dq, kc, vc, dmeta.block_table, dmeta.kv_lens, out, d ** -0.5, cfg,
@@ -150,8 +151,9 @@ def run_variants():
         cfg = prefill_config(d, q.dtype, torch.int8)
         blocks = order_prefill_blocks(q_lens, hq // hkv, cfg.block_m, "cpu", kv_lens)
         pout = torch.empty_like(q)
-        paged_prefill(q, kc, vc, meta.block_table, meta.cu_seqlens_q, meta.kv_lens, blocks, cfg,
-                      pout, d ** -0.5, v_t=vl == "HDN", **sc)
+        for rot in (False, True):
+            paged_prefill(q, kc, vc, meta.block_table, meta.cu_seqlens_q, meta.kv_lens, blocks,
+                          cfg, pout, d ** -0.5, v_t=vl == "HDN", rotate_q=rot, **sc)
         paged_prefill(q, kc, vc, meta.block_table, meta.cu_seqlens_q, meta.kv_lens, blocks, cfg,
                       pout, d ** -0.5, softcap=20.0, window=16, v_t=vl == "HDN",
                       q_bias=torch.zeros(t, hq), **sc)

@@ -238,6 +238,51 @@ def test_int8_decode(page_size, d, lens_idx, v_layout):
             assert rel_err(out, ref) < BOUND[torch.bfloat16], (c, rel_err(out, ref))
 
 
+# (int8 conversion, KV heads per program, block_n or None) of the decode launch variants
+DECODE_VARIANTS = {"asm": ("asm", 1, None), "imma": ("imma", 1, None),
+                   "imma1": ("imma1", 1, None), "imma1-wide": ("imma1", 1, "wide"),
+                   "heads-all": ("imma1", "all", 32), "heads-2": ("asm", 2, 64),
+                   "heads-all-wide": ("imma1", "all", 64)}
+
+
+@pytest.mark.parametrize("d,v_layout,page_size", [(64, "HND", 16), (64, "HDN", 32),
+                                                  (128, "HDN", 32), (128, "HND", 16),
+                                                  (256, "HDN", 32), (256, "HND", 16)])
+@pytest.mark.parametrize("variant", list(DECODE_VARIANTS))
+def test_int8_decode_variants(d, v_layout, page_size, variant):
+    """Each int8 decode launch variant (K by int8 MMAs, one q factor per group, wider tiles,
+    several KV heads per program: all that fit the 16 MMA rows, or 2) against the float64
+    reference over the dequantized pages, mixed lengths, one and three splits."""
+    from kvfit.kernels.decode import choose_config, paged_decode
+
+    torch.manual_seed(11)
+    hq, hkv = HEADS[d]
+    kv_lens = DECODE_LENS[0]
+    b = len(kv_lens)
+    num_pages = sum(-(-n // page_size) for n in kv_lens) + 3
+    pool = make_int8_pool(page_size, hkv, d, num_pages, DEV, v_layout)
+    tables = random_tables(kv_lens, page_size, num_pages, seed=3)
+    fill_int8_prefix(pool, [0] * b, kv_lens, tables, scale=2.0)
+    meta = build_metadata([1] * b, kv_lens, tables, page_size, DEV)
+    q = torch.randn(b, hq, d, device=DEV, dtype=torch.bfloat16)
+    ref = reference_attention(pool, q, meta, d ** -0.5)
+    cvt, heads, block_n = DECODE_VARIANTS[variant]
+    if heads == "all":  # as many as the 16 MMA rows and a 512-column tile allow
+        heads = max(h for h in (1, 2, 4, 8) if h * (hq // hkv) <= 16 and h * d <= 512)
+    cfg = choose_config(b, hkv, hq // hkv, d, max(kv_lens), torch.int8, q.dtype,
+                        v_t=v_layout == "HDN")
+    if block_n == "wide":
+        block_n = 128 if d <= 128 else 64
+    cfg = dataclasses.replace(cfg, i8_cvt=cvt, heads=heads, block_n=block_n or cfg.block_n)
+    for splits in (1, 3):
+        c = dataclasses.replace(cfg, num_splits=splits)
+        out = poison_(torch.empty_like(q))
+        paged_decode(q, pool.k_caches[0], pool.v_caches[0], meta.block_table, meta.kv_lens,
+                     out, d ** -0.5, c, k_scale_cache=pool.k_scale_caches[0],
+                     v_scale_cache=pool.v_scale_caches[0])
+        assert rel_err(out, ref) < BOUND[torch.bfloat16], (c, rel_err(out, ref))
+
+
 PREFILL_CASES = [
     ([37, 1, 20, 130], [37, 50, 83, 300]),
     ([1], [1]),
@@ -297,14 +342,16 @@ def test_int8_window_and_softcap(window, softcap):
         dmeta = build_metadata([1] * 3, kv_lens, tables, ps, DEV)
         qd = q[:3].contiguous()
         ref = reference_attention(pool, qd, dmeta, d ** -0.5, softcap)
-        for use_dot in (True, False):
+        for use_dot, change in ((True, {}), (False, {}), (True, {"i8_cvt": "imma1"}),
+                                (True, {"i8_cvt": "imma", "heads": 4, "block_n": 32})):
             c = choose_config(3, hkv, 2, d, 300, torch.int8, q.dtype, use_dot=use_dot,
                               v_t=v_layout == "HDN")
+            c = dataclasses.replace(c, **change)
             outd = poison_(torch.empty_like(qd))
             paged_decode(qd, pool.k_caches[0], pool.v_caches[0], dmeta.block_table,
                          dmeta.kv_lens, outd, d ** -0.5, c, softcap=softcap, window=window,
                          **scales)
-            assert rel_err(outd, ref) < 6e-3, (v_layout, use_dot)
+            assert rel_err(outd, ref) < 6e-3, (v_layout, use_dot, change)
 
 
 @pytest.mark.parametrize("kv_dtype,rotate", [("int8", True), ("int8", False),

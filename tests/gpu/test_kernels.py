@@ -123,6 +123,43 @@ def test_decode(kv_dtype, page_size, d, lens_idx, v_layout):
             assert err < BOUND[cdt], (c, err)
 
 
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("d,v_layout,page_size", [(64, "HND", 16), (64, "HDN", 32),
+                                                  (64, "HDN", 16), (128, "HDN", 32)])
+@pytest.mark.parametrize("heads,block_n", [("all", 32), ("all", 64), (2, 64)])
+def test_decode_heads(kv_dtype, d, v_layout, page_size, heads, block_n):
+    """Several KV heads per program (kernels/decode_heads.py): all that fit the 16 MMA rows in
+    a 256-column tile (3 of 4 live for the 64-d layout's 3 KV heads) or 2, against the float64
+    reference, mixed lengths, one and three splits."""
+    from kvfit.kernels.decode import choose_config, paged_decode
+
+    torch.manual_seed(7)
+    hq, hkv = HEADS[d]
+    kv_lens = DECODE_LENS[0]
+    b = len(kv_lens)
+    num_pages = sum(-(-n // page_size) for n in kv_lens) + 3
+    scales = (0.5, 1.7) if kv_dtype.startswith("fp8") else (1.0, 1.0)
+    pool = make_pool(kv_dtype, page_size, hkv, d, num_pages, *scales, v_layout=v_layout)
+    tables = random_tables(kv_lens, page_size, num_pages, seed=1)
+    cdt = compute_dtype(kv_dtype)
+    fill_prefix(pool, [0] * b, kv_lens, tables, cdt)
+    meta = build_metadata([1] * b, kv_lens, tables, page_size, DEV)
+    q = torch.randn(b, hq, d, device=DEV, dtype=cdt)
+    ref = reference(pool, q, meta, d ** -0.5)
+    if heads == "all":
+        heads = max(h for h in (2, 4, 8) if h * (hq // hkv) <= 16 and h * d <= 256)
+    cfg = choose_config(b, hkv, hq // hkv, d, max(kv_lens), pool.dtype, cdt,
+                        v_t=v_layout == "HDN")
+    cfg = dataclasses.replace(cfg, heads=heads, block_n=block_n, num_stages=3)
+    for splits in (1, 3):
+        c = dataclasses.replace(cfg, num_splits=splits)
+        out = poison_(torch.empty_like(q))
+        paged_decode(q, pool.k_caches[0], pool.v_caches[0], meta.block_table, meta.kv_lens,
+                     out, d ** -0.5, c, *scales)
+        err = rel_err(out, ref)
+        assert err < BOUND[cdt], (c, err)
+
+
 PREFILL_CASES = [
     # (q_lens, kv_lens): empty prefix, decode rows in a mixed batch, prefix + chunk, long chunk
     ([37, 1, 20, 130], [37, 50, 83, 300]),

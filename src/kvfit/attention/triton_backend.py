@@ -88,13 +88,14 @@ class TritonBackend(AttentionBackend):
     @classmethod
     def v_layout(cls, kv_dtype: str, page_size: int, head_dim: int,
                  pool_name: Optional[str] = None) -> str:
-        """Token-minor V for 8-bit pools with heads of >= 128 (no 8-bit transpose in the P@V
-        operand: 2.9-3.06 TB/s against 2.2-2.3 for HND on the H200 with fp8); HND for 16/32-bit
-        pools and 64-d heads, where the HND tile measured as fast or faster (docs/kernels.md)."""
+        """Token-minor V for 8-bit pools with heads of >= 64 (no 8-bit transpose in the P@V
+        operand: 2.9-3.06 TB/s against 2.2-2.3 for HND on the H200 with fp8 128-d heads; 64-d
+        heads read several KV heads per program over it, 3.34-3.43 TB/s against 2.68 for the
+        HND tile); HND for 16/32-bit pools and smaller heads (docs/kernels.md)."""
         if pool_name == "MLAKVCache":  # one latent slab per token: no separate V pages
             return "HND"
         pow2 = page_size > 0 and page_size & (page_size - 1) == 0
-        return "HDN" if _eight_bit(kv_dtype) and pow2 and head_dim >= 128 else "HND"
+        return "HDN" if _eight_bit(kv_dtype) and pow2 and head_dim >= 64 else "HND"
 
     @classmethod
     def default_page_size(cls, kv_dtype: str, head_dim: int) -> int:
@@ -195,15 +196,16 @@ class TritonBackend(AttentionBackend):
             self._k_means[layer_id] = mu
         return self._k_means[layer_id]
 
-    def _q_bias(self, layer_id: int, q: torch.Tensor) -> Optional[torch.Tensor]:
+    def _q_bias(self, layer_id: int, q: torch.Tensor,
+                q_rotated: bool) -> Optional[torch.Tensor]:
         """q . k_mean per token and query head ``[T, Hq]`` float32, which a centered K cache
         takes off every logit of a row: softmax ignores it, a soft-cap does not, so layers with
-        one get it added back (q here is what the kernels see: rotated when the transform
-        rotates, and then so is the mean, q' . mu' = q . mu)."""
+        one get it added back (``q_rotated``: q was rotated by the transform, and then so is
+        the mean, q' . mu' = q . mu)."""
         mu = self._k_mean(layer_id)
         if self.logit_softcap is None or mu is None:
             return None
-        if self._rotates():
+        if q_rotated:
             from kvfit.kernels.hadamard import fwht
 
             mu = fwht(mu)
@@ -244,8 +246,11 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, q, k, v, layer_id, kv_stored: bool = False):
         """Stores k/v (quantize, K centering) unless ``kv_stored``, then attends. With a
-        rotating transform q and k are rotated first here (``kv_transform.transform_qk``, which
-        also centers k), unless ``kv_stored``: the fused RoPE store rotated q already."""
+        rotating transform q and k are rotated too, unless ``kv_stored`` (the fused RoPE store
+        rotated q already): in a prefill step into token-minor V pages inside the page-chunk
+        store (k) and the prefill kernel (q), elsewhere first here
+        (``kv_transform.transform_qk``, which also centers k). The int4 pool goes through
+        ``attention/triton_int4.py``."""
         if self._int4 is not None:
             return self._int4.forward(q, k, v, layer_id)
         meta = self.meta
@@ -255,18 +260,21 @@ class TritonBackend(AttentionBackend):
         table, slots, window = self._tables(layer_id)
         ksc, vsc = self._scale_caches(layer_id)
         k_mean = self._k_mean(layer_id)
-        if self._rotates() and not kv_stored:
+        rotates = self._rotates()
+        # prefill into token-minor V pages: the chunk store rotates k, the kernel rotates q
+        fused_rotation = rotates and not kv_stored and self._v_t and not meta.is_decode
+        if rotates and not kv_stored and not fused_rotation:
             q_dtype = q.dtype
             q, k = pool.kv_transform.transform_qk(layer_id, q, k)  # k - mu, then @ H
             q = q.to(q_dtype)  # k stays as returned (quantized from it in float32)
             k_mean = None
-        q_bias = self._q_bias(layer_id, q)
+        q_bias = self._q_bias(layer_id, q, q_rotated=rotates and not fused_rotation)
         if kv_stored:
             pass  # the caller stored k/v at kv_store_target(layer_id)
         elif self._v_t and not meta.is_decode:
             store_kv_chunks(k, v, kc, vc, self._store_chunks, meta.cu_seqlens_q, meta.kv_lens,
                             table, pool.fmt, ks, vs, k_scale_cache=ksc,
-                            v_scale_cache=vsc, k_mean=k_mean)
+                            v_scale_cache=vsc, k_mean=k_mean, rotate=fused_rotation)
         else:
             store_kv(k, v, kc, vc, slots, pool.fmt, ks, vs, pool.v_layout,
                      k_scale_cache=ksc, v_scale_cache=vsc, k_mean=k_mean)
@@ -288,7 +296,7 @@ class TritonBackend(AttentionBackend):
             paged_prefill(q, kc, vc, table, meta.cu_seqlens_q, meta.kv_lens,
                           self._prefill_blocks(group), self._prefill_cfg, out, self.sm_scale,
                           ks, vs, self.logit_softcap, window, v_t=self._v_t, k_scale_cache=ksc,
-                          v_scale_cache=vsc, q_bias=q_bias)
+                          v_scale_cache=vsc, q_bias=q_bias, rotate_q=fused_rotation)
         return out
 
     # -- CUDA graphs ------------------------------------------------------------------------

@@ -24,7 +24,12 @@ LOG2E = 1.4426950408889634
 # page dtypes whose 64-d decode runs packed (kernels/decode_packed.py) by default: measured
 # faster on the H200 for these (docs/kernels.md); empty = the plain tile everywhere
 PACKED_DTYPES: tuple = ()
-I8_CVTS = {"cast": 0, "asm": 1, "bias": 2}  # DecodeConfig.i8_cvt -> the kernels' I8_CVT
+# DecodeConfig.i8_cvt -> the kernels' (K_CVT, I8_CVT): K's and V's int8 tile handling. 0 Triton's
+# cast, 1 four values per inline-asm prmt/sub, 2 the same without the subtraction (+1152,
+# corrected per tile), 3 (K only) no conversion: two int8 MMAs of q split as hi + lo / 254
+# (one factor per query row), 4 the same with one factor for the whole query group
+I8_CVTS = {"cast": (0, 0), "asm": (1, 1), "bias": (2, 2), "kbias": (2, 1), "imma": (3, 1),
+           "imma-bias": (3, 2), "imma1": (4, 1)}
 # 8-bit page dtypes: converted to float16 tiles for the MMAs (exact for int8)
 EIGHT_BIT = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 
@@ -41,10 +46,16 @@ class DecodeConfig:
     maxnreg: int | None = None  # register cap per thread (more programs per SM)
     v_t: bool = False  # V pages are token-minor [H, D, P] (pool v_layout "HDN")
     # int8 tiles -> float16: "asm" (four per inline-asm prmt/sub, GPU), "bias" (the same without
-    # the subtraction: 1152 * sum(q) and 1152 * sum(P) corrected per tile) or "cast" (I2F each)
+    # the subtraction: 1152 * sum(q) and 1152 * sum(P) corrected per tile) or "cast" (I2F each);
+    # "kbias" (K biased, V asm); "imma" / "imma-bias" (K unconverted: int8 MMAs with q split
+    # into two int8 terms, exact int32 sums; V asm / biased); "imma1" (as imma, one q scale
+    # for the query group, folded into the key scales). I8_CVTS has the codes.
     i8_cvt: str = "asm"
     # > 1: R sub-splits packed into the 16 MMA rows (kernels/decode_packed.py; HND, G <= 16/R)
     pack: int = 1
+    # > 1: that many KV heads per program, one [16, heads * D] tile (kernels/decode_heads.py;
+    # a power of two with heads * G <= 16)
+    heads: int = 1
 
 
 @functools.lru_cache(maxsize=1024)  # a pure function of hashable arguments, called every step
@@ -53,7 +64,8 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
                   use_dot: bool | None = None, block_n: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
                   maxnreg: int | None = None, ctas_per_sm: int | None = None,
-                  v_t: bool = False, page_size: int | None = None) -> DecodeConfig:
+                  v_t: bool = False, page_size: int | None = None,
+                  heads: int | None = None) -> DecodeConfig:
     """Tile, pipeline depth and a wave-aware split count per dtype/layout (docs/kernels.md).
 
     ``batch * kv_heads * splits`` programs run ``ctas_per_sm`` at a time per SM (from each
@@ -63,6 +75,15 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
     (one full wave), not 5. 16-bit 64-d HND tiles keep the earlier rule (~4 programs per SM).
     fp8 over token-minor V: 64-token tiles, 5 pipeline stages (two tiles in flight) and a
     128-register cap, i.e. 4 programs per SM (2.9-3.05 TB/s against 2.5-2.7 for the HND tile).
+
+    8-bit pages over token-minor V (measured on the H200, docs/kernels.md "8-bit decode at fp8
+    speed"): 256-d heads 64-token tiles, 3 stages, no register cap (3.53 TB/s fp8, 3.57 int8,
+    against 2.43 for 32-token tiles); 64-d heads read all the KV heads whose query rows fit the
+    16 MMA rows in one program (``heads``, kernels/decode_heads.py; 4 for groups of 3-4), 64-token
+    tiles, 3 stages, a 168-register cap (3 programs per SM): 3.34-3.43 TB/s fp8 against 2.68 for
+    the HND tile (tiles of at most 256 columns, as measured). int8 keys go through int8 MMAs
+    (``i8_cvt`` "imma1"), except on HND 64-d tiles ("bias"). ``heads`` None: that choice; 1
+    turns it off.
     """
     fp8 = cache_dtype in EIGHT_BIT  # int8 pages take the fp8 tiles (same bytes per element)
     if use_dot is None:
@@ -71,7 +92,10 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
     if not use_dot:
         tile = (16, 2, None, 4)  # block_n, num_stages, maxnreg, ctas_per_sm
     elif fp8 and v_t:
-        tile = (64, 5, 128, 4) if small else (32, 3, None, 2)
+        if head_dim <= 64:
+            tile = (64, 3, 168, 3)
+        else:
+            tile = (64, 5, 128, 4) if small else (64, 3, None, 2)
     elif fp8:
         tile = (128 if small else 64, 3, None, 4 if head_dim <= 64 else 2)
     else:
@@ -80,7 +104,13 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
     num_stages = num_stages or tile[1]
     maxnreg = maxnreg if maxnreg is not None else tile[2]
     ctas_per_sm = ctas_per_sm or tile[3]
-    programs = max(1, batch * num_kv_heads)
+    if heads is None:
+        heads = 1
+        if use_dot and fp8 and v_t and head_dim <= 64:  # as many KV heads as the rows allow
+            while (heads * 2 * group <= 16 and heads * 2 * head_dim <= 256
+                   and heads < num_kv_heads):
+                heads *= 2
+    programs = max(1, batch * -(-num_kv_heads // heads))  # heads: KV heads per program
     max_splits = int(min(64, max(1, math.ceil(max(1, max_kv_len) / 256))))
     if use_dot and not fp8 and head_dim <= 64 and not v_t:
         # 16-bit 64-d tiles: measured best with ~4 programs per SM of splits (v2 rule); the
@@ -99,11 +129,12 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
             and head_dim <= 64 and group <= 4 and block_n % 64 == 0
             and (page_size is None or page_size % 4 == 0)):
         pack = 16 // max(4, 1 << (group - 1).bit_length())  # 4 sub-splits (groups of 3-4)
-    # int8 tiles: the biased conversion measured fastest on 64-d heads (415 vs 435 µs at
-    # 128 x 16k, SmolLM heads), the subtracting one on 128/256-d heads (docs/kernels.md)
-    i8_cvt = "bias" if head_dim <= 64 else "asm"
+    # int8 tiles: keys through int8 MMAs, one q factor per group, values by the subtracting
+    # asm (1.13x fp8's time on 128-d heads against 1.24x for "asm", docs/kernels.md); the
+    # biased conversion on HND 64-d tiles (imma measured 1.47x fp8 there, "bias" 1.37x)
+    i8_cvt = "bias" if head_dim <= 64 and not v_t else "imma1"
     return DecodeConfig(splits, block_n, use_dot, num_warps or 4, num_stages, maxnreg or None,
-                        v_t, i8_cvt=i8_cvt, pack=pack)
+                        v_t, i8_cvt=i8_cvt, pack=pack, heads=heads)
 
 
 def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_scale: float,
@@ -118,6 +149,8 @@ def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_sc
     group = hq // hkv
     if cfg.pack > 1:
         _check_pack(cfg, group, k_cache.shape[2])
+    if cfg.heads > 1:
+        _check_heads(cfg, group, d)
     g_pad = max(triton.next_power_of_2(group), 16 if cfg.use_dot else 1)
     s = cfg.num_splits
     ks, vs, ssp, ssh = scale_cache_args(k_cache, scale_caches)
@@ -138,13 +171,27 @@ def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_sc
         opts["maxnreg"] = cfg.maxnreg
     if cfg.use_dot:
         opts["F16"] = k_cache.dtype in EIGHT_BIT
-        opts["I8_CVT"] = I8_CVTS[cfg.i8_cvt] if rows else 0
+        if cfg.i8_cvt not in I8_CVTS:
+            raise ValueError(f"unknown int8 decode conversion {cfg.i8_cvt!r}; one of "
+                             f"{', '.join(I8_CVTS)}")
+        k_cvt, v_cvt = I8_CVTS[cfg.i8_cvt] if rows else (0, 0)
+        opts["I8_CVT"] = v_cvt
         if cfg.pack > 1:
+            if k_cvt != v_cvt:
+                raise ValueError(f"the packed decode converts K and V alike: i8_cvt "
+                                 f"{cfg.i8_cvt!r} does not apply (asm, bias or cast)")
             from kvfit.kernels import decode_packed
 
             del opts["G_PAD"], opts["V_T"]
             opts.update(GP=16 // cfg.pack, R=cfg.pack)
             return decode_packed.build(), (b, hkv, s), args, opts
+        opts["K_CVT"] = k_cvt
+        if cfg.heads > 1:
+            from kvfit.kernels import decode_heads
+
+            del opts["G_PAD"]
+            opts.update(HP=cfg.heads, HKV=hkv)
+            return decode_heads.build(), (b, triton.cdiv(hkv, cfg.heads), s), args, opts
         return split_k, (b, hkv, s), args, opts
     return split_fma, (b, hkv, s), args, opts
 
@@ -171,6 +218,19 @@ def _check_pack(cfg: DecodeConfig, group: int, page_size: int) -> None:
         raise ValueError(f"decode pack={r} does not fit this launch (use_dot={cfg.use_dot}, "
                          f"v_t={cfg.v_t}, group {group}, page size {page_size}, block_n "
                          f"{cfg.block_n}); use pack=1")
+
+
+def _check_heads(cfg: DecodeConfig, group: int, head_dim: int) -> None:
+    """A multi-head launch needs the tensor-core path, a power-of-two head count whose query
+    rows fit the 16 MMA rows, a tile of at most 512 columns (heads x head_dim: wider tiles
+    measured out of shared memory on the H200) and no sub-split packing."""
+    hp = cfg.heads
+    if (not cfg.use_dot or cfg.pack > 1 or hp & (hp - 1) or hp * group > 16
+            or hp * head_dim > 512):
+        raise ValueError(f"decode heads={hp} does not fit this launch (use_dot={cfg.use_dot}, "
+                         f"pack={cfg.pack}, group {group}, head_dim {head_dim}: heads must be a "
+                         f"power of two with heads x group <= 16 and heads x head_dim <= 512); "
+                         f"use heads=1")
 
 
 def scale_cache_args(k_cache: torch.Tensor, scale_caches):

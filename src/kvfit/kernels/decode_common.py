@@ -11,7 +11,8 @@ from kvfit.kernels.interpret import expose_for_interpreter
 
 @functools.cache
 def build() -> types.SimpleNamespace:
-    """``to_mma``, ``split_range`` and ``store_split``, built on first use."""
+    """``to_mma``/``cvt_one`` (tile conversions), ``split_q_i8`` and ``raw_logits`` (Q.K^T of
+    stored keys), ``split_range`` and ``store_split``, built on first use."""
     import triton
     import triton.language as tl
 
@@ -19,18 +20,68 @@ def build() -> types.SimpleNamespace:
 
     rq = build_row_quant()
     i8_to_f16, i8_to_f16_biased = rq.i8_to_f16, rq.i8_to_f16_biased
+    round_half_even = rq.round_half_even
+
+    @triton.jit
+    def _cvt_one(x, q, F16: tl.constexpr, CVT: tl.constexpr):
+        # one int8/8-bit tile -> the MMA dtype. CVT (int8 tiles): 1 four values per asm (no
+        # I2F), 2 the same + 1152 (the caller corrects), 0 Triton's cast
+        if CVT == 1:
+            y = i8_to_f16(x)
+        elif CVT == 2:
+            y = i8_to_f16_biased(x)
+        elif F16:
+            y = x.to(tl.float16)
+        else:
+            y = x.to(q.dtype)
+        return y
 
     @triton.jit
     def _to_mma(k, v, q, F16: tl.constexpr, I8_CVT: tl.constexpr):
-        # I8_CVT (int8 tiles): 1 four values per asm (no I2F), 2 the same + 1152 (the caller
-        # corrects Q.K^T and P@V), 0 Triton's cast
-        if I8_CVT == 1:
-            return i8_to_f16(k), i8_to_f16(v)
-        if I8_CVT == 2:
-            return i8_to_f16_biased(k), i8_to_f16_biased(v)
-        if F16:
-            return k.to(tl.float16), v.to(tl.float16)
-        return k.to(q.dtype), v.to(q.dtype)
+        # both tiles with the same conversion (I8_CVT as in _cvt_one)
+        tl.static_assert(len(k.shape) == 2)  # (also keeps ``tl`` in this function's closure)
+        return _cvt_one(k, q, F16, I8_CVT), _cvt_one(v, q, F16, I8_CVT)
+
+    @triton.jit
+    def _split_q_i8(q, PER_ROW: tl.constexpr):
+        # q [M, D] -> (hi, lo) int8 [M, D] and the factor f32 ([M, 1] per row, or one scalar
+        # for the tile) with q = factor * (254 * hi + lo) up to max|q| / 64516:
+        # hi = rint(q / s), lo = rint(254 * (q / s - hi)), s = max |q| / 127 (1 if all zero)
+        qf = q.to(tl.float32)
+        if PER_ROW:
+            amax = tl.max(tl.abs(qf), axis=1)
+            sq = tl.where(amax > 0, amax / 127.0, 1.0)
+            r = qf / sq[:, None]
+            f = (sq / 254.0)[:, None]
+        else:
+            amax = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
+            sq = tl.where(amax > 0, amax / 127.0, 1.0)
+            r = qf / sq
+            f = sq / 254.0
+        hi = round_half_even(r)
+        lo = round_half_even((r - hi) * 254.0)
+        return hi.to(tl.int8), lo.to(tl.int8), f
+
+    @triton.jit
+    def _raw_logits(q, q_lo, k, qoff, F16: tl.constexpr, K_CVT: tl.constexpr):
+        # q . k over the stored keys k [N, D] (not yet times their scales) -> f32 [M, N].
+        # K_CVT 3: q is (hi, lo) int8 (_split_q_i8, qoff its row factor), two int8 MMAs with
+        # int32 sums (exact), no conversion of k; 4: the same with one factor for the tile,
+        # which the caller folds into the keys' scales (not applied here); 2: biased f16
+        # keys, qoff = 1152 * sum(q); 0/1: f16 keys, qoff 0
+        if K_CVT == 4:
+            kt = tl.trans(k)
+            hi = tl.dot(q, kt, out_dtype=tl.int32)
+            lo = tl.dot(q_lo, kt, out_dtype=tl.int32)
+            qk = (hi * 254 + lo).to(tl.float32)
+        elif K_CVT == 3:
+            kt = tl.trans(k)
+            hi = tl.dot(q, kt, out_dtype=tl.int32)
+            lo = tl.dot(q_lo, kt, out_dtype=tl.int32)
+            qk = (hi * 254 + lo).to(tl.float32) * qoff
+        else:
+            qk = tl.dot(q, tl.trans(_cvt_one(k, q, F16, K_CVT)), input_precision="tf32") - qoff
+        return qk
 
     @triton.jit
     def _split_range(KVLEN, b, s, num_splits, window, BLOCK_N: tl.constexpr,
@@ -70,5 +121,6 @@ def build() -> types.SimpleNamespace:
             tl.store(LSE + row, lse, mask=gmask)
 
     expose_for_interpreter(globals(), locals())
-    return types.SimpleNamespace(to_mma=_to_mma, split_range=_split_range,
+    return types.SimpleNamespace(to_mma=_to_mma, cvt_one=_cvt_one, split_q_i8=_split_q_i8,
+                                 raw_logits=_raw_logits, split_range=_split_range,
                                  store_split=_store_split)

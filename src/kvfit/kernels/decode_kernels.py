@@ -42,18 +42,19 @@ def build():
     from kvfit.kernels.pdl import gdc
 
     common = build_decode_common()
-    _to_mma, _split_range, _store_split = common.to_mma, common.split_range, common.store_split
+    _cvt_one, _split_range, _store_split = common.cvt_one, common.split_range, common.store_split
+    _split_q_i8, _raw_logits = common.split_q_i8, common.raw_logits
     shared = build_tile_math()
     gdc_wait, gdc_launch_dependents = gdc()
-    softcap_logits, tile_logits, softmax_pv = (shared.softcap_logits, shared.tile_logits,
-                                               shared.softmax_pv)
+    softcap_logits, scale_logits, softmax_pv = (shared.softcap_logits, shared.scale_logits,
+                                                shared.softmax_pv)
 
     @triton.jit
-    def _tile_hnd(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off, s_head, stride_cp,
+    def _tile_hnd(q, q_lo, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off, s_head, stride_cp,
                   stride_sp, n0, lo, hi, qk_scale, softcap, qb, qoff, D: tl.constexpr,
                   PAGE: tl.constexpr,
                   BLOCK_N: tl.constexpr, F16: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                  ROWS: tl.constexpr, I8_CVT: tl.constexpr):
+                  ROWS: tl.constexpr, I8_CVT: tl.constexpr, K_CVT: tl.constexpr):
         # tokens [max(n0, lo), min(n0 + BLOCK_N, hi)) of HND pages, one address per token
         d = tl.arange(0, D)
         n = n0 + tl.arange(0, BLOCK_N)
@@ -68,18 +69,22 @@ def build():
             soff = page * stride_sp + s_head + n % PAGE
             ks = tl.load(KS + soff, mask=live, other=0.0).to(tl.float32)
             vs = tl.load(VS + soff, mask=live, other=0.0).to(tl.float32)
-        k, v = _to_mma(k, v, q, F16, I8_CVT)
+        v = _cvt_one(v, q, F16, I8_CVT)
+        if K_CVT == 4:  # q's one factor for the tile, folded into the keys' scales
+            ks = ks * qoff
         # [G_PAD, N] logits
-        qk = tile_logits(q, k, ks, qb, qoff, qk_scale, softcap, HAS_SOFTCAP, ROWS, "tf32")
+        qk = scale_logits(_raw_logits(q, q_lo, k, qoff, F16, K_CVT), ks, qb, qk_scale, softcap,
+                          HAS_SOFTCAP, ROWS)
         return softmax_pv(qk, v, vs, acc, m_i, l_i, live[None, :], True, ROWS, "tf32",
                           I8_CVT == 2)
 
     @triton.jit
-    def _tile_vt(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off, s_head, stride_cp,
+    def _tile_vt(q, q_lo, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off, s_head, stride_cp,
                  stride_sp, n0, lo, hi, qk_scale, softcap, qb, qoff, D: tl.constexpr,
                  PAGE: tl.constexpr,
                  BLOCK_N: tl.constexpr, F16: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 ROWS: tl.constexpr, I8_CVT: tl.constexpr, MASKED: tl.constexpr):
+                 ROWS: tl.constexpr, I8_CVT: tl.constexpr, K_CVT: tl.constexpr,
+                 MASKED: tl.constexpr):
         # the BLOCK_N tokens from n0 (a multiple of BLOCK_N); K HND, V token-minor [H, D, P]
         PP: tl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
         NP: tl.constexpr = BLOCK_N // PP
@@ -118,9 +123,12 @@ def build():
                 vs = tl.load(vsptr)
             ks = tl.reshape(ks, (BLOCK_N,)).to(tl.float32)
             vs = tl.reshape(vs, (BLOCK_N,)).to(tl.float32)
-        k, v = _to_mma(k, v, q, F16, I8_CVT)
+        v = _cvt_one(v, q, F16, I8_CVT)
+        if K_CVT == 4:  # q's one factor for the tile, folded into the keys' scales
+            ks = ks * qoff
         # [G_PAD, N] logits
-        qk = tile_logits(q, k, ks, qb, qoff, qk_scale, softcap, HAS_SOFTCAP, ROWS, "tf32")
+        qk = scale_logits(_raw_logits(q, q_lo, k, qoff, F16, K_CVT), ks, qb, qk_scale, softcap,
+                          HAS_SOFTCAP, ROWS)
         return softmax_pv(qk, v, vs, acc, m_i, l_i, tl.reshape(live, (BLOCK_N,))[None, :], MASKED,
                           ROWS, "tf32", I8_CVT == 2)
 
@@ -134,7 +142,7 @@ def build():
                       BLOCK_N: tl.constexpr, F16: tl.constexpr, V_T: tl.constexpr,
                       HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, SINGLE: tl.constexpr,
                       ROWS: tl.constexpr, I8_CVT: tl.constexpr, HAS_QBIAS: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      K_CVT: tl.constexpr = 0, PDL: tl.constexpr = False):
         if PDL:  # programmatic dependent launch (kernels/pdl.py)
             gdc_wait()
             gdc_launch_dependents()
@@ -152,9 +160,14 @@ def build():
         qb = 0.0  # q . k_mean per query row, added before the softcap (centered K caches)
         if HAS_QBIAS:
             qb = tl.load(QB + b * stride_qb + h * G + g, mask=gmask, other=0.0)[:, None]
-        qoff = 0.0  # biased int8 tiles hold k + 1152: q . k = dot - 1152 * sum(q)
-        if I8_CVT == 2:
+        # K_CVT: K's int8 conversion (V's is I8_CVT); biased tiles hold k + 1152: q . k =
+        # dot - 1152 * sum(q)
+        qoff = 0.0
+        q_lo = q
+        if K_CVT == 2:
             qoff = 1152.0 * tl.sum(q.to(tl.float32), axis=1)[:, None]
+        if K_CVT >= 3:  # int8 MMAs on the stored keys: q as hi + lo / 254 (qoff: factor)
+            q, q_lo, qoff = _split_q_i8(q, K_CVT == 3)
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
@@ -166,30 +179,30 @@ def build():
             n0 = lo // BLOCK_N * BLOCK_N
             if HAS_WINDOW:
                 if n0 < lo:
-                    acc, m_i, l_i = _tile_vt(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row,
+                    acc, m_i, l_i = _tile_vt(q, q_lo, acc, m_i, l_i, KC, VC, KS, VS, bt_row,
                                              head_off, s_head, stride_cp, stride_sp, n0, lo, hi,
                                              qk_scale, softcap, qb, qoff, D, PAGE, BLOCK_N, F16,
-                                             HAS_SOFTCAP, ROWS, I8_CVT, True)
+                                             HAS_SOFTCAP, ROWS, I8_CVT, K_CVT, True)
                     n0 += BLOCK_N
             full_end = hi // BLOCK_N * BLOCK_N
             for t0 in range(n0, full_end, BLOCK_N):
-                acc, m_i, l_i = _tile_vt(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off,
+                acc, m_i, l_i = _tile_vt(q, q_lo, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off,
                                          s_head, stride_cp, stride_sp, t0, lo, hi, qk_scale,
                                          softcap, qb, qoff, D, PAGE, BLOCK_N, F16, HAS_SOFTCAP,
-                                         ROWS, I8_CVT, False)
+                                         ROWS, I8_CVT, K_CVT, False)
             if (full_end < hi) & (full_end >= n0):
-                acc, m_i, l_i = _tile_vt(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off,
+                acc, m_i, l_i = _tile_vt(q, q_lo, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off,
                                          s_head, stride_cp, stride_sp, full_end, lo, hi,
                                          qk_scale, softcap, qb, qoff, D, PAGE, BLOCK_N, F16,
-                                         HAS_SOFTCAP, ROWS, I8_CVT, True)
+                                         HAS_SOFTCAP, ROWS, I8_CVT, K_CVT, True)
         else:
             # tiles at multiples of BLOCK_N (a window's first tile masked below lo): aligned
             # token indices let the page-id loads and addresses vectorise as without a window
             for t0 in range(lo // BLOCK_N * BLOCK_N, hi, BLOCK_N):
-                acc, m_i, l_i = _tile_hnd(q, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off,
+                acc, m_i, l_i = _tile_hnd(q, q_lo, acc, m_i, l_i, KC, VC, KS, VS, bt_row, head_off,
                                           s_head, stride_cp, stride_sp, t0, lo, hi, qk_scale,
                                           softcap, qb, qoff, D, PAGE, BLOCK_N, F16, HAS_SOFTCAP,
-                                          ROWS, I8_CVT)
+                                          ROWS, I8_CVT, K_CVT)
         _store_split(OUT, OP, LSE, acc, m_i, l_i, b, h, s, num_splits, v_scale, stride_ot,
                      stride_oh, G, G_PAD, D, SINGLE)
 

@@ -18,6 +18,7 @@ import torch
 from kvfit.kernels.interpret import expose_for_interpreter
 
 
+@functools.lru_cache(maxsize=None)  # called per launch: no tensor built on the host each time
 def fwht_scale(d: int) -> float:
     """The normalization 1/sqrt(d), as the float32 the kernels multiply by."""
     return float(torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32))

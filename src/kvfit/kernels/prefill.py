@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from kvfit.kernels.hadamard import fwht_scale
 from kvfit.kernels.interpret import expose_for_interpreter
 from kvfit.transfer import to_device
 
@@ -38,16 +39,33 @@ def build():
 
     from kvfit.kernels.tile_math import build as build_tile_math
 
+    from kvfit.kernels.hadamard import build as build_hadamard
+
     shared = build_tile_math()
     tile_logits, softmax_pv, request_span = (shared.tile_logits, shared.softmax_pv,
                                              shared.request_span)
+    fwht_rows = build_hadamard()
+    from kvfit.kernels.row_quant import build as build_row_quant
+
+    i8_to_f16 = build_row_quant().i8_to_f16
+
+    @triton.jit
+    def _to_q_dtype(x, q, I8_ASM: tl.constexpr):
+        # a KV tile -> the MMA dtype (q's); int8 tiles four values per inline asm when I8_ASM
+        # (no I2F, a quarter-rate unit: 2x the fp8 tile's instructions per KV element)
+        tl.static_assert(len(x.shape) == 2)  # (also keeps ``tl`` in this function's closure)
+        if I8_ASM:
+            y = i8_to_f16(x)
+        else:
+            y = x.to(q.dtype)
+        return y
 
     @triton.jit
     def _tile(acc, m_i, l_i, q, n0, hi, qpos, KC, VC, KS, VS, bt_row, head_off, s_head,
               stride_cp, stride_sp, qk_scale, softcap, qb, window,
               D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, V_T: tl.constexpr,
               HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
-              ROWS: tl.constexpr, MASKED: tl.constexpr):
+              ROWS: tl.constexpr, MASKED: tl.constexpr, I8_ASM: tl.constexpr):
         # One KV tile [n0, n0 + BLOCK_N) into the online softmax of the block's rows. Unmasked
         # tiles (MASKED False) lie wholly below every row's causal diagonal and inside its
         # window, and below hi: no masks on loads or logits.
@@ -88,8 +106,9 @@ def build():
                     vs = tl.load(VS + sptr)
                 ks = tl.reshape(ks, (BLOCK_N,)).to(tl.float32)
                 vs = tl.reshape(vs, (BLOCK_N,)).to(tl.float32)
-            k = tl.reshape(k, (BLOCK_N, D)).to(q.dtype)  # [NP, PP, D] -> [BLOCK_N, D]
-            v = tl.trans(tl.reshape(vt, (D, BLOCK_N))).to(q.dtype)  # [D, NP, PP] -> [BLOCK_N, D]
+            k = _to_q_dtype(tl.reshape(k, (BLOCK_N, D)), q, I8_ASM)  # [NP, PP, D] -> [BLOCK_N, D]
+            # [D, NP, PP] -> [D, BLOCK_N] -> [BLOCK_N, D]
+            v = _to_q_dtype(tl.trans(tl.reshape(vt, (D, BLOCK_N))), q, I8_ASM)
             if MASKED or PP < 8:
                 # (PP < 8: the select also keeps Triton 3.6 from folding a 16-bit V tile's
                 # reshape+transpose into a shared-memory layout it cannot build)
@@ -114,8 +133,8 @@ def build():
                 else:
                     ks = tl.load(KS + soff).to(tl.float32)
                     vs = tl.load(VS + soff).to(tl.float32)
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
+            k = _to_q_dtype(k, q, I8_ASM)
+            v = _to_q_dtype(v, q, I8_ASM)
         qk = tile_logits(q, k, ks, qb, 0.0, qk_scale, softcap, HAS_SOFTCAP, ROWS, PREC)  # [M, N]
         vis = n[None, :] <= qpos[:, None]  # read only when MASKED
         if MASKED:
@@ -132,7 +151,9 @@ def build():
                  G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, HKV: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_T: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
-                 F16: tl.constexpr, ROWS: tl.constexpr, HAS_QBIAS: tl.constexpr):
+                 F16: tl.constexpr, ROWS: tl.constexpr, HAS_QBIAS: tl.constexpr,
+                 ROTATE_Q: tl.constexpr = False, LOG2D: tl.constexpr = 0,
+                 HSCALE: tl.constexpr = 1.0, I8_ASM: tl.constexpr = False):
         # one program per (listed block, KV head); heads vary fastest so the heaviest blocks
         # (listed first by order_prefill_blocks) start first on every head
         pid = tl.program_id(0)
@@ -149,6 +170,12 @@ def build():
         d = tl.arange(0, D)
         q = tl.load(Q + (q_start + tok).to(tl.int64)[:, None] * stride_qt + hq[:, None] * stride_qh
                     + d[None, :], mask=rmask[:, None], other=0.0)
+        if ROTATE_Q:  # the KV transform's rotation of q (q @ H, butterflies in float32)
+            qr = fwht_rows(q, BLOCK_M, D, LOG2D, HSCALE)
+            if F16:
+                q = qr.to(tl.float16)
+            else:
+                q = qr.to(q.dtype)
         if F16:  # 8-bit pages: float16 MMAs (int8 -> f16 is exact; one packed cvt per two fp8
             # values, where bf16 needs two)
             q = q.to(tl.float16)
@@ -185,17 +212,17 @@ def build():
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, lo + t * BLOCK_N, hi, qpos, KC, VC, KS, VS,
                                   bt_row, head_off, s_head, stride_cp, stride_sp, qk_scale,
                                   softcap, qb, window, D, PAGE, BLOCK_N, V_T, HAS_SOFTCAP,
-                                  HAS_WINDOW, PREC, ROWS, True)
+                                  HAS_WINDOW, PREC, ROWS, True, I8_ASM)
         for t in range(t_win, t_diag):
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, lo + t * BLOCK_N, hi, qpos, KC, VC, KS, VS,
                                   bt_row, head_off, s_head, stride_cp, stride_sp, qk_scale,
                                   softcap, qb, window, D, PAGE, BLOCK_N, V_T, HAS_SOFTCAP,
-                                  HAS_WINDOW, PREC, ROWS, False)
+                                  HAS_WINDOW, PREC, ROWS, False, I8_ASM)
         for t in range(t_diag, n_tiles):
             acc, m_i, l_i = _tile(acc, m_i, l_i, q, lo + t * BLOCK_N, hi, qpos, KC, VC, KS, VS,
                                   bt_row, head_off, s_head, stride_cp, stride_sp, qk_scale,
                                   softcap, qb, window, D, PAGE, BLOCK_N, V_T, HAS_SOFTCAP,
-                                  HAS_WINDOW, PREC, ROWS, True)
+                                  HAS_WINDOW, PREC, ROWS, True, I8_ASM)
         safe_l = tl.where(l_i > 0, l_i, 1.0)
         o = acc / safe_l[:, None] * v_scale
         tl.store(OUT + (q_start + tok).to(tl.int64)[:, None] * stride_ot + hq[:, None] * stride_oh
@@ -213,6 +240,8 @@ class PrefillConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # int8 tiles -> float16 by inline asm (four per prmt/sub block) or "cast" (Triton's I2F)
+    i8_cvt: str = "asm"
 
 
 def prefill_config(head_dim: int, q_dtype: torch.dtype,
@@ -262,7 +291,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   window: int | None = None, v_t: bool = False,
                   k_scale_cache: torch.Tensor | None = None,
                   v_scale_cache: torch.Tensor | None = None,
-                  q_bias: torch.Tensor | None = None) -> torch.Tensor:
+                  q_bias: torch.Tensor | None = None, rotate_q: bool = False) -> torch.Tensor:
     """q ``[T, Hq, D]`` -> ``out [T, Hq, D]`` (written) for the programs listed in ``blocks``
     (``order_prefill_blocks`` with ``cfg.block_m`` rows).
 
@@ -270,7 +299,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     int8 pages need ``k_scale_cache``/``v_scale_cache`` (float16 ``[pages, Hkv, P]``), which
     replace ``k_scale``/``v_scale``: logits of key j times its K scale, P's column j times its V
     scale before P@V. ``q_bias`` ``[T, Hq]`` float32 (q . k_mean of a centered K cache) is
-    added back to every logit before the soft-cap."""
+    added back to every logit before the soft-cap. ``rotate_q``: the kernel attends with
+    ``q @ H`` (the KV transform's Hadamard rotation, applied to each q row in registers; D a
+    power of two), for pages whose keys were stored rotated (``store_kv_chunks(rotate=True)``)."""
     from kvfit.kernels.decode import EIGHT_BIT, _checked_bias, scale_cache_args
 
     kern = build()
@@ -279,6 +310,10 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return out
     hq, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[1]
+    if cfg.i8_cvt not in ("asm", "cast"):
+        raise ValueError(f"PrefillConfig.i8_cvt must be 'asm' or 'cast', got {cfg.i8_cvt!r}")
+    if rotate_q and d & (d - 1):
+        raise ValueError(f"paged_prefill(rotate_q=True) needs a power-of-two head_dim, got {d}")
     fp32 = q.dtype == torch.float32 or k_cache.dtype == torch.float32
     rows = k_cache.dtype == torch.int8
     ks, vs, ssp, ssh = scale_cache_args(
@@ -297,5 +332,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         BLOCK_N=cfg.block_n, V_T=v_t, HAS_SOFTCAP=softcap is not None,
         HAS_WINDOW=window is not None, PREC="ieee" if fp32 else "tf32",
         F16=k_cache.dtype in EIGHT_BIT and not fp32, ROWS=rows, HAS_QBIAS=qb is not None,
+        ROTATE_Q=bool(rotate_q), LOG2D=d.bit_length() - 1,
+        I8_ASM=rows and not fp32 and cfg.i8_cvt == "asm",
+        HSCALE=fwht_scale(d) if rotate_q else 1.0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

@@ -17,6 +17,7 @@ import functools
 import numpy as np
 import torch
 
+from kvfit.kernels.hadamard import fwht_scale
 from kvfit.kernels.interpret import expose_for_interpreter
 from kvfit.transfer import to_device
 
@@ -35,8 +36,11 @@ def build():
 
     from kvfit.kernels.row_quant import build as build_row_quant
 
+    from kvfit.kernels.hadamard import build as build_hadamard
+
     request_span = build_tile_math().request_span
     quant_rows_i8 = build_row_quant().quant_rows_i8
+    fwht_rows = build_hadamard()
 
     @triton.jit
     def _quant(x, inv, max_finite, QUANT: tl.constexpr, SCALED: tl.constexpr):
@@ -101,9 +105,11 @@ def build():
                              stride_cp, stride_ch, stride_sp, stride_sh, stride_bt,
                              D: tl.constexpr, PAGE: tl.constexpr, PP: tl.constexpr,
                              QUANT: tl.constexpr, SCALED: tl.constexpr, ROWS: tl.constexpr,
-                             HAS_KMEAN: tl.constexpr):
+                             HAS_KMEAN: tl.constexpr, ROTATE: tl.constexpr = False,
+                             LOG2D: tl.constexpr = 0, HSCALE: tl.constexpr = 1.0):
         # program (chunk, head): the new tokens of one request at positions [a, a + PP), one
-        # page's slice (PP divides PAGE, a % PP == 0), into token-minor V pages [H, D, P]
+        # page's slice (PP divides PAGE, a % PP == 0), into token-minor V pages [H, D, P];
+        # ROTATE: k rows stored as (k - mu) @ H (the KV transform's rotation, butterflies)
         c = tl.program_id(0)
         h = tl.program_id(1)
         req = tl.load(CHUNKS + 2 * c)
@@ -122,6 +128,8 @@ def build():
                     other=0.0)
         if HAS_KMEAN:
             k = k.to(tl.float32) - tl.load(KM + h * D + d)[None, :]
+        if ROTATE:
+            k = fwht_rows(k.to(tl.float32), PP, D, LOG2D, HSCALE)
         if ROWS:
             kq, ks = quant_rows_i8(k.to(tl.float32))
             vq, vs = quant_rows_i8(v.to(tl.float32))
@@ -250,14 +258,16 @@ def store_kv_chunks(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     kv_lens: torch.Tensor, block_table: torch.Tensor, fmt, k_scale: float = 1.0,
                     v_scale: float = 1.0, k_scale_cache: torch.Tensor | None = None,
                     v_scale_cache: torch.Tensor | None = None,
-                    k_mean: torch.Tensor | None = None) -> None:
+                    k_mean: torch.Tensor | None = None, rotate: bool = False) -> None:
     """``store_kv`` into token-minor V pages for a step with several tokens per request.
 
     k, v ``[T, Hkv, D]`` hold the requests' new tokens back to back (``cu_seqlens_q``), at
     positions ``kv_len - q_len ..`` mapped to slots through ``block_table``; ``chunks`` is
     ``split_store_chunks``. Writes the same bytes as ``store_kv`` with the equivalent slot
     mapping (scale caches and ``k_mean`` as there), with a page row's tokens written together.
-    Mutates the caches. No host syncs."""
+    ``rotate``: k is stored as ``(k - k_mean) @ H`` (the KV transform's Hadamard rotation, by
+    the butterflies of ``kernels.hadamard``; D a power of two), so a prefill step needs no
+    separate transform of k. Mutates the caches. No host syncs."""
     t, h, d = k.shape
     if t == 0 or chunks.shape[0] == 0:
         return
@@ -266,9 +276,13 @@ def store_kv_chunks(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     rows, ks, vs, km, ssp, ssh, has_mean = row_scale_args(k_cache, k_scale_cache, v_scale_cache,
                                                           k_mean, d, "store_kv_chunks")
     page = k_cache.shape[2]
+    if rotate and d & (d - 1):
+        raise ValueError(f"store_kv_chunks(rotate=True) needs a power-of-two head_dim, got {d}")
     build()[1][(chunks.shape[0], h)](
         k, v, k_cache, v_cache, ks, vs, km, chunks, cu_seqlens_q, kv_lens, block_table, k_inv,
         v_inv, max_finite, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), ssp, ssh, block_table.stride(0),
         D=d, PAGE=page, PP=chunk_tokens(page), QUANT=quant, SCALED=scaled and not rows,
-        ROWS=rows, HAS_KMEAN=has_mean, num_warps=4 if d * chunk_tokens(page) >= 2048 else 2)
+        ROWS=rows, HAS_KMEAN=has_mean, ROTATE=bool(rotate), LOG2D=d.bit_length() - 1,
+        HSCALE=fwht_scale(d) if rotate else 1.0,
+        num_warps=4 if d * chunk_tokens(page) >= 2048 else 2)

@@ -28,6 +28,20 @@ def build() -> types.SimpleNamespace:
         return th * (softcap * 1.4426950408889634)
 
     @triton.jit
+    def scale_logits(qk, ks, qb, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr,
+                     ROWS: tl.constexpr):
+        # raw q . k [M, N] (f32) -> base-2 logits: ROWS: column j times its key's scale ks[j]
+        # (folded with qk_scale into one factor per column when there is no softcap); qb
+        # ([M, 1] or 0.0) added to the raw logits before the softcap
+        if HAS_SOFTCAP:
+            if ROWS:
+                qk = qk * ks[None, :]
+            return softcap_logits(qk + qb, qk_scale, softcap)
+        if ROWS:
+            return qk * (ks * qk_scale)[None, :]
+        return qk * qk_scale
+
+    @triton.jit
     def tile_logits(q, k, ks, qb, qoff, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr,
                     ROWS: tl.constexpr, PREC: tl.constexpr):
         # q [M, D], k [N, D] in the MMA dtype -> [M, N] f32 base-2 logits (qk_scale =
@@ -36,11 +50,7 @@ def build() -> types.SimpleNamespace:
         # to the raw logits before the softcap (q . k_mean of a centered K cache); qoff ([M, 1]
         # or 0.0) is taken off the raw dot first (biased int8 tiles: 1152 * sum(q))
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) - qoff
-        if ROWS:
-            qk = qk * ks[None, :]
-        if HAS_SOFTCAP:
-            return softcap_logits(qk + qb, qk_scale, softcap)
-        return qk * qk_scale
+        return scale_logits(qk, ks, qb, qk_scale, softcap, HAS_SOFTCAP, ROWS)
 
     @triton.jit
     def softmax_pv(qk, v, vs, acc, m_i, l_i, visible, MASKED: tl.constexpr, ROWS: tl.constexpr,
@@ -75,5 +85,6 @@ def build() -> types.SimpleNamespace:
         return q_start, q_len, tl.load(KVLEN + req) - q_len
 
     expose_for_interpreter(globals(), locals())
-    return types.SimpleNamespace(softcap_logits=softcap_logits, tile_logits=tile_logits,
+    return types.SimpleNamespace(softcap_logits=softcap_logits, scale_logits=scale_logits,
+                                 tile_logits=tile_logits,
                                  softmax_pv=softmax_pv, request_span=request_span)
