@@ -242,10 +242,16 @@ def test_guard_int4_needs_its_pool_pages_of_32_and_a_backend_that_reads_it():
     check_combination("torch", Int4KVCache, INT4, 32, "cpu", layers)
     with pytest.raises(UnsupportedCombinationError, match="needs pages of 32 tokens.*--page-size 32"):
         check_combination("torch", Int4KVCache, INT4, 16, "cpu", layers)
-    with pytest.raises(UnsupportedCombinationError, match="fi does not read int4.*torch"):
+    check_combination("triton", Int4KVCache, INT4, 32, "cuda", layers, assume_installed=True)
+    for d in (64, 128, 256):
+        check_combination("triton", Int4KVCache, INT4, 32, "cuda", [KVLayerSpec("full", 2, d)],
+                          assume_installed=True)
+    with pytest.raises(UnsupportedCombinationError,
+                       match="fi does not read int4.*runs on --attention-backend triton.*"
+                             "these backends support it: torch, triton"):
         check_combination("fi", Int4KVCache, INT4, 32, "cuda", layers, assume_installed=True)
-    with pytest.raises(UnsupportedCombinationError, match="triton does not read int4"):
-        check_combination("triton", Int4KVCache, INT4, 32, "cuda", layers, assume_installed=True)
+    with pytest.raises(UnsupportedCombinationError, match="triton runs on cuda, not cpu"):
+        check_combination("triton", Int4KVCache, INT4, 32, "cpu", layers)
     for pool in (MHAKVCache, HybridSWAKVCache, MLAKVCache):
         with pytest.raises(UnsupportedCombinationError, match=f"{pool.name} pool does not store int4"):
             check_combination("torch", pool, INT4, 32, "cpu", layers)

@@ -1,7 +1,7 @@
 """Same-call A/B of the decode step of whichever kvfit tree is on PYTHONPATH (issue 13, batch 1).
 
 Run once per tree (PYTHONPATH=<tree>/src) in one GPU job; every tree gets the same points, the
-same timing code (``kvfit.bench.seed.decode_point``, what ``kvfit bench seed`` times) and the same
+same timing code (``kvfit.bench.seed_points.decode_point``, what ``kvfit bench seed`` times) and the same
 pool. Per KV dtype it builds one ModelRunner (Qwen3-1.7B shape, random weights, graphs to 64,
 default backend and page size) and reports:
 - seed decode tok/s at (batch, context) points, median of ``--repeats`` runs of ``--steps`` steps
@@ -27,6 +27,7 @@ import json
 import os
 import statistics
 import time
+import types
 
 import torch
 
@@ -202,10 +203,17 @@ def main() -> None:
     except ImportError:  # trees before the one-token path
         pass
     import kvfit
-    from kvfit.bench import seed
+    try:  # trees after tp2: the points live in bench/seed_points.py
+        from kvfit.bench import seed_points as seed
+
+        def fill(pool):
+            seed.fill_pool_of(types.SimpleNamespace(pool=pool))
+    except ImportError:
+        from kvfit.bench import seed
+
+        fill = getattr(seed, "fill_pool", None) or getattr(seed, "_fill_pool")
     from kvfit.bench.kernels import copy_bandwidth
 
-    fill = getattr(seed, "fill_pool", None) or getattr(seed, "_fill_pool")
     points = [tuple(int(v) for v in s.split("x")) for s in args.points.split(",")]
     bw = copy_bandwidth(torch.device("cuda"))
     print(f"[{args.label}] kvfit from {kvfit.__file__}; copy bandwidth {bw / 1e12:.2f} TB/s",

@@ -3,6 +3,14 @@ the triton backend's layout and launch choice), on the same shapes (batch x cont
 tokens). Prints one table; --json writes the rows.
 
     python3 benchmarks/kernels/int4_decode_bench.py [--json out.json]
+    python3 benchmarks/kernels/int4_decode_bench.py --sweep [--json sweep.json]
+
+``--sweep`` times every launch variant of ``VARIANTS`` (pages per tile, warps, pipeline stages,
+asm or cast nibble conversion, programs per SM assumed by the split rule) per shape and prints
+the compiled registers and shared memory of each, plus each variant's largest difference from
+the cast variant's output (a check that the asm conversion computes the same values).
+``--compile-only --part I --parts N`` compiles the I-th of N slices of the same launches without
+timing them (run N of those in parallel first: the timed run then hits Triton's cache).
 
 Bytes are what one call must read: fp8 2 x D per token and head; int4 the packed codes, K's
 scale/zero per page and V's per token group (5D/4 per token and head) plus the residual page.
@@ -21,6 +29,21 @@ SHAPES = [  # (name, Hq, Hkv, D, batch, context)
     ("smollm2-like", 9, 3, 64, 64, 2048),
     ("gemma3-like", 4, 1, 256, 128, 1024),
 ]
+# per head size: (pages per tile, warps, stages, asm, programs per SM in the split rule,
+# register cap, K's scale folded into q, K's scale loaded per token); the first (cast) is the
+# reference of the max diff column
+VARIANTS = {
+    64: [(2, 4, 3, False, 2, None, False, False), (2, 4, 3, True, 4, 96, False, True),
+         (2, 4, 3, True, 4, 96, False, False), (2, 4, 1, True, 4, None, False, False),
+         (4, 4, 3, True, 2, None, False, True)],
+    128: [(2, 4, 3, False, 2, None, False, False), (2, 4, 3, True, 2, None, False, True),
+          (2, 4, 3, True, 2, None, False, False), (2, 4, 2, True, 2, None, False, False),
+          (2, 4, 1, True, 2, None, False, False), (2, 4, 1, True, 2, None, False, True),
+          (4, 8, 1, True, 2, None, False, False)],
+    256: [(2, 4, 2, False, 2, None, False, False), (2, 8, 2, True, 2, None, False, False),
+          (2, 8, 1, True, 2, None, False, False)],
+}
+DUMP_VARIANTS = []
 
 
 def _table(batch, pages_per_req, dev, g):
@@ -29,9 +52,8 @@ def _table(batch, pages_per_req, dev, g):
     return perm.view(batch, pages_per_req).contiguous(), n
 
 
-def bench_fp8(hq, hkv, d, batch, ctx, dev, g):
-    import triton
-
+def setup_fp8(hq, hkv, d, batch, ctx, dev, g):
+    """(launch closure, bytes read, page size) of the fp8 decode on one shape."""
     from kvfit.attention.triton_backend import TritonBackend
     from kvfit.kernels.decode import choose_config, paged_decode
 
@@ -44,18 +66,16 @@ def bench_fp8(hq, hkv, d, batch, ctx, dev, g):
     q = torch.randn(batch, hq, d, generator=g, device=dev).to(torch.bfloat16)
     out = torch.empty_like(q)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    sms = _sms(dev)
     cfg = choose_config(batch, hkv, hq // hkv, d, ctx, k.dtype, q.dtype, sms,
                         v_t=layout == "HDN")
     fn = lambda: paged_decode(q, k, v, bt, lens, out, d ** -0.5, cfg)  # noqa: E731
-    ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
-    return ms, 2 * batch * ctx * hkv * d, ps
+    return fn, 2 * batch * ctx * hkv * d, ps
 
 
-def bench_int4(hq, hkv, d, batch, ctx, dev, g):
-    import triton
-
-    from kvfit.kernels.decode_int4 import choose_splits, int4_decode
+def setup_int4(hq, hkv, d, batch, ctx, dev, g):
+    """(run(cfg) -> out, bytes read, compiled(cfg)) of the int4 decode on one shape."""
+    from kvfit.kernels import decode_int4
     from kvfit.kvcache.dtypes import kv_format
     from kvfit.kvcache.int4_pool import Int4KVCache
     from kvfit.kvcache.spec import KVLayerSpec
@@ -72,42 +92,146 @@ def bench_int4(hq, hkv, d, batch, ctx, dev, g):
               pool.v_residual[0]):
         t.copy_(torch.randn(t.shape, generator=g, device=dev))
     q = torch.randn(batch, hq, d, generator=g, device=dev).to(torch.bfloat16)
-    out = torch.empty_like(q)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
     slots = torch.arange(batch, dtype=torch.int32, device=dev)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
-    splits = choose_splits(batch, hkv, ctx, sms)
-    fn = lambda: int4_decode(q, pool, 0, bt, lens, slots, out, d ** -0.5,  # noqa: E731
-                             num_splits=splits)
-    ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+    def run(cfg):
+        out = torch.empty_like(q)
+        decode_int4.int4_decode(q, pool, 0, bt, lens, slots, out, d ** -0.5, cfg)
+        return out
+
+    def compiled(cfg):
+        out = torch.empty_like(q)
+        op = torch.empty((batch * hq * cfg.num_splits, d), dtype=torch.float32, device=dev)
+        lse = torch.empty((batch * hq * cfg.num_splits,), dtype=torch.float32, device=dev)
+        kern, grid, args, opts = decode_int4._launch(q, pool, 0, bt, lens, slots, out, op, lse,
+                                                     d ** -0.5, cfg)
+        return kern.warmup(*args, grid=grid, **opts)
+
     tail = ctx - full * 32
     nbytes = batch * hkv * (full * 32 * d * 5 // 4 + 2 * tail * d * 2)
-    return ms, nbytes
+    return run, nbytes, compiled
+
+
+def variant_cfg(variant, batch, hkv, d, ctx, sms):
+    from kvfit.kernels.decode_int4 import Int4DecodeConfig, choose_config
+
+    if variant is None:
+        return choose_config(batch, hkv, d, ctx, sms)
+    npg, warps, stages, asm, per_sm, maxnreg, fold, ks_tokens = variant
+    base = choose_config(batch, hkv, d, ctx, sms, npg, warps, stages, per_sm)
+    return Int4DecodeConfig(base.num_splits, npg, warps, stages, asm, maxnreg, fold, ks_tokens)
+
+
+def _sms(dev) -> int:
+    return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" \
+        else 132
+
+
+def _resources(ck) -> tuple:
+    """(registers per thread, shared KB) of a CompiledKernel (Triton 3.6 sets ``n_regs`` when
+    its handles are loaded); (0, 0) without one."""
+    if ck is None:
+        return 0, 0
+    try:
+        ck._init_handles()
+    except Exception:  # noqa: BLE001  (a Triton without it: report what is there)
+        pass
+    return getattr(ck, "n_regs", 0), ck.metadata.shared / 1024
+
+
+def _bench(fn):
+    import triton
+
+    if not torch.cuda.is_available():  # --smoke under the interpreter: run once, no timing
+        fn()
+        return 1.0
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default=None)
+    p.add_argument("--sweep", action="store_true", help="time every launch variant")
+    p.add_argument("--compile-only", action="store_true")
+    p.add_argument("--part", type=int, default=0)
+    p.add_argument("--parts", type=int, default=1)
+    p.add_argument("--dump", default=None,
+                   help="folder: write the SASS of the variants in DUMP_VARIANTS per shape")
+    p.add_argument("--only", type=int, default=None, help="run only SHAPES[ONLY] (for ncu)")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU, TRITON_INTERPRET=1: tiny shapes, every code path once, no timing")
     args = p.parse_args()
-    dev = torch.device("cuda")
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    if args.smoke:
+        SHAPES[:] = [("tiny", 4, 2, 64, 2, 200)]
+    if args.only is not None:
+        SHAPES[:] = [SHAPES[args.only]]
     g = torch.Generator(device=dev)
     g.manual_seed(0)
+    sms = _sms(dev)
+    def variants_of(shape):
+        return VARIANTS[shape[3]] if args.sweep else [None]
+
+    jobs = [(s, None) for s in SHAPES] + [(s, v) for s in SHAPES for v in variants_of(s)]
+    if args.compile_only:  # jobs: fp8 per shape, then the int4 variants; every parts-th
+        for i, (shape, v) in enumerate(jobs):
+            if i % args.parts != args.part:
+                continue
+            _, hq, hkv, d, b, ctx = shape
+            if i < len(SHAPES):
+                setup_fp8(hq, hkv, d, b, ctx, dev, g)[0]()
+            else:
+                run, _, _ = setup_int4(hq, hkv, d, b, ctx, dev, g)
+                run(variant_cfg(v, b, hkv, d, ctx, sms))
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return
     rows = []
-    print(f"GPU: {torch.cuda.get_device_name(dev)}; bf16 queries; median of do_bench")
-    print("| shape | Hq/Hkv/D | batch x context | fp8 us | fp8 TB/s | int4 us | int4 TB/s | "
-          "int4 speedup |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "none (smoke)"
+    print(f"GPU: {gpu}; bf16 queries; median of do_bench")
+    print("| shape | Hq/Hkv/D | batch x context | int4 launch | fp8 us | fp8 TB/s | int4 us | "
+          "int4 TB/s | int4 speedup | regs / smem KB | max diff |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---|---:|")
     for name, hq, hkv, d, b, ctx in SHAPES:
-        f_ms, f_bytes, ps = bench_fp8(hq, hkv, d, b, ctx, dev, g)
-        i_ms, i_bytes = bench_int4(hq, hkv, d, b, ctx, dev, g)
-        row = dict(shape=name, hq=hq, hkv=hkv, d=d, batch=b, context=ctx, fp8_page=ps,
-                   fp8_us=f_ms * 1e3, int4_us=i_ms * 1e3, fp8_tbs=f_bytes / f_ms / 1e9,
-                   int4_tbs=i_bytes / i_ms / 1e9, speedup=f_ms / i_ms)
-        rows.append(row)
-        print(f"| {name} | {hq}/{hkv}/{d} | {b} x {ctx} | {row['fp8_us']:.1f} | "
-              f"{row['fp8_tbs']:.2f} | {row['int4_us']:.1f} | {row['int4_tbs']:.2f} | "
-              f"{row['speedup']:.2f}x |", flush=True)
+        fp8_fn, f_bytes, ps = setup_fp8(hq, hkv, d, b, ctx, dev, g)
+        f_ms = _bench(fp8_fn)
+        run, i_bytes, compiled = setup_int4(hq, hkv, d, b, ctx, dev, g)
+        base = None
+        for v in variants_of((name, hq, hkv, d, b, ctx)):
+            cfg = variant_cfg(v, b, hkv, d, ctx, sms)
+            out = run(cfg)
+            if base is None:
+                base = out.float()
+            diff = float((out.float() - base).abs().max() / base.abs().max())
+            i_ms = _bench(lambda: run(cfg))  # noqa: B023
+            ck = compiled(cfg) if dev.type == "cuda" else None
+            regs, smem = _resources(ck)
+            launch = (f"S={cfg.num_splits} NPG={cfg.pages_per_tile} w={cfg.num_warps} "
+                      f"st={cfg.num_stages} {'asm' if cfg.asm else 'cast'}"
+                      + (f" r{cfg.maxnreg}" if cfg.maxnreg else "")
+                      + (" foldK" if cfg.fold_k else "") + (" ksT" if cfg.ks_tokens else ""))
+            row = dict(shape=name, hq=hq, hkv=hkv, d=d, batch=b, context=ctx, fp8_page=ps,
+                       launch=launch, fp8_us=f_ms * 1e3, int4_us=i_ms * 1e3,
+                       fp8_tbs=f_bytes / f_ms / 1e9, int4_tbs=i_bytes / i_ms / 1e9,
+                       speedup=f_ms / i_ms, regs=regs, smem_kb=smem,
+                       max_diff=diff)
+            rows.append(row)
+            if args.dump and ck is not None and v in DUMP_VARIANTS:
+                import os
+
+                os.makedirs(args.dump, exist_ok=True)
+                tag = f"{name}-b{b}-d{d}-npg{cfg.pages_per_tile}-w{cfg.num_warps}"
+                try:
+                    with open(os.path.join(args.dump, tag + ".sass"), "w") as f:
+                        f.write(ck.asm["sass"])
+                except Exception as e:  # noqa: BLE001  (cuobjdump missing: note it, go on)
+                    print(f"no SASS for {tag}: {e}")
+            print(f"| {name} | {hq}/{hkv}/{d} | {b} x {ctx} | {launch} | {row['fp8_us']:.1f} | "
+                  f"{row['fp8_tbs']:.2f} | {row['int4_us']:.1f} | {row['int4_tbs']:.2f} | "
+                  f"{row['speedup']:.2f}x | {regs} / {smem:.0f} | "
+                  f"{diff:.1e} |", flush=True)
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

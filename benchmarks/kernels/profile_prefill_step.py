@@ -8,7 +8,8 @@ import time
 
 import torch
 
-from kvfit.bench.seed import DEFAULT_CONFIG, fill_pool, prefill_point
+from kvfit.bench.seed import DEFAULT_CONFIG
+from kvfit.bench.seed_points import fill_pool_of, prefill_point
 from kvfit.config import make_config
 from kvfit.engine.runner import ModelRunner
 
@@ -19,7 +20,7 @@ for spec in sys.argv[1:] or ["bfloat16:fi", "bfloat16:triton", "fp8_e4m3:triton"
                       attention_backend=backend, num_tokens=4 * N, max_model_len=2 * N,
                       max_num_seqs=4, max_num_batched_tokens=N, enforce_eager=True)
     runner = ModelRunner(cfg)
-    fill_pool(runner.pool)
+    fill_pool_of(runner)
     tok_s = prefill_point(runner, N)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -1,6 +1,8 @@
 """The int4 Triton decode kernel on the GPU against the float64 reference over the same int4
-pages and residual (bf16 queries and residual): head_dim 64/128/256, GQA groups 1/3/8, lengths
-ending mid-page, on a page boundary and inside the first page."""
+pages and residual: head_dim 64/128/256, GQA groups 3/2/8, 1-4 splits, 2 and 4 pages per tile,
+the asm and the cast nibble conversion, K's scale folded into the query (bf16 queries and
+residual), and the exact float32 path;
+lengths ending mid-page, on a page boundary and inside the first page."""
 
 from __future__ import annotations
 
@@ -14,11 +16,35 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from int4_kernel_check import run_check  # noqa: E402
 
 pytestmark = pytest.mark.gpu
+LENS = [1000, 512, 7, 33, 2049, 64]
 
 
-@pytest.mark.parametrize("hq,hkv,d,splits", [(9, 3, 64, 1), (16, 8, 128, 1), (8, 1, 256, 1),
-                                              (9, 3, 64, 4), (16, 8, 128, 4)])
-def test_int4_decode_matches_reference(hq, hkv, d, splits):
-    err = run_check(torch.device("cuda"), torch.bfloat16, [1000, 512, 7, 33, 2049, 64], hq, hkv,
-                    d, 5e-3, num_splits=splits)
-    print(f"hq={hq} hkv={hkv} d={d} splits={splits}: relative error {err:.2e}")
+@pytest.mark.parametrize("hq,hkv,d,splits,npg,asm", [
+    (9, 3, 64, 1, 2, True), (9, 3, 64, 4, 4, True), (16, 8, 128, 1, 4, True),
+    (16, 8, 128, 4, 2, True), (16, 8, 128, 4, 2, False), (8, 1, 256, 1, 2, True),
+    (8, 1, 256, 3, 2, True)])
+def test_int4_decode_matches_reference(hq, hkv, d, splits, npg, asm):
+    err = run_check(torch.device("cuda"), torch.bfloat16, LENS, hq, hkv, d, 5e-3,
+                    num_splits=splits, pages_per_tile=npg, asm=asm,
+                    num_warps=8 if d * npg >= 512 else 4, num_stages=2 if d >= 256 else 3)
+    print(f"hq={hq} hkv={hkv} d={d} splits={splits} npg={npg} asm={asm}: rel error {err:.2e}")
+
+
+@pytest.mark.parametrize("hq,hkv,d,splits", [(9, 3, 64, 1), (16, 8, 128, 4), (8, 1, 256, 2)])
+def test_int4_decode_folded_k_matches_reference(hq, hkv, d, splits):
+    err = run_check(torch.device("cuda"), torch.bfloat16, LENS, hq, hkv, d, 5e-3,
+                    num_splits=splits, num_stages=4, fold_k=True)
+    print(f"fold_k hq={hq} hkv={hkv} d={d} splits={splits}: rel error {err:.2e}")
+
+
+@pytest.mark.parametrize("hq,hkv,d,stages", [(9, 3, 64, 3), (16, 8, 128, 1), (8, 1, 256, 2)])
+def test_int4_decode_per_token_k_scales_match_reference(hq, hkv, d, stages):
+    err = run_check(torch.device("cuda"), torch.bfloat16, LENS, hq, hkv, d, 5e-3, num_splits=3,
+                    num_stages=stages, num_warps=8 if d >= 256 else 4, ks_tokens=True)
+    print(f"ks_tokens hq={hq} hkv={hkv} d={d}: rel error {err:.2e}")
+
+
+def test_int4_decode_float32_is_exact():
+    err = run_check(torch.device("cuda"), torch.float32, LENS, 16, 8, 128, 1e-5, num_splits=2,
+                    pages_per_tile=2)
+    print(f"float32: relative error {err:.2e}")

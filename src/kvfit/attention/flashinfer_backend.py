@@ -35,7 +35,10 @@ class FlashInferBackend(AttentionBackend):
     pools = frozenset({"MHAKVCache"})
     kv_dtypes = frozenset({"bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"})
     kv_dtype_refusals = {"int8": "FlashInfer reads only 16-bit and fp8 KV; int8 KV (one scale "
-                                 "per token and head) runs on --attention-backend triton"}
+                                 "per token and head) runs on --attention-backend triton",
+                         "int4": "FlashInfer reads only 16-bit and fp8 KV; int4 KV (packed "
+                                 "4-bit pages and a residual page per request) runs on "
+                                 "--attention-backend triton"}
     page_sizes = None
     head_dims = frozenset({64, 128, 256})
     supports_cuda_graph = True

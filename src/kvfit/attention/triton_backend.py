@@ -1,6 +1,7 @@
 """The ``triton`` attention backend: our own kernels (kvfit.kernels) over the MHAKVCache pool,
-the hybrid sliding-window pool (HybridSWAKVCache, Gemma 2/3), and the MLAKVCache latent pool
-through ``attention/triton_mla.py`` (``forward_mla``).
+the hybrid sliding-window pool (HybridSWAKVCache, Gemma 2/3), the MLAKVCache latent pool
+through ``attention/triton_mla.py`` (``forward_mla``), and the int4 pool (Int4KVCache,
+``--kv-dtype int4``) through ``attention/triton_int4.py``.
 
 Per step ``prepare`` picks the decode launch configuration (split count from batch size and the
 longest context) or, for steps with prefill chunks, the list of prefill programs. Per layer
@@ -38,6 +39,7 @@ from typing import Optional
 import torch
 
 from kvfit.attention.base import AttentionBackend, AttentionMetadata, KVStoreTarget
+from kvfit.attention.triton_int4 import TritonInt4
 from kvfit.attention.triton_mla import TritonMLA
 from kvfit.kernels.decode import DecodeConfig, choose_config, paged_decode
 from kvfit.kernels.prefill import order_prefill_blocks, paged_prefill, prefill_config
@@ -48,8 +50,9 @@ from kvfit.kernels.store import split_store_chunks, store_kv, store_kv_chunks
 class TritonBackend(AttentionBackend):
     name = "triton"
     devices = frozenset({"cuda"})
-    pools = frozenset({"MHAKVCache", "HybridSWAKVCache", "MLAKVCache"})
-    kv_dtypes = frozenset({"float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8"})
+    pools = frozenset({"MHAKVCache", "HybridSWAKVCache", "MLAKVCache", "Int4KVCache"})
+    kv_dtypes = frozenset({"float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8",
+                           "int4"})
     # K centering (subtracted in the store kernels; q . mu added back before a soft-cap) and
     # the rotation (fused into the RoPE + store kernel, or transform_qk before the store)
     kv_transforms = frozenset({"k_mean", "rotate"})
@@ -76,6 +79,9 @@ class TritonBackend(AttentionBackend):
         # MLA pools (latent slabs): the MLA kernels own prepare/forward_mla/graph hooks
         self._mla = (TritonMLA(pool, compute_dtype, sm_scale, logit_softcap)
                      if "mla" in pool.layer_kinds else None)
+        # the int4 pool (packed pages + residual slots): attention/triton_int4.py
+        self._int4 = (TritonInt4(pool, compute_dtype, sm_scale, logit_softcap)
+                      if pool.name == "Int4KVCache" else None)
 
     @classmethod
     def head_dims_for(cls, pool_name: str):
@@ -134,6 +140,9 @@ class TritonBackend(AttentionBackend):
         self.meta = meta
         if self._mla is not None:
             self._mla.prepare(meta)
+            return
+        if self._int4 is not None:
+            self._int4.prepare(meta)
             return
         if meta.is_decode:
             self._prepare_decode(meta, max(meta.kv_lens_cpu, default=1))
@@ -221,7 +230,8 @@ class TritonBackend(AttentionBackend):
         """The slot-mapped store (decode steps, and prefill into HND pages) may be fused into
         the caller's RoPE kernel, K centering and the rotation included (the RoPE kernel then
         returns q rotated); prefill into token-minor V pages stores by page-row chunks."""
-        if self._mla is not None or (self._v_t and not self.meta.is_decode):
+        if (self._mla is not None or self._int4 is not None
+                or (self._v_t and not self.meta.is_decode)):
             return None
         pool = self.pool
         _, slots, _ = self._tables(layer_id)
@@ -244,7 +254,10 @@ class TritonBackend(AttentionBackend):
         rotating transform q and k are rotated too, unless ``kv_stored`` (the fused RoPE store
         rotated q already): in a prefill step into token-minor V pages inside the page-chunk
         store (k) and the prefill kernel (q), elsewhere first here
-        (``kv_transform.transform_qk``, which also centers k)."""
+        (``kv_transform.transform_qk``, which also centers k). The int4 pool goes through
+        ``attention/triton_int4.py``."""
+        if self._int4 is not None:
+            return self._int4.forward(q, k, v, layer_id)
         meta = self.meta
         pool = self.pool
         kc, vc = pool.k_caches[layer_id], pool.v_caches[layer_id]
@@ -298,6 +311,10 @@ class TritonBackend(AttentionBackend):
         """Allocate split-K scratch for ``max_bs`` decode rows at the most splits any batch size
         gets with contexts up to ``max_pages_per_req`` pages (static across replays)."""
         self._graph_max_len = max_pages_per_req * self.pool.page_size
+        if self._int4 is not None:
+            hq = self.num_q_heads or 16 * self.pool.layers[0].num_kv_heads
+            self._int4.init_cuda_graph(max_bs, max_pages_per_req, hq)
+            return
         if self._mla is not None:
             self._mla.init_cuda_graph(max_bs, max_pages_per_req)
             return
@@ -323,6 +340,9 @@ class TritonBackend(AttentionBackend):
         self.meta = meta
         if self._mla is not None:
             self._mla.prepare_cuda_graph(meta)
+            return
+        if self._int4 is not None:
+            self._int4.prepare_cuda_graph(meta)
             return
         self._blocks = None
         self._prepare_decode(meta, self._graph_max_len)

@@ -30,6 +30,14 @@ def fill_pool_of(runner, seed: int = 0) -> None:
 
     pool = runner.pool
     g = torch.Generator(device=pool.device).manual_seed(seed)
+    if pool.residual_slots is not None:  # int4: random codes, positive scales, residual pages
+        for t in (*pool.k_caches, *pool.v_caches):
+            t.random_(0, 256, generator=g)
+        for t in (*pool.k_scale_caches, *pool.v_scale_caches):
+            t.copy_(torch.rand(t.shape, generator=g, device=pool.device) * 0.1 + 0.01)
+        for t in (*pool.k_zero_caches, *pool.v_zero_caches, *pool.k_residual, *pool.v_residual):
+            t.copy_(torch.randn(t.shape, generator=g, device=pool.device))
+        return
     # MLA pools hold one latent slab per token (kv_caches), the others K and V
     caches = getattr(pool, "kv_caches", None) or (*pool.k_caches, *pool.v_caches)
     for t in caches:
@@ -69,6 +77,19 @@ def free_sliding(pool, rids: list[str]) -> None:
             pool.sliding_pages.free(rid)
 
 
+def hold_residual_slots(pool, rids: list[str]) -> None:
+    """The int4 pool's residual slots for the bench's requests (as the scheduler assigns)."""
+    if pool.residual_slots is not None:
+        for rid in rids:
+            pool.residual_slots.assign(rid)
+
+
+def free_residual_slots(pool, rids: list[str]) -> None:
+    if pool.residual_slots is not None:
+        for rid in rids:
+            pool.residual_slots.release(rid)
+
+
 def decode_point(runner, batch: int, ctx: int, steps: int) -> float:
     """tok/s of ``steps`` decode steps of ``batch`` requests at context ``ctx`` (pages filled;
     3 untimed steps first)."""
@@ -81,6 +102,7 @@ def decode_point(runner, batch: int, ctx: int, steps: int) -> float:
     tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
     rids = [f"bench{i}" for i in range(batch)]
     sliding_tables(runner.pool, rids, ctx, ctx + steps + 4, runner.config.max_num_batched_tokens)
+    hold_residual_slots(runner.pool, rids)
     rng = np.random.default_rng(0)
     first_ids = rng.integers(0, runner.hf_config.vocab_size, batch, dtype=np.int64)
     lens = [ctx] * batch
@@ -107,6 +129,7 @@ def decode_point(runner, batch: int, ctx: int, steps: int) -> float:
             _sync(runner)
     finally:
         free_sliding(runner.pool, rids)
+        free_residual_slots(runner.pool, rids)
     return batch * steps / (time.perf_counter() - t0)
 
 
@@ -121,6 +144,7 @@ def prefill_point(runner, n: int, repeats: int = 8) -> float:
     rid = "bench-prefill"
     if runner.pool.sliding_pages is not None:  # the sliding layers' pages of the prompt
         runner.pool.sliding_pages.reserve(rid, 0, n)
+    hold_residual_slots(runner.pool, [rid])
     rng = np.random.default_rng(1)
     plan = StepPlan(rng.integers(0, runner.hf_config.vocab_size, n, dtype=np.int64),
                     np.arange(n, dtype=np.int64), [n], [n], [pages], [rid], [], [n - 1], [])
@@ -134,4 +158,5 @@ def prefill_point(runner, n: int, repeats: int = 8) -> float:
             times.append(time.perf_counter() - t0)
     finally:
         free_sliding(runner.pool, [rid])
+        free_residual_slots(runner.pool, [rid])
     return n / min(times[1:])

@@ -2,7 +2,8 @@
 
 ``DecodeGraphs`` owns static input buffers (token ids, positions, and the attention metadata
 tensors: cu_seqlens_q, kv_lens, block_table, slot_mapping; for a pool whose sliding layers have
-a page space of their own, the sliding block table and slot mapping too) and one graph per batch
+a page space of their own, the sliding block table and slot mapping too; for the int4 pool each
+row's residual slot) and one graph per batch
 size in ``capture_sizes(max_bs)``. A step of bs requests runs the smallest captured size >= bs;
 padded rows get q_len 1, kv_len 1, a block-table row of page 0 and slot -1 (nothing stored),
 and their outputs are dropped. Before every replay the backend is
@@ -15,10 +16,13 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from kvfit.attention.base import AttentionMetadata, SlidingTables
 from kvfit.engine.graph_staging import DecodeStaging
+from kvfit.kvcache.int4_residual import graph_residual_plan
+from kvfit.transfer import to_device
 from kvfit.kvcache.sliding_pages import FREED, first_live_position
 
 log = logging.getLogger("kvfit")
@@ -68,6 +72,9 @@ class DecodeGraphs:
         self.kv_lens = self.staging.kv_lens
         self.block_table = self.staging.block_table
         self.slot_mapping = self.staging.slot_mapping
+        # the int4 pool: each row's residual slot (-1: a padding row, which stores nothing)
+        self.residual_slots = (None if ctx.pool.residual_slots is None else
+                               torch.full((max_bs,), -1, dtype=torch.int32, device=dev))
         # known before any forward; a tensor-parallel rank runs its share of the heads
         self.backend.num_q_heads = getattr(model, "num_q_heads_per_rank",
                                            model.config.num_attention_heads)
@@ -89,11 +96,14 @@ class DecodeGraphs:
                      for kv in kv_lens_cpu]
             swa = SlidingTables(st.block_tables[1][:bs], st.slot_mappings[1][:bs],
                                 num_pages_cpu, first)
+        residual = None
+        if self.residual_slots is not None:
+            residual = graph_residual_plan(self.residual_slots[:bs], bs)
         return AttentionMetadata(
             cu_seqlens_q=self.cu_seqlens[: bs + 1], kv_lens=self.kv_lens[:bs],
             block_table=self.block_table[:bs], slot_mapping=self.slot_mapping[:bs],
             q_lens_cpu=[1] * bs, kv_lens_cpu=kv_lens_cpu, num_pages_cpu=num_pages_cpu,
-            is_decode=True, num_real_reqs=num_real, swa=swa)
+            is_decode=True, num_real_reqs=num_real, swa=swa, residual=residual)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -125,14 +135,17 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_lens_cpu: list[int],
             page_tables: list[list[int]],
-            swa_tables: list[list[int]] | None = None) -> torch.Tensor:
+            swa_tables: list[list[int]] | None = None,
+            residual_slots: list[int] | None = None) -> torch.Tensor:
         """One decode step of ``bs = len(kv_lens_cpu)`` requests -> hidden ``[bs, hidden]``.
 
         kv_lens_cpu[i] counts request i's tokens after this step (its new token included);
         page_tables[i] lists its pages; ``swa_tables[i]`` its sliding page list
         (``SlidingWindowPages.table``, ``FREED`` entries allowed) when the pool has sliding
-        pages. Mutates the static buffers and the KV pool. One host->device copy (pinned,
-        non-blocking; ``DecodeStaging``, both page tables in it) and no device->host sync."""
+        pages; ``residual_slots[i]`` its residual slot when the pool is the int4 pool. Mutates
+        the static buffers and the KV pool. One host->device copy (pinned, non-blocking;
+        ``DecodeStaging``, both page tables in it; the int4 pool's slots a second one) and no
+        device->host sync."""
         bs = len(kv_lens_cpu)
         gbs = self._size_for(bs)
         swa = None
@@ -142,6 +155,13 @@ class DecodeGraphs:
                                  "swa_tables (pool.sliding_pages.table(request_id) each)")
             swa = sliding_rows(self.sliding, swa_tables)
         _, n_pages, kv_all = self.staging.stage(kv_lens_cpu, page_tables, gbs, swa)
+        if self.residual_slots is not None:
+            if residual_slots is None or len(residual_slots) != bs:
+                raise ValueError("the int4 pool's decode graphs need each request's residual "
+                                 "slot (pool.residual_slots.slot(request_id))")
+            host = np.full(gbs, -1, dtype=np.int32)
+            host[:bs] = residual_slots
+            self.residual_slots[:gbs].copy_(to_device(host, self.device), non_blocking=True)
         self.input_ids[:bs].copy_(input_ids)
         self.positions[:bs].copy_(positions)
         if gbs > bs:

@@ -392,7 +392,7 @@ class ModelRunner:
         lookups = plan.lookups or request_lookups(self.pool, plan.request_ids)
         if self.graphs is not None and all(q == 1 for q in q_lens) and self.graphs.can_run(bs):
             hidden = self.graphs.run(input_ids, positions, kv_lens, plan.tables,
-                                     lookups.swa_tables)
+                                     lookups.swa_tables, lookups.residual_slots)
         elif self.prefill_graphs is not None and self.prefill_graphs.bucket_for(q_lens):
             hidden = self.prefill_graphs.run(input_ids, positions, q_lens, kv_lens, plan.tables)
         else:

@@ -3,7 +3,8 @@
 Per layer (HND, pages of 32 tokens = the K quantization group; kvcache/kivi.py quantizes):
 
 * ``k_caches``  uint8 ``[num_pages, Hkv, P, D/2]``, ``k_scale_caches``/``k_zero_caches`` float16
-  ``[num_pages, Hkv, D]`` (K per channel over the page's 32 tokens);
+  ``[num_pages, Hkv, D]`` (K per channel over the page's 32 tokens), the even channels' first,
+  then the odd ones' (``kivi.evens_first``: what the low, then the high nibbles need);
 * ``v_caches``  uint8 ``[num_pages, Hkv, P, D/2]``, ``v_scale_caches``/``v_zero_caches`` float16
   ``[num_pages, Hkv, P, D/32]`` (V per token in groups of 32 channels);
 * ``k_residual``/``v_residual`` ``[num_slots, Hkv, P, D]`` in the compute dtype: each running
@@ -26,8 +27,8 @@ import torch
 from kvfit.errors import KVBudgetError
 from kvfit.kvcache.dtypes import KVFormat
 from kvfit.kvcache.int4_residual import ResidualPlan, ResidualSlots
-from kvfit.kvcache.kivi import (GROUP, dequantize_k_page, dequantize_v_tokens, quantize_k_page,
-                                quantize_v_tokens)
+from kvfit.kvcache.kivi import (GROUP, channel_order, dequantize_k_page, dequantize_v_tokens,
+                                evens_first, quantize_k_page, quantize_v_tokens)
 from kvfit.kvcache.pool import KVPool
 from kvfit.kvcache.sizing import GiB, PoolSizing, SizingLimits
 from kvfit.kvcache.spec import (KVLayerSpec, residual_bytes, solve_num_pages,
@@ -159,8 +160,8 @@ class Int4KVCache(KVPool):
             vq, vscale, vzero = quantize_v_tokens(vs)
             pages = plan.full_pages
             self.k_caches[layer_id][pages] = kq
-            self.k_scale_caches[layer_id][pages] = kscale
-            self.k_zero_caches[layer_id][pages] = kzero
+            self.k_scale_caches[layer_id][pages] = evens_first(kscale)
+            self.k_zero_caches[layer_id][pages] = evens_first(kzero)
             self.v_caches[layer_id][pages] = vq
             self.v_scale_caches[layer_id][pages] = vscale
             self.v_zero_caches[layer_id][pages] = vzero
@@ -177,8 +178,10 @@ class Int4KVCache(KVPool):
         """
         nfull, tail = divmod(length, self.page_size)
         full = pages[:nfull]
-        k = dequantize_k_page(self.k_caches[layer_id][full], self.k_scale_caches[layer_id][full],
-                              self.k_zero_caches[layer_id][full], dtype)  # [n, H, P, D]
+        k = dequantize_k_page(self.k_caches[layer_id][full],
+                              channel_order(self.k_scale_caches[layer_id][full]),
+                              channel_order(self.k_zero_caches[layer_id][full]),
+                              dtype)  # [n, H, P, D]
         v = dequantize_v_tokens(self.v_caches[layer_id][full],
                                 self.v_scale_caches[layer_id][full],
                                 self.v_zero_caches[layer_id][full], dtype)

@@ -81,6 +81,7 @@ class ResidualPlan:
     stage_new_* [N]:      staged rows from this step's tokens: staged page index, offset, token.
     tail_* [M]:           tokens that go to residual slots: token index, slot, offset.
     slots_cpu:            each request's residual slot (-1 for padding rows), for readers.
+    slots:                the same as a device tensor, int32 ``[B]`` (the triton decode reads it).
     """
 
     full_pages: torch.Tensor
@@ -94,6 +95,7 @@ class ResidualPlan:
     tail_slot: torch.Tensor
     tail_off: torch.Tensor
     slots_cpu: list[int]
+    slots: torch.Tensor
 
     @property
     def num_full_pages(self) -> int:
@@ -136,5 +138,16 @@ def plan_residual_store(q_lens: Sequence[int], kv_lens: Sequence[int],
         return list(to_device(np.ascontiguousarray(a), device))
 
     full_pages = to_device(np.concatenate(full) if full else np.zeros(0, np.int64), device)
+    slots_cpu = [int(s) for s in slots]
     return ResidualPlan(full_pages, *rows(res, 3), *rows(new, 3), *rows(tail, 3),
-                        slots_cpu=[int(s) for s in slots])
+                        slots_cpu=slots_cpu,
+                        slots=to_device(np.asarray(slots_cpu, dtype=np.int32), device))
+
+
+def graph_residual_plan(slots: torch.Tensor, batch: int) -> ResidualPlan:
+    """The residual plan of a CUDA-graph decode step: ``slots`` ``[batch]`` int32, a static
+    device buffer the graph runner fills each step (-1: padding). Decode steps store through
+    ``kernels/int4_store.py``, which reads only the slots; the index lists are empty and
+    ``slots_cpu`` is all -1 (the host does not know the replayed step's slots)."""
+    empty = torch.zeros(0, dtype=torch.int64, device=slots.device)
+    return ResidualPlan(empty, *(empty,) * 9, slots_cpu=[-1] * batch, slots=slots)

@@ -36,9 +36,23 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((lo, hi), dim=-1).flatten(-2)  # [..., D/2, 2] -> [..., D]
 
 
+def evens_first(x: torch.Tensor) -> torch.Tensor:
+    """``[..., D]`` in channel order -> the even channels, then the odd ones (the int4 pool's
+    order of K's per-channel scale and zero: a nibble half's values are contiguous)."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+def channel_order(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``evens_first``."""
+    half = x.shape[-1] // 2
+    return torch.stack((x[..., :half], x[..., half:]), dim=-1).flatten(-2)  # [..., D/2, 2]
+
+
 def _scale_zero(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float16 scale and zero of groups with float32 minimum ``lo`` and maximum ``hi``."""
-    scale = ((hi - lo) / 15).clamp(MIN_SCALE, F16_MAX).to(torch.float16)
+    # a tensor divisor: torch divides by a Python scalar on CUDA as a multiply by its reciprocal,
+    # which is not the IEEE quotient the kernels (div_rn) and the CPU compute
+    scale = ((hi - lo) / hi.new_full((), 15.0)).clamp(MIN_SCALE, F16_MAX).to(torch.float16)
     zero = lo.clamp(-F16_MAX, F16_MAX).to(torch.float16)
     return scale, zero
 

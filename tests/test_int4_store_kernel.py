@@ -1,0 +1,28 @@
+"""The int4 decode-step store kernel under the Triton interpreter (CPU): the same bytes as the
+torch store (``Int4KVCache.store_step``) in float32 and bfloat16. Runs in a subprocess because
+TRITON_INTERPRET must be set before Triton is imported."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+HERE = Path(__file__).parent
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int4_decode_store_kernel_equals_the_torch_store(dtype):
+    code = ("import torch; from int4_store_check import run_store_check; "
+            f"bad = run_store_check(torch.device('cpu'), torch.{dtype}); "
+            "assert not bad, bad")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
