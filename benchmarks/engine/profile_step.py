@@ -138,6 +138,8 @@ def engine_points():
         parts = "  ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in times.items())
         print(f"== engine decode bs={bs} T={temp}: {wall * 1e3:.2f} ms/step, "
               f"{bs / wall:.0f} tok/s; ms/step: {parts}")
+        if bs > 1:  # the kernels of whole engine steps (forward, sampler, copies)
+            report(f"engine steps bs={bs} T={temp} {KVD}", kernels_of(eng.step))
         while eng.has_unfinished_requests():
             eng.step()
 

@@ -90,7 +90,7 @@ class LLM:
         out0 = self.engine.generation_tokens_total
         wanted = set(ids)
         while wanted - done.keys():
-            for out in self.engine.step():
+            for out in self.engine.step(final_only=True):
                 if out.finished and out.request_id in wanted:
                     done[out.request_id] = out
                     if bar is not None:

@@ -108,3 +108,42 @@ def test_cuda_distribution_top_k_top_p_min_p():
     chi2 = float(((counts[live] - expected[live]) ** 2 / expected[live]).sum())
     crit = df * (1 - 2 / (9 * df) + 3.719 * math.sqrt(2 / (9 * df))) ** 3
     assert df >= 3 and chi2 < crit, (chi2, df)
+
+
+def test_fused_draw_equals_torch_ops_on_cuda(monkeypatch):
+    """The fused draw (kernels/sampling.py, the CUDA default) picks the tokens of the torch ops
+    (``sampler.FUSED = False``) on the same logits and seeds, at the real vocabulary size."""
+    from kvfit.engine.sampling import sampler as sampler_mod
+
+    n = 96
+    params = _mixed_params(n)
+    seeds, positions = [77 + 13 * i for i in range(n)], [9 + i for i in range(n)]
+    logits = _logits(n, 6)
+    fused = _run(logits, params, seeds, positions).token_ids.tolist()
+    monkeypatch.setattr(sampler_mod, "FUSED", False)
+    ops = _run(logits, params, seeds, positions).token_ids.tolist()
+    assert fused == ops
+
+
+def test_cuda_distribution_temperature_only():
+    """Plain temperature (the fused draw's one-pass path) against the exact softmax, with the
+    mass spread over the whole 151,936-token row (every chunk)."""
+    g = torch.Generator().manual_seed(8)
+    row = torch.randn(V, generator=g) * 0.5
+    hot = torch.randint(0, V, (20,), generator=g)
+    row[hot] += 9 + torch.rand(20, generator=g)
+    p = SP(temperature=0.7)
+    draws = 8_000
+    logits = row.cuda().expand(draws, V).contiguous()
+    ids = _run(logits, [p] * draws, list(range(draws)), [17] * draws).token_ids.cpu()
+    probs = torch.softmax(row.double() / p.temperature, 0)
+    counts = torch.bincount(ids, minlength=V).double()
+    hot = hot.unique()
+    cold = torch.ones(V, dtype=torch.bool)
+    cold[hot] = False
+    obs = torch.cat([counts[hot], counts[cold].sum()[None]])
+    exp = torch.cat([probs[hot], probs[cold].sum()[None]]) * draws
+    df = len(hot)
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    crit = df * (1 - 2 / (9 * df) + 3.719 * math.sqrt(2 / (9 * df))) ** 3
+    assert chi2 < crit, (chi2, df)

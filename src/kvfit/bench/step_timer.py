@@ -45,10 +45,10 @@ class StepTimer:
             self._batch = (dec, pre, len(sched.running), len(sched.waiting))
             return batch
 
-        def timed_step():
+        def timed_step(*args, **kwargs):
             t0 = time.perf_counter()
             self._batch = None
-            out = step()
+            out = step(*args, **kwargs)
             dt = time.perf_counter() - t0
             idle = not engine.has_unfinished_requests()
             self.rows.append((t0, dt) + (self._batch or (0, 0, 0, 0)) + (int(idle),))

@@ -22,15 +22,18 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
 
-    def update(self, ids: list[int], final: bool = False) -> str:
-        """Account for ``ids`` (all output tokens so far); returns the text (mutates self)."""
-        if self.tokenizer is None or len(ids) == self._read:
+    def update(self, ids: list[int], final: bool = False, n: int | None = None) -> str:
+        """Account for ``ids[:n]`` (all output tokens so far; ``n`` defaults to ``len(ids)``, so
+        the caller can pass its live list without copying it); returns the text (mutates
+        self)."""
+        n = len(ids) if n is None else n
+        if self.tokenizer is None or n == self._read:
             return self.text
         prefix_text = self._decode(ids[self._prefix:self._read])
-        new_text = self._decode(ids[self._prefix:])
+        new_text = self._decode(ids[self._prefix:n])
         if len(new_text) > len(prefix_text) and (final or not new_text.endswith("\ufffd")):
             self.text += new_text[len(prefix_text):]
-            self._prefix, self._read = self._read, len(ids)
+            self._prefix, self._read = self._read, n
         elif final:
-            self._prefix = self._read = len(ids)
+            self._prefix = self._read = n
         return self.text

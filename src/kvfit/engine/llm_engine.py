@@ -172,8 +172,11 @@ class LLMEngine:
                 "pages_cached": cache.num_cached if cache else 0}
 
     # -- the step -------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Schedule and launch one step; return the outputs of the step whose ids are read.
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Schedule and launch one step; return the outputs of the step whose ids are read
+        (``final_only``: only those of requests that finished, as vLLM's ``FINAL_ONLY`` output
+        kind: an offline caller that reads nothing else skips building a RequestOutput, with
+        copies of the output so far, per running request and step).
 
         Synchronous (``async_scheduling`` off): launch step N, wait, process N. Overlapped (on,
         the CUDA default): launch N, then process N-1 while the GPU runs N, so the host's
@@ -187,15 +190,15 @@ class LLMEngine:
         if self._inflight is not None and any(r.grammar is not None for r, _ in items):
             # structured output: the next mask needs the grammar to have accepted the pending
             # token, so read the in-flight step first (requests it finished drop out)
-            outputs = self._process(self._inflight)
+            outputs = self._process(self._inflight, final_only)
             self._inflight = None
             items = [(r, n) for r, n in items if not r.finished]
         launched = self._launch(items) if items else None
         if self._inflight is not None:
-            outputs = self._process(self._inflight)
+            outputs = self._process(self._inflight, final_only)
         self._inflight = launched
         if not self.overlap and launched is not None:
-            outputs += self._process(launched)
+            outputs += self._process(launched, final_only)
             self._inflight = None
         return outputs
 
@@ -233,7 +236,7 @@ class LLMEngine:
             req.pending_row = row
         return InFlightStep(list(items), samplers, sampled, ids_host, event, result.prompt_rows)
 
-    def _process(self, step: InFlightStep) -> list[RequestOutput]:
+    def _process(self, step: InFlightStep, final_only: bool = False) -> list[RequestOutput]:
         """Read a launched step's ids (waits for its copy), record prompt logprobs, append the
         tokens, run stop checks, finish and free what stopped; the outputs of live requests."""
         tokens = step.wait_ids()
@@ -256,7 +259,8 @@ class LLMEngine:
                 continue
             done = req.grammar is not None and self._structured.accept(req.grammar, tok)
             self._append(req, tok, logprobs.get(row), now, grammar_done=done)
-            outputs.append(self._output(req))
+            if req.finished or not final_only:
+                outputs.append(self._output(req))
         return outputs
 
     def _append(self, req: Request, tok: int, lp: Optional[dict[int, float]], now: float,
@@ -266,9 +270,9 @@ class LLMEngine:
         (``grammar_done``: its grammar completed)."""
         p = req.params
         k = req.num_output_confirmed
-        req.output_token_ids[k] = tok
+        out_ids = req.output_token_ids  # confirmed: out_ids[:k + 1] (no per-step copy)
+        out_ids[k] = tok
         req.num_pending -= 1
-        confirmed = req.output_token_ids[: k + 1]
         self.generation_tokens_total += 1
         if req.t_first_token is None:
             req.t_first_token = now
@@ -280,7 +284,7 @@ class LLMEngine:
             reason, stop_reason = "stop", tok
         elif not p.ignore_eos and tok in self.eos_ids or grammar_done:
             reason = "stop"
-        full = req.detok.update(confirmed, final=reason is not None)
+        full = req.detok.update(out_ids, final=reason is not None, n=k + 1)
         if reason is None and p.stop:
             tail = max(0, len(req.text) - max(len(x) for x in p.stop))
             for stop in p.stop:
@@ -289,11 +293,11 @@ class LLMEngine:
                     full = full[:at]
                     reason, stop_reason = "stop", stop
                     break
-        if reason is None and (len(confirmed) >= p.max_tokens
-                               or req.num_prompt_tokens + len(confirmed) >= self.max_model_len):
+        if reason is None and (k + 1 >= p.max_tokens
+                               or req.num_prompt_tokens + k + 1 >= self.max_model_len):
             reason = "length"
         if reason == "length":
-            full = req.detok.update(confirmed, final=True)
+            full = req.detok.update(out_ids, final=True, n=k + 1)
         if reason is None:
             # while running, hold back what could be the start of a stop string
             hold = max((len(x) for x in p.stop), default=1) - 1

@@ -8,6 +8,7 @@ without ever asking the device.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -27,13 +28,10 @@ class SamplingBatch:
 
     num_rows: int
     vocab_size: int
-    # device tensors, [N] each; None when every row is greedy
-    greedy: Optional[torch.Tensor]  # bool: temperature < 1e-5 (argmax)
-    temperature: Optional[torch.Tensor]  # float32, 1.0 on greedy rows
-    top_k: Optional[torch.Tensor]  # int64 in [1, V]; V when off
-    top_p: Optional[torch.Tensor]  # float32 in (0, 1]; 1 when off
-    min_p: Optional[torch.Tensor]  # float32 in [0, 1]; 0 when off
-    uniform: Optional[torch.Tensor]  # float64 in (0, 1): the draw, a function of (seed, position)
+    # device float64 [6, N]: temperature (1.0 on greedy rows), top_p (1 when off), min_p (0 when
+    # off), top_k (V when off), greedy (1.0: temperature < 1e-5, argmax), uniform (the draw, a
+    # function of (seed, position)); None when every row is greedy. One host->device copy.
+    params: Optional[torch.Tensor]
     # host-side decisions (no device sync needed to make them)
     all_greedy: bool
     any_greedy: bool
@@ -49,6 +47,32 @@ class SamplingBatch:
     logprob_counts: list[int]
     logprob_index: Optional[torch.Tensor]  # int64 [M] on the device: logprob_rows
 
+    # per-row views of ``params`` in the dtypes the torch path computes with (built on first
+    # use: the fused CUDA draw reads ``params`` itself and never needs them)
+    @functools.cached_property
+    def temperature(self) -> torch.Tensor:
+        return self.params[0].float()  # [N] float32
+
+    @functools.cached_property
+    def top_p(self) -> torch.Tensor:
+        return self.params[1].float()  # [N] float32
+
+    @functools.cached_property
+    def min_p(self) -> torch.Tensor:
+        return self.params[2].float()  # [N] float32
+
+    @functools.cached_property
+    def top_k(self) -> torch.Tensor:
+        return self.params[3].long()  # [N] int64
+
+    @functools.cached_property
+    def greedy(self) -> torch.Tensor:
+        return self.params[4] > 0.5  # [N] bool
+
+    @property
+    def uniform(self) -> torch.Tensor:
+        return self.params[5]  # [N] float64
+
     @staticmethod
     def build(params: Sequence[SamplingParams], seeds: Sequence[int], positions: Sequence[int],
               vocab_size: int, device: torch.device | str) -> "SamplingBatch":
@@ -60,46 +84,39 @@ class SamplingBatch:
         # greedy rows filter nothing; as in vLLM, temperatures below 1e-5 are greedy (x / T would
         # overflow float32 and the distribution is the argmax anyway)
         greedy = raw[:, 0] < _GREEDY_BELOW
-        temperature = np.where(greedy, 1.0, raw[:, 0])
-        top_p = np.where(greedy, 1.0, raw[:, 1])
-        min_p = np.where(greedy, 0.0, raw[:, 2])
-        top_k = np.where(greedy | (raw[:, 3] <= 0), v, np.minimum(raw[:, 3], v))
-        sort_mask = (top_k < v) | (top_p < 1.0)
-        sort_rows = np.flatnonzero(sort_mask)
-        need_full = bool((sort_mask & (top_k >= v)).any())  # top-p without top-k sees all tokens
-        k_max = v if need_full else int(top_k[sort_rows].max(initial=0))
         all_greedy = bool(greedy.all())
         dev = torch.device(device)
         packed = None  # an all-greedy step needs no per-row tensors: argmax only
+        any_min_p, sort_rows, k_max = False, np.zeros(0, dtype=np.int64), 0
         if not all_greedy:
+            temperature = np.where(greedy, 1.0, raw[:, 0])
+            top_p = np.where(greedy, 1.0, raw[:, 1])
+            min_p = np.where(greedy, 0.0, raw[:, 2])
+            top_k = np.where(greedy | (raw[:, 3] <= 0), v, np.minimum(raw[:, 3], v))
+            sort_mask = (top_k < v) | (top_p < 1.0)
+            sort_rows = np.flatnonzero(sort_mask)
+            need_full = bool((sort_mask & (top_k >= v)).any())  # top-p alone sees all tokens
+            k_max = v if need_full else int(top_k[sort_rows].max(initial=0))
+            any_min_p = bool((min_p > 0.0).any())
             u = uniforms(seeds, positions)
-            packed = to_device(torch.from_numpy(
-                np.stack([temperature, top_p, min_p, top_k, greedy, u])), dev)  # [6, N] float64
+            packed = to_device(np.stack([temperature, top_p, min_p, top_k, greedy, u]),
+                               dev)  # [6, N] float64
 
         bias = [(i, t, b) for i, p in enumerate(params) if p.logit_bias is not None
                 for t, b in p.logit_bias.items()]
         bias_t = None
         if bias:
             rows, toks, vals = zip(*bias)
-            bias_t = (to_device(torch.tensor(rows, dtype=torch.int64), dev),
-                      to_device(torch.tensor(toks, dtype=torch.int64), dev),
-                      to_device(torch.tensor(vals, dtype=torch.float32), dev))
+            idx = to_device(np.array([rows, toks], dtype=np.int64), dev)  # [2, B]
+            bias_t = (idx[0], idx[1], to_device(np.array(vals, dtype=np.float32), dev))
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         return SamplingBatch(
-            num_rows=n, vocab_size=v,
-            greedy=None if packed is None else packed[4] > 0.5,
-            temperature=None if packed is None else packed[0].float(),
-            top_k=None if packed is None else packed[3].long(),
-            top_p=None if packed is None else packed[1].float(),
-            min_p=None if packed is None else packed[2].float(),
-            uniform=None if packed is None else packed[5],
-            all_greedy=all_greedy, any_greedy=bool(greedy.any()),
-            any_min_p=bool((min_p > 0.0).any()),
-            sort_rows=(to_device(torch.from_numpy(sort_rows.astype(np.int64)), dev)
-                       if sort_rows.size else None),
+            num_rows=n, vocab_size=v, params=packed,
+            all_greedy=all_greedy, any_greedy=bool(greedy.any()), any_min_p=any_min_p,
+            sort_rows=to_device(sort_rows.astype(np.int64), dev) if sort_rows.size else None,
             num_candidates=k_max,
             bias_rows=bias_t[0] if bias_t else None, bias_tokens=bias_t[1] if bias_t else None,
             bias_values=bias_t[2] if bias_t else None,
             logprob_rows=lp_rows, logprob_counts=[params[i].logprobs for i in lp_rows],
-            logprob_index=(to_device(torch.tensor(lp_rows, dtype=torch.int64), dev)
+            logprob_index=(to_device(np.array(lp_rows, dtype=np.int64), dev)
                            if lp_rows else None))

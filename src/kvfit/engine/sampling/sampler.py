@@ -104,22 +104,30 @@ def _cutoffs(x: torch.Tensor, batch: SamplingBatch) -> Optional[torch.Tensor]:
     if batch.sort_rows is None:
         return cut
     rows = batch.sort_rows
-    xs = x.index_select(0, rows)  # [S, V]
+    return cut.index_copy(0, rows, _sorted_cutoffs(x.index_select(0, rows), batch))
+
+
+def _sorted_cutoffs(xs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """xs [S, V]: the temperature-scaled rows ``batch.sort_rows`` -> float32 [S]: the value of
+    the last candidate (descending) that top-k, min-p and top-p all keep."""
+    rows = batch.sort_rows
     k = batch.num_candidates
-    if k < x.shape[-1]:
+    if k < xs.shape[-1]:
         vals = torch.topk(xs, k, dim=-1, sorted=True).values  # [S, K] descending
     else:
         vals = torch.sort(xs, dim=-1, descending=True).values  # [S, V]
     top_k = batch.top_k.index_select(0, rows).clamp(max=k)
     kth = vals.gather(1, (top_k - 1).unsqueeze(1))  # [S, 1]
-    keep = (vals >= kth) & (vals >= cut.index_select(0, rows).unsqueeze(1))  # a prefix of vals
+    keep = vals >= kth  # a prefix of vals
+    if batch.any_min_p:  # p >= min_p * p_max  <=>  x >= x_max + log(min_p); vals[:, 0] = max
+        keep &= vals >= (vals[:, :1] + torch.log(batch.min_p.index_select(0, rows)).unsqueeze(1))
     probs = torch.softmax(vals.masked_fill(~keep, _NEG_INF), dim=-1)  # renormalised over keep
     before = probs.cumsum(dim=-1) - probs  # mass strictly before each candidate
     top_p = batch.top_p.index_select(0, rows)
     top_p = torch.where(top_p < 1.0, top_p, torch.full_like(top_p, 2.0)).unsqueeze(1)  # 1 = off
     keep &= before < top_p  # still a prefix; position 0 always stays
     last = (keep.sum(dim=-1) - 1).clamp(min=0)
-    return cut.index_copy(0, rows, vals.gather(1, last.unsqueeze(1)).squeeze(1))
+    return vals.gather(1, last.unsqueeze(1)).squeeze(1)
 
 
 def _draw(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -131,6 +139,23 @@ def _draw(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     probs = torch.softmax(x, dim=-1)  # NaN only on rows with nothing allowed (replaced later)
     return _inverse_cdf(probs, batch.uniform)
 
+
+def _draw_fused(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The CUDA path of ``_draw`` (greedy rows and rows with nothing allowed included: they get
+    the argmax): kernels/sampling.py, plus the sort for top-k / top-p rows in torch."""
+    from kvfit.kernels.sampling import draw
+
+    cut = None
+    if batch.sort_rows is not None:
+        rows = batch.sort_rows
+        xs = x.index_select(0, rows) / batch.temperature.index_select(0, rows).unsqueeze(1)
+        cut = torch.full((x.shape[0],), _NEG_INF, device=x.device).index_copy_(
+            0, rows, _sorted_cutoffs(xs, batch))
+    return draw(x, batch.params, cut, batch.any_min_p)
+
+
+# the CUDA draw: kernels/sampling.py (False: the torch ops below, as on the CPU)
+FUSED = True
 
 _BLOCK = 128  # tokens per block of the two-level CDF (divides 151,936, 128,256 and 49,152)
 
@@ -174,6 +199,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     x = processed_logits(logits, batch, token_bitmask)
     if batch.all_greedy:
         ids = x.argmax(dim=-1)
+    elif x.is_cuda and FUSED:
+        ids = _draw_fused(x, batch)
     else:
         ids = _draw(x, batch)
         # only a bitmask can leave a row with nothing allowed (biases are finite)
