@@ -67,6 +67,22 @@ def test_allocator_shares_caches_and_evicts_lru():
     assert a.num_cached == 0 and a.lookup(keys) == []
 
 
+def test_allocator_reset_forgets_cached_pages_but_not_pages_in_use():
+    a = PrefixCachingAllocator(6, _identity())
+    tokens = random.Random(5).sample(range(1000), 8)
+    keys: list[bytes] = []
+    extend_page_keys(keys, a.root, lambda s, e: tokens[s:e], 8, PAGE)
+    pages = a.allocate(2)
+    for p, k in zip(pages, keys):
+        assert a.register(p, k)
+    a.free(pages[1:])  # page 1: evictable; page 0: still used by its request
+    assert a.reset() == 2
+    assert a.num_cached == 0 and a.lookup(keys) == [] and a.num_evictable == 0
+    assert a.ref_count(pages[0]) == 1 and a.ref_count(pages[1]) == 0
+    a.free(pages[:1])
+    assert a.num_free == 6 and all(a.ref_count(p) == 0 for p in range(6))
+
+
 def test_keys_chain_over_the_whole_prefix_and_the_kv_identity():
     toks = list(range(100, 116))
     k1, k2, k3 = [], [], []
@@ -147,6 +163,17 @@ def test_shared_prefix_batch_equals_caching_off(on, off, prompts):
     assert s["prefix_cache_queries"] - q0 == sum(map(len, prompts))
     assert s["prefix_cache_hits"] - h0 == sum(o.num_cached_tokens for o in outs)
     assert s["pages_cached"] > 0
+    _check_pages_returned(on)
+
+
+def test_reset_prefix_cache_makes_the_next_request_prefill(on, prompts):
+    first = on.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
+    again = on.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0
+    assert on.reset_prefix_cache() and on.engine.stats()["pages_cached"] == 0
+    after = on.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
+    assert after.num_cached_tokens == 0
+    assert list(after.outputs[0].token_ids) == list(first.outputs[0].token_ids)
     _check_pages_returned(on)
 
 

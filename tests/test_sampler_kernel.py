@@ -32,6 +32,8 @@ def small_chunks(monkeypatch):
     """Several chunks per row at a small vocabulary (the last one partial), as at 151,936."""
     monkeypatch.setattr(kern, "CHUNK", 128)
     monkeypatch.setattr(kern, "BLOCK", 32)
+    monkeypatch.setattr(kern, "TOP_P_CHUNK", 64)
+    monkeypatch.setattr(kern, "TOP_P_CAP", 64)
 
 
 def _fused(logits, batch):
@@ -101,3 +103,30 @@ def test_fused_draw_reads_16_bit_logits():
     logits = (torch.randn(n, vocab, generator=g) * 3).bfloat16()
     b = _batch(params, list(range(n)), [3] * n, vocab)
     assert _fused(logits, b).tolist() == sample(logits, b).token_ids.tolist()
+
+
+def test_top_p_alone_cutoff_equals_the_sort():
+    """Rows with top-p and no top-k take their cutoff from the pivot kernel, not a sort: the
+    same cutoff value as the torch sort on every row, min-p or not, and the same tokens; a row
+    whose values all tie at the cutoff keeps them all (more tied values than the kernel's
+    candidate buffer)."""
+    g = torch.Generator().manual_seed(9)
+    vocab, n = 300, 10
+    kinds = [SP(temperature=0.8, top_p=0.9), SP(temperature=1.0, top_p=0.5, min_p=0.05),
+             SP(temperature=0.6, top_p=0.99), SP(temperature=1.3, top_p=0.3),
+             SP(temperature=0.7)]
+    params = [kinds[i % len(kinds)] for i in range(n)]
+    logits = torch.randn(n, vocab, generator=g) * 3
+    logits[3] = 1.5  # every value tied: all 300 stay candidates
+    b = _batch(params, list(range(n)), list(range(n)), vocab)
+    assert b.top_p_rows is not None and b.top_k_rows is None
+    cut = torch.full((n,), float("-inf"))
+    got = kern.draw(logits, b.params, cut, b.any_min_p, b.top_p_rows).tolist()
+    want_cut = sampler_mod._cutoffs(logits / b.temperature.unsqueeze(1), b)
+    for r in b.top_p_rows.tolist():
+        assert cut[r].item() == want_cut[r].item(), r
+    assert got == sample(logits, b).token_ids.tolist()
+    tied = kern.draw(logits[3:4].expand(64, vocab).contiguous(),
+                     _batch([params[3]] * 64, list(range(64)), [1] * 64, vocab).params, None,
+                     False, torch.zeros(64, dtype=torch.int64).add_(torch.arange(64)))
+    assert len(set(tied.tolist())) > 40  # all 300 tokens candidates: many distinct draws

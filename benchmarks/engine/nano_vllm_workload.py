@@ -3,7 +3,9 @@
 randint(100, 1024) tokens with ignore_eos, Python ``random.seed(0)`` as nano-vllm draws them.
 Prints output tok/s = sum(max_tokens) / wall time of one ``generate`` after a warm-up on a
 slice of the workload (Triton compiles kernel variants on first use: an unwarmed first pass
-measured 26% low on the H200).
+measured 26% low on the H200). The prefix cache is reset before each timed pass: passes repeat
+the same prompts, which would otherwise be cached (before 2026-12-02 they were, so the second
+and later passes of one process skipped most of their prefill).
 
 Usage: python3 nano_vllm_workload.py [--kv-dtype fp8] [--temperature 0.6] [engine flags ...]
 """
@@ -46,6 +48,7 @@ for temp, overlap in passes:
     eng.overlap = overlap  # safe between generate calls: no step is in flight
     run_sps = [SamplingParams(temperature=temp, ignore_eos=True, max_tokens=sp.max_tokens)
                for sp in sps]
+    llm.reset_prefix_cache()  # every pass prefills its prompts (passes repeat them)
     t = time.perf_counter()
     llm.generate(prompts, run_sps, use_tqdm=False)
     t = time.perf_counter() - t

@@ -156,6 +156,15 @@ class LLMEngine:
     def prefix_caching(self) -> bool:
         return isinstance(self.allocator, PrefixCachingAllocator)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (running requests keep their pages): later requests
+        prefill from scratch, as on a fresh engine (benchmarks that repeat a workload). False when
+        prefix caching is off."""
+        if not self.prefix_caching:
+            return False
+        self.allocator.reset()
+        return True
+
     def stats(self) -> dict:
         cache = self.allocator if self.prefix_caching else None
         return {"num_running": len(self.scheduler.running),

@@ -17,6 +17,11 @@ Launches (``CHUNK`` logits per program in the row passes):
    the row's scale, once the row maximum is known (a second read of the logits);
 3. ``select`` [N]: the chunk where the cumulative weight reaches the target, then the token
    inside it (a read of one chunk per row).
+Rows with top-p and no top-k get their cutoff from ``top_p`` [R] between 1 and 2, without a
+sort: the cutoff is the smallest kept value ``c`` with ``mass(xs > c) < top_p x kept mass``
+(the torch path's "mass strictly before < top_p" at the first of a run of ties); ``PASSES``
+reads with ``G`` pivots each narrow an interval (lo, hi] around it, a last read gathers the few
+values inside and they are sorted in registers. (Top-k rows keep the torch ``topk``: k is small.)
 A row's result depends only on that row (one program per row and chunk, fixed shapes): the draw
 is batch-invariant. Owns nothing; writes only what it allocates.
 """
@@ -31,8 +36,12 @@ import torch
 CHUNK = 8192  # logits per program of the row passes
 BLOCK = 2048  # logits per iteration of the in-chunk search
 
-# rows of the float64 parameter table the kernels read ([6, N], SamplingBatch's packing)
-P_TEMPERATURE, P_MIN_P, P_GREEDY, P_UNIFORM = 0, 2, 4, 5
+# top-p without top-k: PASSES passes of G pivots narrow the cutoff's interval (16^8: below a
+# float32 step at any magnitude >= 0.02), then its at most CAP values are sorted in registers
+TOP_P_CHUNK = 1024
+TOP_P_PIVOTS = 16
+TOP_P_PASSES = 8
+TOP_P_CAP = 1024
 
 
 @functools.cache
@@ -137,15 +146,83 @@ def build():
         use_arg = greedy | (mx == float("-inf")) | (total <= 0) | (chosen < 0)
         tl.store(OUT + row, tl.where(use_arg, argmax, chosen))
 
-    return _stats, _sums, _select
+    @triton.jit
+    def _top_p(X, sx, P, ROWS, CUT, BUF, n_rows, V, ST, S, HAS_MIN_P: tl.constexpr,
+               CH: tl.constexpr, SP: tl.constexpr, G: tl.constexpr, PASSES: tl.constexpr,
+               CAP: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64)
+        row = tl.load(ROWS + i)
+        mx = _row_max(ST, row, S, SP)
+        t = tl.load(P + 0 * n_rows + row).to(tl.float32)
+        cut0 = float("-inf")
+        if HAS_MIN_P:
+            cut0 = _row_cut(P, P, n_rows, row, mx, False)
+        # the kept mass (min-p applied) and the target
+        z = tl.full([], 0.0, tl.float64)
+        for c in range(0, V, CH):
+            offs = c + tl.arange(0, CH)
+            x = tl.load(X + row * sx + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+            xs = tl.math.div_rn(x, tl.zeros_like(x) + t)
+            w = tl.where((xs >= cut0) & (xs > float("-inf")), tl.exp(xs - mx), 0.0)
+            z += tl.sum(w, 0).to(tl.float64)
+        target = tl.load(P + 1 * n_rows + row) * z  # top_p x kept mass
+        # narrow (lo, hi] around the cutoff: mass(xs > hi) < target <= mass(xs > lo)
+        lo = mx - 104.0  # exp(-104) is 0 in float32: below it no weight
+        hi = mx
+        js = tl.arange(0, G)
+        for r in range(PASSES):
+            piv = lo + (hi - lo) * ((js + 1).to(tl.float32) / (G + 1))  # [G] ascending
+            acc = tl.zeros([G], dtype=tl.float64)
+            for c in range(0, V, CH):
+                offs = c + tl.arange(0, CH)
+                x = tl.load(X + row * sx + offs, mask=offs < V,
+                            other=float("-inf")).to(tl.float32)
+                xs = tl.math.div_rn(x, tl.zeros_like(x) + t)
+                w = tl.where((xs >= cut0) & (xs > float("-inf")), tl.exp(xs - mx), 0.0)
+                above = tl.where(xs[None, :] > piv[:, None], w[None, :], 0.0)  # [G, CH]
+                acc += tl.sum(above, 1).to(tl.float64)
+            ok = acc < target  # true from some pivot up (mass above falls as the pivot rises)
+            hi = tl.minimum(hi, tl.min(tl.where(ok, piv, float("inf")), 0))
+            lo = tl.maximum(lo, tl.max(tl.where(ok, float("-inf"), piv), 0))
+        # the values in (lo, hi], the mass above hi and the smallest value above hi
+        cnt = tl.full([], 0, tl.int32)
+        mass_hi = tl.full([], 0.0, tl.float64)
+        above_min = tl.full([], float("inf"), tl.float32)
+        for c in range(0, V, CH):
+            offs = c + tl.arange(0, CH)
+            x = tl.load(X + row * sx + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+            xs = tl.math.div_rn(x, tl.zeros_like(x) + t)
+            kept = (xs >= cut0) & (xs > float("-inf"))
+            w = tl.where(kept, tl.exp(xs - mx), 0.0)
+            inside = kept & (xs > lo) & (xs <= hi)
+            pos = cnt + tl.cumsum(inside.to(tl.int32), 0) - 1
+            tl.store(BUF + i * CAP + pos, xs, mask=inside & (pos < CAP))
+            cnt += tl.sum(inside.to(tl.int32), 0)
+            mass_hi += tl.sum(tl.where(xs > hi, w, 0.0), 0).to(tl.float64)
+            above_min = tl.minimum(above_min, tl.min(tl.where(kept & (xs > hi), xs,
+                                                              float("inf")), 0))
+        ks = tl.arange(0, CAP)
+        vals = tl.load(BUF + i * CAP + ks, mask=ks < cnt, other=float("-inf"))
+        vals = tl.sort(vals, 0, descending=True)
+        wv = tl.where(vals > float("-inf"), tl.exp(vals - mx), 0.0)
+        before = mass_hi + (tl.cumsum(wv, 0) - wv).to(tl.float64)  # mass of those before
+        cstar = tl.min(tl.where((vals > float("-inf")) & (before < target), vals,
+                                float("inf")), 0)
+        cstar = tl.where(cnt == 0, above_min, cstar)
+        cstar = tl.where(cnt > CAP, hi, cstar)  # ties beyond CAP: (lo, hi] is one value
+        tl.store(CUT + row, tl.maximum(cstar, cut0))
+
+    return _stats, _sums, _select, _top_p
 
 
 def draw(logits: torch.Tensor, params: torch.Tensor, cutoff: Optional[torch.Tensor] = None,
-         any_min_p: bool = True) -> torch.Tensor:
+         any_min_p: bool = True, top_p_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """logits [N, V] (float32/16-bit, rows contiguous), params float64 [6, N] (SamplingBatch's
     packing: temperature, top_p, min_p, top_k, greedy, uniform), cutoff float32 [N] or None
-    (keep ``x / T >= cutoff``) -> int64 [N] drawn ids on the logits' device. ``any_min_p``:
-    whether any row sets min-p (False skips the second pass over the logits)."""
+    (keep ``x / T >= cutoff``; mutated: the top-p rows' cutoffs are written into it) ->
+    int64 [N] drawn ids on the logits' device. ``any_min_p``: whether any row sets min-p (False
+    skips the second pass over the logits). ``top_p_rows``: int64 [R] rows with top-p and no
+    top-k, whose cutoff ``top_p_cutoffs`` finds without sorting."""
     import triton
 
     n, v = logits.shape
@@ -157,11 +234,19 @@ def draw(logits: torch.Tensor, params: torch.Tensor, cutoff: Optional[torch.Tens
     s = triton.cdiv(v, CHUNK)
     sp = triton.next_power_of_2(s)
     stats = torch.empty((n, s, 3), dtype=torch.float64, device=logits.device)
-    stats_k, sums_k, select_k = build()
+    stats_k, sums_k, select_k, top_p_k = build()
+    if top_p_rows is not None and cutoff is None:
+        cutoff = torch.full((n,), float("-inf"), dtype=torch.float32, device=logits.device)
     filt = any_min_p or cutoff is not None
     cut = cutoff if cutoff is not None else out  # never read without HAS_CUT
     stats_k[(n, s)](logits, logits.stride(0), params, n, v, stats, s, FILTER=filt, CH=CHUNK,
                     num_warps=8)
+    if top_p_rows is not None:
+        r = top_p_rows.numel()
+        buf = torch.empty((r, TOP_P_CAP), dtype=torch.float32, device=logits.device)
+        top_p_k[(r,)](logits, logits.stride(0), params, top_p_rows, cut, buf, n, v, stats, s,
+                      HAS_MIN_P=any_min_p, CH=TOP_P_CHUNK, SP=sp, G=TOP_P_PIVOTS,
+                      PASSES=TOP_P_PASSES, CAP=TOP_P_CAP, num_warps=8)
     if filt:
         sums_k[(n, s)](logits, logits.stride(0), params, cut, n, v, stats, s,
                        HAS_CUT=cutoff is not None, CH=CHUNK, SP=sp, num_warps=8)

@@ -170,6 +170,15 @@ class PrefixCachingAllocator(PageAllocator):
         for page in list(self._key_of):
             self._uncache(page)
 
+    def reset(self) -> int:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``): evictable pages go back to
+        the free list, pages in use stay with their requests, unmapped. Returns the number of
+        pages that were cached."""
+        n = len(self._key_of)
+        for page in list(self._key_of):
+            self._uncache(page)
+        return n
+
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.num_queries += num_tokens
         self.num_hits += num_hit_tokens

@@ -38,6 +38,11 @@ class SamplingBatch:
     any_min_p: bool
     sort_rows: Optional[torch.Tensor]  # int64 [S] rows needing sorted candidates (top-k/top-p)
     num_candidates: int  # candidates per sort row: max top-k, or V if a row has top-p alone
+    # the same rows split for the CUDA draw: top-k rows (sorted candidates: the max top-k of
+    # them) and rows with top-p alone (the sort-free cutoff of kernels/sampling.py)
+    top_k_rows: Optional[torch.Tensor]  # int64 [K]
+    top_k_candidates: int
+    top_p_rows: Optional[torch.Tensor]  # int64 [R]
     # logit_bias as a sparse list of (row, token, bias); None when no row has one
     bias_rows: Optional[torch.Tensor]
     bias_tokens: Optional[torch.Tensor]
@@ -88,6 +93,7 @@ class SamplingBatch:
         dev = torch.device(device)
         packed = None  # an all-greedy step needs no per-row tensors: argmax only
         any_min_p, sort_rows, k_max = False, np.zeros(0, dtype=np.int64), 0
+        top_k_rows, top_p_rows, k_max_topk = sort_rows, sort_rows, 0
         if not all_greedy:
             temperature = np.where(greedy, 1.0, raw[:, 0])
             top_p = np.where(greedy, 1.0, raw[:, 1])
@@ -97,6 +103,9 @@ class SamplingBatch:
             sort_rows = np.flatnonzero(sort_mask)
             need_full = bool((sort_mask & (top_k >= v)).any())  # top-p alone sees all tokens
             k_max = v if need_full else int(top_k[sort_rows].max(initial=0))
+            top_k_rows = np.flatnonzero(top_k < v)
+            top_p_rows = np.flatnonzero(sort_mask & (top_k >= v))
+            k_max_topk = int(top_k[top_k_rows].max(initial=0))
             any_min_p = bool((min_p > 0.0).any())
             u = uniforms(seeds, positions)
             packed = to_device(np.stack([temperature, top_p, min_p, top_k, greedy, u]),
@@ -113,10 +122,17 @@ class SamplingBatch:
         return SamplingBatch(
             num_rows=n, vocab_size=v, params=packed,
             all_greedy=all_greedy, any_greedy=bool(greedy.any()), any_min_p=any_min_p,
-            sort_rows=to_device(sort_rows.astype(np.int64), dev) if sort_rows.size else None,
+            sort_rows=_rows(sort_rows, dev),
             num_candidates=k_max,
+            top_k_rows=_rows(top_k_rows, dev), top_k_candidates=k_max_topk,
+            top_p_rows=_rows(top_p_rows, dev),
             bias_rows=bias_t[0] if bias_t else None, bias_tokens=bias_t[1] if bias_t else None,
             bias_values=bias_t[2] if bias_t else None,
             logprob_rows=lp_rows, logprob_counts=[params[i].logprobs for i in lp_rows],
             logprob_index=(to_device(np.array(lp_rows, dtype=np.int64), dev)
                            if lp_rows else None))
+
+
+def _rows(rows: np.ndarray, dev: torch.device) -> Optional[torch.Tensor]:
+    """Row indices as a device int64 tensor, or None when there are none."""
+    return to_device(rows.astype(np.int64), dev) if rows.size else None

@@ -12,10 +12,12 @@ Order of operations on a logits row (float32):
    128-token block sums, then inside the chosen block) of the softmax over the kept tokens at the
    row's uniform ``u`` (see ``randomness``).
 
-Cost: argmax, one softmax and one block-sum pass over [N, V], plus a sort restricted to the rows
-that use top-k or top-p: ``topk`` of the largest top-k when every such row sets top-k, a full
-sort only when a row uses top-p without top-k. No per-row Python loop and no host sync: the
-chosen ids come back as a device tensor; the caller copies them once.
+Cost (the torch ops: the CPU path and the reference): argmax, one softmax and one block-sum pass
+over [N, V], plus a sort restricted to the rows that use top-k or top-p: ``topk`` of the largest
+top-k when every such row sets top-k, a full sort only when a row uses top-p without top-k. On
+CUDA the draw runs in kernels/sampling.py (two or three launches; top-p without top-k by pivots,
+no sort) with the same semantics. No per-row Python loop and no host sync: the chosen ids come
+back as a device tensor; the caller copies them once.
 
 Logprobs (vLLM semantics) are computed only for rows that ask: log_softmax of the raw logits
 (before the mask, bias, temperature and filters), the chosen token's and the top-N.
@@ -104,14 +106,15 @@ def _cutoffs(x: torch.Tensor, batch: SamplingBatch) -> Optional[torch.Tensor]:
     if batch.sort_rows is None:
         return cut
     rows = batch.sort_rows
-    return cut.index_copy(0, rows, _sorted_cutoffs(x.index_select(0, rows), batch))
+    return cut.index_copy(0, rows, _sorted_cutoffs(x.index_select(0, rows), rows,
+                                                   batch.num_candidates, batch))
 
 
-def _sorted_cutoffs(xs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """xs [S, V]: the temperature-scaled rows ``batch.sort_rows`` -> float32 [S]: the value of
-    the last candidate (descending) that top-k, min-p and top-p all keep."""
-    rows = batch.sort_rows
-    k = batch.num_candidates
+def _sorted_cutoffs(xs: torch.Tensor, rows: torch.Tensor, k: int,
+                    batch: SamplingBatch) -> torch.Tensor:
+    """xs [S, V]: the temperature-scaled rows ``rows`` -> float32 [S]: the value of the last
+    candidate (descending) that top-k, min-p and top-p all keep; ``k`` candidates are sorted
+    (at least every row's top-k; V for a row with top-p alone)."""
     if k < xs.shape[-1]:
         vals = torch.topk(xs, k, dim=-1, sorted=True).values  # [S, K] descending
     else:
@@ -142,16 +145,17 @@ def _draw(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def _draw_fused(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The CUDA path of ``_draw`` (greedy rows and rows with nothing allowed included: they get
-    the argmax): kernels/sampling.py, plus the sort for top-k / top-p rows in torch."""
+    the argmax): kernels/sampling.py (top-p alone included, without a sort), plus ``topk`` in
+    torch for rows that set top-k."""
     from kvfit.kernels.sampling import draw
 
     cut = None
-    if batch.sort_rows is not None:
-        rows = batch.sort_rows
+    if batch.top_k_rows is not None:
+        rows = batch.top_k_rows
         xs = x.index_select(0, rows) / batch.temperature.index_select(0, rows).unsqueeze(1)
         cut = torch.full((x.shape[0],), _NEG_INF, device=x.device).index_copy_(
-            0, rows, _sorted_cutoffs(xs, batch))
-    return draw(x, batch.params, cut, batch.any_min_p)
+            0, rows, _sorted_cutoffs(xs, rows, batch.top_k_candidates, batch))
+    return draw(x, batch.params, cut, batch.any_min_p, batch.top_p_rows)
 
 
 # the CUDA draw: kernels/sampling.py (False: the torch ops below, as on the CPU)
