@@ -34,6 +34,20 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(kern, "BLOCK", 32)
     monkeypatch.setattr(kern, "TOP_P_CHUNK", 64)
     monkeypatch.setattr(kern, "TOP_P_CAP", 64)
+    monkeypatch.setattr(kern, "TOP_P_MIN_ROWS", 1)  # top-p rows through the pivot kernel
+
+
+def test_few_top_p_rows_are_sorted_instead(monkeypatch):
+    monkeypatch.setattr(kern, "TOP_P_MIN_ROWS", 3)
+    calls = []
+    real = kern.draw
+    monkeypatch.setattr(kern, "draw", lambda *a: calls.append(a[-1]) or real(*a))
+    g = torch.Generator().manual_seed(2)
+    for n in (2, 3):
+        b = _batch([SP(temperature=0.9, top_p=0.8)] * n, list(range(n)), [4] * n, 200)
+        logits = torch.randn(n, 200, generator=g)
+        assert _fused(logits, b).tolist() == sample(logits, b).token_ids.tolist()
+    assert calls[0] is None and calls[1] is not None  # 2 rows: sorted; 3: the pivot kernel
 
 
 def _fused(logits, batch):

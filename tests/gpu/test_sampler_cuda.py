@@ -112,8 +112,12 @@ def test_cuda_distribution_top_k_top_p_min_p():
 
 def test_fused_draw_equals_torch_ops_on_cuda(monkeypatch):
     """The fused draw (kernels/sampling.py, the CUDA default) picks the tokens of the torch ops
-    (``sampler.FUSED = False``) on the same logits and seeds, at the real vocabulary size."""
+    (``sampler.FUSED = False``) on the same logits and seeds, at the real vocabulary size; the
+    top-p-alone rows through the pivot kernel whatever their number."""
     from kvfit.engine.sampling import sampler as sampler_mod
+    from kvfit.kernels import sampling as kern
+
+    monkeypatch.setattr(kern, "TOP_P_MIN_ROWS", 1)
 
     n = 96
     params = _mixed_params(n)

@@ -145,17 +145,21 @@ def _draw(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def _draw_fused(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The CUDA path of ``_draw`` (greedy rows and rows with nothing allowed included: they get
-    the argmax): kernels/sampling.py (top-p alone included, without a sort), plus ``topk`` in
-    torch for rows that set top-k."""
-    from kvfit.kernels.sampling import draw
+    the argmax): kernels/sampling.py, plus ``topk`` in torch for rows that set top-k; rows with
+    top-p alone take the pivot kernel when there are at least ``TOP_P_MIN_ROWS`` of them, else
+    the torch sort."""
+    from kvfit.kernels import sampling
 
+    top_p_rows = batch.top_p_rows
+    rows, k = batch.top_k_rows, batch.top_k_candidates
+    if top_p_rows is not None and top_p_rows.numel() < sampling.TOP_P_MIN_ROWS:
+        top_p_rows, rows, k = None, batch.sort_rows, batch.num_candidates  # few: sort them
     cut = None
-    if batch.top_k_rows is not None:
-        rows = batch.top_k_rows
+    if rows is not None:
         xs = x.index_select(0, rows) / batch.temperature.index_select(0, rows).unsqueeze(1)
         cut = torch.full((x.shape[0],), _NEG_INF, device=x.device).index_copy_(
-            0, rows, _sorted_cutoffs(xs, rows, batch.top_k_candidates, batch))
-    return draw(x, batch.params, cut, batch.any_min_p, batch.top_p_rows)
+            0, rows, _sorted_cutoffs(xs, rows, k, batch))
+    return sampling.draw(x, batch.params, cut, batch.any_min_p, top_p_rows)
 
 
 # the CUDA draw: kernels/sampling.py (False: the torch ops below, as on the CPU)
