@@ -95,3 +95,33 @@ def test_logprobs_of_chosen_tokens(bundled_llm):
 def test_misspelt_engine_kwarg_is_an_error():
     with pytest.raises(TypeError, match="kv_cache_dtpye.*did you mean"):
         LLM("smollm2-135m", kv_cache_dtpye="fp8")
+
+
+@pytest.mark.parametrize("kind", ["cumulative", "delta", "final_only"])
+def test_output_kinds_carry_the_same_tokens(bundled_llm, alone, kind):
+    """step()'s output kinds: cumulative outputs end with the whole answer, deltas concatenate
+    to it (logprobs too), final_only returns nothing for running requests; the text is whole."""
+    eng = bundled_llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    for i, p in enumerate(PROMPTS[:3]):
+        eng.add_request(f"k{kind}{i}", p, sp)
+    ids = {f"k{kind}{i}": [] for i in range(3)}
+    lps = {rid: [] for rid in ids}
+    last = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step(final_only=kind == "final_only", delta=kind == "delta"):
+            comp = out.outputs[0]
+            assert out.finished or kind != "final_only"
+            if kind == "delta":
+                ids[out.request_id] += comp.token_ids
+                lps[out.request_id] += comp.logprobs
+            else:
+                ids[out.request_id] = list(comp.token_ids)
+                lps[out.request_id] = list(comp.logprobs)
+            last[out.request_id] = comp
+    tok = bundled_llm.get_tokenizer()
+    for i in range(3):
+        rid = f"k{kind}{i}"
+        assert ids[rid] == list(alone[i]) and len(lps[rid]) == 24
+        assert all(t in d for t, d in zip(ids[rid], lps[rid]))
+        assert last[rid].text == tok.decode(alone[i], skip_special_tokens=True)

@@ -65,7 +65,7 @@ def test_engine_death_answers_everyone(tmp_path):
         assert first.wait(30)
         engine = srv.engine_loop.engine
 
-        def broken_step():
+        def broken_step(*args, **kwargs):
             raise RuntimeError("injected fault")
 
         engine.step = broken_step  # the next step raises inside the engine thread

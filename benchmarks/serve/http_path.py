@@ -44,7 +44,7 @@ class FakeEngine:
     def stats(self) -> dict:
         return {"num_running": len(self.running), "num_waiting": len(self.waiting)}
 
-    def step(self) -> list:
+    def step(self, final_only: bool = False, delta: bool = False) -> list:
         while self.waiting and len(self.running) < self.max_num_seqs:
             rid, n = self.waiting.pop(0)
             self.running[rid] = [n, []]
@@ -56,8 +56,10 @@ class FakeEngine:
         for rid, st in list(self.running.items()):
             st[1].append(7)
             done = len(st[1]) >= st[0]
-            comp = self._co(0, "", list(st[1]), finish_reason="length" if done else None)
-            outs.append(self._ro(rid, None, [1], [comp], done))
+            ids = st[1][-1:] if delta else list(st[1])
+            comp = self._co(0, "", ids, finish_reason="length" if done else None)
+            if done or not final_only:
+                outs.append(self._ro(rid, None, [1], [comp], done))
             if done:
                 del self.running[rid]
         return outs

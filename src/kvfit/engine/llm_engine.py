@@ -181,11 +181,14 @@ class LLMEngine:
                 "pages_cached": cache.num_cached if cache else 0}
 
     # -- the step -------------------------------------------------------------------------
-    def step(self, final_only: bool = False) -> list[RequestOutput]:
-        """Schedule and launch one step; return the outputs of the step whose ids are read
-        (``final_only``: only those of requests that finished, as vLLM's ``FINAL_ONLY`` output
-        kind: an offline caller that reads nothing else skips building a RequestOutput, with
-        copies of the output so far, per running request and step).
+    def step(self, final_only: bool = False, delta: bool = False) -> list[RequestOutput]:
+        """Schedule and launch one step; return the outputs of the step whose ids are read.
+
+        Output kinds (vLLM's ``RequestOutputKind``): by default each output holds everything so
+        far (a copy of the output ids per running request and step: O(length)); ``final_only``:
+        only requests that finished (an offline caller that reads nothing else); ``delta``: the
+        token ids and logprobs added since the request's previous output (the text stays
+        whole: a string is shared, not copied), for a streaming consumer.
 
         Synchronous (``async_scheduling`` off): launch step N, wait, process N. Overlapped (on,
         the CUDA default): launch N, then process N-1 while the GPU runs N, so the host's
@@ -199,15 +202,15 @@ class LLMEngine:
         if self._inflight is not None and any(r.grammar is not None for r, _ in items):
             # structured output: the next mask needs the grammar to have accepted the pending
             # token, so read the in-flight step first (requests it finished drop out)
-            outputs = self._process(self._inflight, final_only)
+            outputs = self._process(self._inflight, final_only, delta)
             self._inflight = None
             items = [(r, n) for r, n in items if not r.finished]
         launched = self._launch(items) if items else None
         if self._inflight is not None:
-            outputs = self._process(self._inflight, final_only)
+            outputs = self._process(self._inflight, final_only, delta)
         self._inflight = launched
         if not self.overlap and launched is not None:
-            outputs += self._process(launched, final_only)
+            outputs += self._process(launched, final_only, delta)
             self._inflight = None
         return outputs
 
@@ -245,7 +248,8 @@ class LLMEngine:
             req.pending_row = row
         return InFlightStep(list(items), samplers, sampled, ids_host, event, result.prompt_rows)
 
-    def _process(self, step: InFlightStep, final_only: bool = False) -> list[RequestOutput]:
+    def _process(self, step: InFlightStep, final_only: bool = False,
+                 delta: bool = False) -> list[RequestOutput]:
         """Read a launched step's ids (waits for its copy), record prompt logprobs, append the
         tokens, run stop checks, finish and free what stopped; the outputs of live requests."""
         tokens = step.wait_ids()
@@ -269,7 +273,7 @@ class LLMEngine:
             done = req.grammar is not None and self._structured.accept(req.grammar, tok)
             self._append(req, tok, logprobs.get(row), now, grammar_done=done)
             if req.finished or not final_only:
-                outputs.append(self._output(req))
+                outputs.append(self._output(req, delta))
         return outputs
 
     def _append(self, req: Request, tok: int, lp: Optional[dict[int, float]], now: float,
@@ -319,10 +323,13 @@ class LLMEngine:
             self.requests.pop(req.request_id, None)
 
     @staticmethod
-    def _output(req: Request) -> RequestOutput:
-        comp = CompletionOutput(0, req.text, req.confirmed_output_ids(),
+    def _output(req: Request, delta: bool = False) -> RequestOutput:
+        start = req.num_output_emitted if delta else 0
+        end = req.num_output_confirmed
+        req.num_output_emitted = end
+        comp = CompletionOutput(0, req.text, req.output_token_ids[start:end],
                                 req.cumulative_logprob if req.logprobs is not None else None,
-                                list(req.logprobs) if req.logprobs is not None else None,
+                                req.logprobs[start:end] if req.logprobs is not None else None,
                                 req.finish_reason, req.stop_reason)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp],
                              req.finished, req.prompt_logprobs,

@@ -44,6 +44,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_pending = 0  # trailing placeholders in output_token_ids (launched, not read)
+        self.num_output_emitted = 0  # output tokens already handed out as deltas (server)
         self.pending_row = -1  # row of the newest placeholder in its step's sampled ids
         self.pages: list[int] = []
         self.status = Status.WAITING

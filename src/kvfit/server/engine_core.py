@@ -60,7 +60,7 @@ class CoreLoop:
                 if cmds is None or not self._apply(cmds, events):
                     break
                 if eng.has_unfinished_requests():
-                    self._collect(eng.step(), events)
+                    self._collect(eng.step(delta=True), events)
                 if events or cmds:
                     # NOTE: stats go with the events: a client that saw its request finish then
                     # reads /metrics with that request's pages already counted free.
@@ -112,17 +112,16 @@ class CoreLoop:
             sent = self._sent.get(out.request_id)
             if sent is None:
                 continue  # aborted meanwhile
-            comp = out.outputs[0]
-            ids = comp.token_ids
-            new_ids = ids[sent.tokens:]
-            lps = comp.logprobs[sent.tokens:] if comp.logprobs is not None else None
+            comp = out.outputs[0]  # a delta: the ids and logprobs this step added
+            new_ids = comp.token_ids
+            lps = comp.logprobs
             text = comp.text
             offset = sent.text if len(text) >= sent.text else 0
             piece = text[offset:]
             plp = None
             if out.prompt_logprobs is not None and not sent.prompt_logprobs:
                 plp, sent.prompt_logprobs = out.prompt_logprobs, True
-            sent.tokens, sent.text = len(ids), len(text)
+            sent.tokens, sent.text = sent.tokens + len(new_ids), len(text)
             finish = comp.finish_reason
             if out.finished or finish is not None:
                 finish = finish or "stop"
