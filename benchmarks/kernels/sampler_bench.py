@@ -1,7 +1,7 @@
 """Time the old per-row sampler against the batched one (``kvfit.engine.sampling``).
 
     PYTHONPATH=src python3 benchmarks/kernels/sampler_bench.py [--device cuda] [--batch 256]
-        [--vocab 151936] [--min-run 1.0]
+        [--vocab 151936] [--min-run 1.0] [--fused-vs-ops]
 
 Each row of the table is one sampling workload on random logits [batch, vocab] (float32,
 scale 3): per step, the old sampler's call (per-row loop, one .item() per sampled row, a
@@ -13,6 +13,7 @@ each (it synchronises CUDA). Prints a markdown table and the speed-up.
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 import torch.utils.benchmark as tb
@@ -60,6 +61,46 @@ WORKLOADS = {
 }
 
 
+def fused_vs_ops(args, dev) -> None:
+    """The CUDA draw (kernels/sampling.py) against the torch ops (``sampler.FUSED = False``):
+    kernel time per step (torch.profiler, 10 steps), host time of ``build`` and ``sample``."""
+    from kvfit.engine.sampling import sampler as sampler_mod
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    logits = torch.randn(args.batch, args.vocab, device=dev, generator=g) * 3
+    print("| workload | draw | kernels us/step | host build us | host sample us |\n"
+          "|---|---|---:|---:|---:|")
+    for name, kw in WORKLOADS.items():
+        if args.only and args.only not in name:
+            continue
+        params = [SamplingParams(**kw) for _ in range(args.batch)]
+        seeds, positions = list(range(args.batch)), [100] * args.batch
+        for fused in (True, False):
+            sampler_mod.FUSED = fused
+            b = SamplingBatch.build(params, seeds, positions, args.vocab, dev)
+            for _ in range(3):
+                sample(logits, b)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+                for _ in range(10):
+                    sample(logits, b)
+                torch.cuda.synchronize()
+            gpu = sum(e.device_time for e in p.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA) / 10
+            host = {}
+            for what, fn in (("build", lambda: SamplingBatch.build(params, seeds, positions,
+                                                                    args.vocab, dev)),
+                             ("sample", lambda: sample(logits, b))):
+                t = time.perf_counter()
+                for _ in range(20):
+                    fn()
+                host[what] = (time.perf_counter() - t) / 20 * 1e6
+                torch.cuda.synchronize()
+            print(f"| {name} | {'fused' if fused else 'torch ops'} | {gpu:.1f} | "
+                  f"{host['build']:.0f} | {host['sample']:.0f} |", flush=True)
+    sampler_mod.FUSED = True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -68,8 +109,15 @@ def main() -> None:
     ap.add_argument("--min-run", type=float, default=1.0, help="seconds per measurement")
     ap.add_argument("--only", default=None, help="run the workloads whose name contains this")
     ap.add_argument("--skip-old", action="store_true", help="time the new sampler only")
+    ap.add_argument("--fused-vs-ops", action="store_true",
+                    help="CUDA: the fused draw against the torch ops, kernel and host time")
     args = ap.parse_args()
     dev = torch.device(args.device)
+    if args.fused_vs_ops:
+        if dev.type != "cuda":
+            raise SystemExit("--fused-vs-ops compares the CUDA draw: it needs a GPU")
+        fused_vs_ops(args, dev)
+        return
     g = torch.Generator(device=dev).manual_seed(0)
     logits = torch.randn(args.batch, args.vocab, device=dev, generator=g) * 3
     print(f"device {dev} ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}), "
