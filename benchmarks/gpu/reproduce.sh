@@ -21,6 +21,9 @@
 #   quality            the CPU quality tables (`kvfit bench quality`): hours on 2 CPU cores
 #   batch-invariance   rows_gemm vs cuBLAS rows across batch sizes and tiles, their speed, and
 #                      the batch-1/64 decode step (bf16, fp8)                                ~2
+#   engine-host        issue 13's engine path (seventh session): engine steps at batch 256/1,
+#                      the sampler fused vs torch ops, bench throughput fp8/bf16, serve vs
+#                      offline at concurrency 64                                            ~8
 #   tests              the GPU tests (tests/gpu)                                            ~4
 # Groups: seed = the four seed-*; kernels = decode-page16 decode-page32 decode-page-size prefill.
 set -uo pipefail
@@ -103,6 +106,21 @@ target() {
         run batch_invariance_step_$kvd python3 benchmarks/engine/ab_decode_step.py --label b1v \
           --kv-dtypes $kvd --points 1x1024,64x1024,1x16384 --steps 32 --repeats 3 --overlapped
       done ;;
+    engine-host) gpu_env
+      local M=src/kvfit/bench/configs/qwen3-1.7b.json
+      run profile_engine_after python3 benchmarks/engine/profile_step.py fp8_e4m3 triton engine
+      for n in 256 64 1; do
+        run sampler_fused_vs_ops_$n python3 benchmarks/kernels/sampler_bench.py --fused-vs-ops \
+          --batch $n
+      done
+      for kvd in fp8_e4m3 bfloat16; do
+        run throughput_$kvd kvfit bench throughput --model $M --load-format dummy --kv-dtype $kvd \
+          --output-json "$OUT/throughput_$kvd.json"
+        grep -E "^output|^roofline" "$OUT/throughput_$kvd.log"
+      done
+      run serve_fp8_round3 kvfit bench serve --model $M --load-format dummy --kv-dtype fp8_e4m3 \
+        --num-prompts 256 --input-len 1024 --output-len 256 --max-concurrency 64 --offline
+      grep -E "throughput|TTFT|TPOT|server/offline" "$OUT/serve_fp8_round3.log" ;;
     tests) gpu_env
       run gpu_tests python3 -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/gpu
       tail -3 "$OUT/gpu_tests.log" ;;
