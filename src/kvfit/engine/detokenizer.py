@@ -42,7 +42,8 @@ class IncrementalDetokenizer:
         self._prefix = 0  # window start (windowed decode) / token before the last emission
         self._read = 0  # tokens accounted for
         self._backend = _stream_backend(tokenizer)
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) if self._backend is not None else None
+        self._stream = (DecodeStream(skip_special_tokens=skip_special_tokens)
+                        if self._backend is not None else None)
         self._emitted = 0  # stream: tokens up to the last one that produced text
 
     def _decode(self, ids: list[int]) -> str:

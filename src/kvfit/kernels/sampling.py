@@ -51,26 +51,36 @@ TOP_P_MIN_ROWS = 160
 
 @functools.cache
 def build():
-    """The jitted kernels (stats, sums, select), built once per process on first use."""
+    """The jitted kernels (stats, sums, select, top_p), built once per process on first use."""
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def _scaled(X, row, sx, offs, V, t):
+        """The row's logits at ``offs`` over the temperature (IEEE division, as torch's): -inf
+        past V."""
+        x = tl.load(X + row * sx + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        return tl.math.div_rn(x, tl.zeros_like(x) + t)
+
+    @triton.jit
+    def _weights(xs, cut, mx):
+        """exp(xs - mx) of the kept values (xs >= cut, finite), 0 elsewhere."""
+        return tl.where((xs >= cut) & (xs > float("-inf")), tl.exp(xs - mx), 0.0)
 
     @triton.jit
     def _stats(X, sx, P, n_rows, V, ST, S, FILTER: tl.constexpr, CH: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         offs = c * CH + tl.arange(0, CH)
-        inb = offs < V
-        x = tl.load(X + row * sx + offs, mask=inb, other=float("-inf")).to(tl.float32)
         t = tl.load(P + 0 * n_rows + row).to(tl.float32)  # temperature (1 on greedy rows)
-        xs = tl.math.div_rn(x, tl.zeros_like(x) + t)
+        xs = _scaled(X, row, sx, offs, V, t)
         m = tl.max(xs, 0)
         first = tl.min(tl.where(xs == m, offs, V), 0)  # first index of the chunk maximum
         base = ST + (row * S + c) * 3  # float64 [N, S, 3]: max, its index, weight sum
         tl.store(base, m.to(tl.float64))
         tl.store(base + 1, first.to(tl.float64))
         if not FILTER:
-            w = tl.where(xs > float("-inf"), tl.exp(xs - m), 0.0)  # chunk scale; 0 if all -inf
+            w = _weights(xs, float("-inf"), m)  # on the chunk's scale; 0 if all -inf
             tl.store(base + 2, tl.sum(w, 0).to(tl.float64))
 
     @triton.jit
@@ -94,12 +104,9 @@ def build():
         c = tl.program_id(1)
         mx = _row_max(ST, row, S, SP)
         cut = _row_cut(P, CUT, n_rows, row, mx, HAS_CUT)
-        offs = c * CH + tl.arange(0, CH)
-        inb = offs < V
-        x = tl.load(X + row * sx + offs, mask=inb, other=float("-inf")).to(tl.float32)
         t = tl.load(P + 0 * n_rows + row).to(tl.float32)
-        xs = tl.math.div_rn(x, tl.zeros_like(x) + t)
-        w = tl.where((xs >= cut) & (xs > float("-inf")), tl.exp(xs - mx), 0.0)
+        xs = _scaled(X, row, sx, c * CH + tl.arange(0, CH), V, t)
+        w = _weights(xs, cut, mx)
         tl.store(ST + (row * S + c) * 3 + 2, tl.sum(w, 0).to(tl.float64))
 
     @triton.jit
@@ -137,10 +144,7 @@ def build():
         last = tl.full([], -1, tl.int64)
         for b in range(0, CH, BL):
             offs = k * CH + b + tl.arange(0, BL)
-            inb = offs < V
-            x = tl.load(X + row * sx + offs, mask=inb, other=float("-inf")).to(tl.float32)
-            xs = tl.math.div_rn(x, tl.zeros_like(x) + t)
-            w = tl.where((xs >= cut) & (xs > float("-inf")), tl.exp(xs - mx), 0.0)
+            w = _weights(_scaled(X, row, sx, offs, V, t), cut, mx)
             cw = acc + tl.cumsum(w, 0).to(tl.float64)
             hit = tl.min(tl.where((cw >= rest) & (w > 0), offs, 2 * V), 0).to(tl.int64)
             chosen = tl.where((chosen < 0) & (hit < 2 * V), hit, chosen)
@@ -165,10 +169,7 @@ def build():
         # the kept mass (min-p applied) and the target
         z = tl.full([], 0.0, tl.float64)
         for c in range(0, V, CH):
-            offs = c + tl.arange(0, CH)
-            x = tl.load(X + row * sx + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-            xs = tl.math.div_rn(x, tl.zeros_like(x) + t)
-            w = tl.where((xs >= cut0) & (xs > float("-inf")), tl.exp(xs - mx), 0.0)
+            w = _weights(_scaled(X, row, sx, c + tl.arange(0, CH), V, t), cut0, mx)
             z += tl.sum(w, 0).to(tl.float64)
         target = tl.load(P + 1 * n_rows + row) * z  # top_p x kept mass
         # narrow (lo, hi] around the cutoff: mass(xs > hi) < target <= mass(xs > lo)
@@ -179,11 +180,8 @@ def build():
             piv = lo + (hi - lo) * ((js + 1).to(tl.float32) / (G + 1))  # [G] ascending
             acc = tl.zeros([G], dtype=tl.float64)
             for c in range(0, V, CH):
-                offs = c + tl.arange(0, CH)
-                x = tl.load(X + row * sx + offs, mask=offs < V,
-                            other=float("-inf")).to(tl.float32)
-                xs = tl.math.div_rn(x, tl.zeros_like(x) + t)
-                w = tl.where((xs >= cut0) & (xs > float("-inf")), tl.exp(xs - mx), 0.0)
+                xs = _scaled(X, row, sx, c + tl.arange(0, CH), V, t)
+                w = _weights(xs, cut0, mx)
                 above = tl.where(xs[None, :] > piv[:, None], w[None, :], 0.0)  # [G, CH]
                 acc += tl.sum(above, 1).to(tl.float64)
             ok = acc < target  # true from some pivot up (mass above falls as the pivot rises)
@@ -194,11 +192,9 @@ def build():
         mass_hi = tl.full([], 0.0, tl.float64)
         above_min = tl.full([], float("inf"), tl.float32)
         for c in range(0, V, CH):
-            offs = c + tl.arange(0, CH)
-            x = tl.load(X + row * sx + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-            xs = tl.math.div_rn(x, tl.zeros_like(x) + t)
+            xs = _scaled(X, row, sx, c + tl.arange(0, CH), V, t)
             kept = (xs >= cut0) & (xs > float("-inf"))
-            w = tl.where(kept, tl.exp(xs - mx), 0.0)
+            w = _weights(xs, cut0, mx)
             inside = kept & (xs > lo) & (xs <= hi)
             pos = cnt + tl.cumsum(inside.to(tl.int32), 0) - 1
             tl.store(BUF + i * CAP + pos, xs, mask=inside & (pos < CAP))
@@ -227,7 +223,7 @@ def draw(logits: torch.Tensor, params: torch.Tensor, cutoff: Optional[torch.Tens
     (keep ``x / T >= cutoff``; mutated: the top-p rows' cutoffs are written into it) ->
     int64 [N] drawn ids on the logits' device. ``any_min_p``: whether any row sets min-p (False
     skips the second pass over the logits). ``top_p_rows``: int64 [R] rows with top-p and no
-    top-k, whose cutoff ``top_p_cutoffs`` finds without sorting."""
+    top-k, whose cutoff the ``_top_p`` kernel finds without sorting."""
     import triton
 
     n, v = logits.shape

@@ -80,9 +80,6 @@ class Request:
         """Output tokens whose ids the host has read (placeholders excluded)."""
         return len(self.output_token_ids) - self.num_pending
 
-    def confirmed_output_ids(self) -> list[int]:
-        return self.output_token_ids[: self.num_output_confirmed]
-
     def length_capped(self) -> bool:
         """True when launched steps already produce its last allowed token (max_tokens): it
         needs no further step, only the pending ids."""

@@ -34,10 +34,10 @@ logger = logging.getLogger("kvfit.server")
 class _Sent:
     """How much of one request's output the HTTP side already has."""
 
-    __slots__ = ("tokens", "text", "prompt_logprobs")
+    __slots__ = ("text", "prompt_logprobs")
 
     def __init__(self):
-        self.tokens, self.text, self.prompt_logprobs = 0, 0, False
+        self.text, self.prompt_logprobs = 0, False
 
 
 class CoreLoop:
@@ -121,7 +121,7 @@ class CoreLoop:
             plp = None
             if out.prompt_logprobs is not None and not sent.prompt_logprobs:
                 plp, sent.prompt_logprobs = out.prompt_logprobs, True
-            sent.tokens, sent.text = sent.tokens + len(new_ids), len(text)
+            sent.text = len(text)
             finish = comp.finish_reason
             if out.finished or finish is not None:
                 finish = finish or "stop"

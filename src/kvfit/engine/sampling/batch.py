@@ -22,6 +22,20 @@ from kvfit.transfer import to_device
 _GREEDY_BELOW = 1e-5
 
 
+def _param_view(row: int, convert) -> functools.cached_property:
+    """A lazily built ``convert(params[row])`` (the batch is frozen; the cache is per object)."""
+    return functools.cached_property(lambda self: convert(self.params[row]))
+
+
+def _rows_view(field: str) -> functools.cached_property:
+    """The host row indices ``field`` as a device int64 tensor, or None when there are none
+    (one host->device copy, on first use only)."""
+    def rows(self) -> Optional[torch.Tensor]:
+        host = getattr(self, field)
+        return to_device(host.astype(np.int64), self.device) if host.size else None
+    return functools.cached_property(rows)
+
+
 @dataclass(frozen=True)
 class SamplingBatch:
     """Row i describes the request whose logits are row i of the step's sample logits."""
@@ -36,13 +50,15 @@ class SamplingBatch:
     all_greedy: bool
     any_greedy: bool
     any_min_p: bool
-    sort_rows: Optional[torch.Tensor]  # int64 [S] rows needing sorted candidates (top-k/top-p)
+    # row indices (host int64 arrays; as device tensors below, copied on first use): rows
+    # needing sorted candidates (top-k/top-p), and the same rows split for the CUDA draw into
+    # top-k rows and rows with top-p alone (the sort-free cutoff of kernels/sampling.py)
+    sort_rows_host: np.ndarray  # [S]
     num_candidates: int  # candidates per sort row: max top-k, or V if a row has top-p alone
-    # the same rows split for the CUDA draw: top-k rows (sorted candidates: the max top-k of
-    # them) and rows with top-p alone (the sort-free cutoff of kernels/sampling.py)
-    top_k_rows: Optional[torch.Tensor]  # int64 [K]
-    top_k_candidates: int
-    top_p_rows: Optional[torch.Tensor]  # int64 [R]
+    top_k_rows_host: np.ndarray  # [K]
+    top_k_candidates: int  # the max top-k of the top-k rows
+    top_p_rows_host: np.ndarray  # [R]
+    device: torch.device
     # logit_bias as a sparse list of (row, token, bias); None when no row has one
     bias_rows: Optional[torch.Tensor]
     bias_tokens: Optional[torch.Tensor]
@@ -53,26 +69,16 @@ class SamplingBatch:
     logprob_index: Optional[torch.Tensor]  # int64 [M] on the device: logprob_rows
 
     # per-row views of ``params`` in the dtypes the torch path computes with (built on first
-    # use: the fused CUDA draw reads ``params`` itself and never needs them)
-    @functools.cached_property
-    def temperature(self) -> torch.Tensor:
-        return self.params[0].float()  # [N] float32
+    # use: the fused CUDA draw reads ``params`` itself and never needs them), [N] each
+    temperature = _param_view(0, torch.Tensor.float)
+    top_p = _param_view(1, torch.Tensor.float)
+    min_p = _param_view(2, torch.Tensor.float)
+    top_k = _param_view(3, torch.Tensor.long)
+    greedy = _param_view(4, lambda t: t > 0.5)
 
-    @functools.cached_property
-    def top_p(self) -> torch.Tensor:
-        return self.params[1].float()  # [N] float32
-
-    @functools.cached_property
-    def min_p(self) -> torch.Tensor:
-        return self.params[2].float()  # [N] float32
-
-    @functools.cached_property
-    def top_k(self) -> torch.Tensor:
-        return self.params[3].long()  # [N] int64
-
-    @functools.cached_property
-    def greedy(self) -> torch.Tensor:
-        return self.params[4] > 0.5  # [N] bool
+    sort_rows = _rows_view("sort_rows_host")
+    top_k_rows = _rows_view("top_k_rows_host")
+    top_p_rows = _rows_view("top_p_rows_host")
 
     @property
     def uniform(self) -> torch.Tensor:
@@ -122,17 +128,12 @@ class SamplingBatch:
         return SamplingBatch(
             num_rows=n, vocab_size=v, params=packed,
             all_greedy=all_greedy, any_greedy=bool(greedy.any()), any_min_p=any_min_p,
-            sort_rows=_rows(sort_rows, dev),
-            num_candidates=k_max,
-            top_k_rows=_rows(top_k_rows, dev), top_k_candidates=k_max_topk,
-            top_p_rows=_rows(top_p_rows, dev),
+            sort_rows_host=sort_rows, num_candidates=k_max,
+            top_k_rows_host=top_k_rows, top_k_candidates=k_max_topk,
+            top_p_rows_host=top_p_rows, device=dev,
             bias_rows=bias_t[0] if bias_t else None, bias_tokens=bias_t[1] if bias_t else None,
             bias_values=bias_t[2] if bias_t else None,
             logprob_rows=lp_rows, logprob_counts=[params[i].logprobs for i in lp_rows],
             logprob_index=(to_device(np.array(lp_rows, dtype=np.int64), dev)
                            if lp_rows else None))
 
-
-def _rows(rows: np.ndarray, dev: torch.device) -> Optional[torch.Tensor]:
-    """Row indices as a device int64 tensor, or None when there are none."""
-    return to_device(rows.astype(np.int64), dev) if rows.size else None

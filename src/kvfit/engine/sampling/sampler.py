@@ -150,10 +150,11 @@ def _draw_fused(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     the torch sort."""
     from kvfit.kernels import sampling
 
-    top_p_rows = batch.top_p_rows
-    rows, k = batch.top_k_rows, batch.top_k_candidates
-    if top_p_rows is not None and top_p_rows.numel() < sampling.TOP_P_MIN_ROWS:
-        top_p_rows, rows, k = None, batch.sort_rows, batch.num_candidates  # few: sort them
+    n_top_p = batch.top_p_rows_host.size
+    if 0 < n_top_p < sampling.TOP_P_MIN_ROWS:  # few: sort them with the top-k rows
+        top_p_rows, rows, k = None, batch.sort_rows, batch.num_candidates
+    else:
+        top_p_rows, rows, k = batch.top_p_rows, batch.top_k_rows, batch.top_k_candidates
     cut = None
     if rows is not None:
         xs = x.index_select(0, rows) / batch.temperature.index_select(0, rows).unsqueeze(1)
