@@ -13,7 +13,7 @@ import torch
 from kvfit.config import EngineConfig
 from kvfit.engine.detokenizer import IncrementalDetokenizer
 from kvfit.engine.preflight import check_memory, check_runs_here
-from kvfit.engine.request_check import check_request
+from kvfit.engine.request_check import check_request, token_id_list
 from kvfit.engine.runner import ModelRunner
 from kvfit.engine.inflight import InFlightStep, launch_sampling
 from kvfit.engine.sampling import top_logprobs
@@ -104,7 +104,7 @@ class LLMEngine:
                 raise RequestRejected("this model has no tokenizer: send token ids", "prompt")
             text, ids = prompt, self.tokenizer(prompt)["input_ids"]
         else:
-            text, ids = None, [int(t) for t in prompt]
+            text, ids = None, token_id_list(prompt)
         params.max_tokens = check_request(ids, params.max_tokens, self.max_model_len,
                                           self.vocab_size)
         self._check_vocab(params)

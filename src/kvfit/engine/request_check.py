@@ -6,9 +6,20 @@ queued, so that the client gets its 400 at once) call ``check_request``; the wor
 
 from __future__ import annotations
 
+from array import array
 from typing import Optional, Sequence
 
 from kvfit.errors import RequestRejected
+
+
+def token_id_list(prompt: Sequence) -> list[int]:
+    """A prompt's token ids as a list of Python ints. Integers (Python, numpy, bool) go through
+    one C-level ``array`` conversion (a 4k-token prompt: ~4x faster than ``int()`` per id);
+    anything else falls back to ``int()`` per element, whose error names the bad value."""
+    try:
+        return array("q", prompt).tolist()
+    except (TypeError, OverflowError):
+        return [int(t) for t in prompt]
 
 
 def context_too_long(max_model_len: int, n_prompt: int, n_out: int,
@@ -32,7 +43,7 @@ def check_request(prompt_ids: Sequence[int], max_tokens: Optional[int], max_mode
     n = len(prompt_ids)
     if n == 0:
         raise RequestRejected(f"the {prompt_param} is empty", prompt_param)
-    if vocab_size is not None:
+    if vocab_size is not None and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size):
         bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
         if bad:
             raise RequestRejected(f"prompt token ids must be in [0, {vocab_size}), got {bad[0]}",

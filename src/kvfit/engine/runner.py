@@ -405,6 +405,8 @@ class ModelRunner:
             sample_logits = torch.empty(0)
         elif len(rows) == hidden.shape[0]:  # decode: every row samples, no gather needed
             sample_logits = self.model.compute_logits(hidden)
+        elif rows[-1] - rows[0] + 1 == len(rows):  # consecutive rows (one prompt): a view
+            sample_logits = self.model.compute_logits(hidden[rows[0]:rows[-1] + 1])
         else:
             sample_logits = self.model.compute_logits(
                 hidden[to_device(np.asarray(rows, dtype=np.int64), self.device)])

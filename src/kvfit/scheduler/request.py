@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
 from typing import Optional
 
 from kvfit.sampling_params import SamplingParams
@@ -64,6 +65,7 @@ class Request:
         self.page_keys_root: Optional[bytes] = None
         self.num_registered_pages = 0
         self.num_cached_tokens: Optional[int] = None  # set at first admission
+        self._prompt_bytes: Optional[memoryview] = None  # int64 bytes of the prompt (page keys)
         self.t_arrival = time.monotonic()
         self.t_first_token: Optional[float] = None
 
@@ -92,6 +94,16 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p:end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def token_slice_bytes(self, start: int, end: int) -> bytes | memoryview:
+        """``token_slice`` as int64 bytes (native order; prefix-cache page keys). The prompt's
+        bytes are converted once per request and sliced as a view afterwards."""
+        p = self.num_prompt_tokens
+        if end <= p:
+            if self._prompt_bytes is None:
+                self._prompt_bytes = memoryview(array("q", self.prompt_token_ids).tobytes())
+            return self._prompt_bytes[start * 8:end * 8]
+        return array("q", self.token_slice(start, end)).tobytes()
 
     @property
     def finished(self) -> bool:

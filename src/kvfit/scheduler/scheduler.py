@@ -149,7 +149,7 @@ class Scheduler:
         page; recomputed if the cache's root changed)."""
         if req.page_keys_root != self.cache.root:
             req.page_keys, req.page_keys_root = [], self.cache.root
-        extend_page_keys(req.page_keys, self.cache.root, req.token_slice, num_tokens,
+        extend_page_keys(req.page_keys, self.cache.root, req.token_slice_bytes, num_tokens,
                          self.page_size)
         return req.page_keys
 
