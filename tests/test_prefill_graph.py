@@ -135,3 +135,16 @@ def test_runner_dispatch_with_fake_graphs(tmp_path):
     assert pre > 0 and got == want
     # prompt chunks of up to 24 tokens (bucket 32) and decode steps (bucket 16) replayed
     assert set(graphs.buckets_run) >= {16, 32}
+
+
+def test_graph_link_starts():
+    """Links of 1, g, g**2, ... layers (engine/graph_segments.py); one graph for growth 0."""
+    from kvfit.engine.graph_segments import segment_starts
+
+    assert segment_starts(28, 3) == [1, 4, 13]  # links of 1, 3, 9 and 15 layers
+    assert segment_starts(28, 2) == [1, 3, 7, 15]
+    assert segment_starts(28, 0) == [] and segment_starts(1, 3) == []
+    assert segment_starts(2, 3) == [1] and segment_starts(4, 1) == [1, 2, 3]
+    for n in range(1, 80):
+        s = segment_starts(n, 3)
+        assert s == sorted(set(s)) and all(0 < i < n for i in s)

@@ -179,3 +179,28 @@ def test_decode_rows_layer_path_equals_the_batched_path(monkeypatch, dtype):
     assert (k - k_ref).abs().max() <= ulp * k_ref.abs().max()
     h1, l1, _ = run(True, 1)
     assert torch.equal(h1[0], h[0]) and torch.equal(l1[0], lg[0])
+
+
+def test_norm_sum_of_squares_same_for_every_block_k():
+    """The norm prologue chains 64-column trees whatever the tile's block_k (64, 128, 256): with
+    a selection matrix as the weight (every dot exact in any order), the outputs of the three
+    tiles are the same bits, and they match float64."""
+    m, k, n = 6, 512, 32
+    g = torch.Generator().manual_seed(7)
+    x = (3 * torch.randn(m, k, generator=g)).to(DT)
+    res = torch.randn(m, k, generator=g).to(DT)
+    nw = (1 + 0.2 * torch.randn(k, generator=g)).to(DT)
+    w = torch.zeros(n, k, dtype=DT)
+    w[torch.arange(n), torch.randperm(k, generator=g)[:n]] = 1.0
+    outs = []
+    for bk in (64, 128, 256):
+        y, s = rows_gemm(x, w, norm=(nw, 1e-6, 0.0), residual=res, config=(16, 16, bk, 4, 1),
+                         out_dtype=torch.float32)
+        outs.append(y)
+    s64 = s.double()
+    h = (s64 * nw.double()).to(DT).double()  # the normed input is rounded before the dot
+    exact = h @ w.double().t() * torch.rsqrt((s64 * s64).mean(-1, keepdim=True) + 1e-6)
+    _close(outs[0], exact, 2.0)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    with pytest.raises(ValueError, match="block_k"):
+        rows_gemm(x, w, norm=(nw, 1e-6, 0.0), config=(16, 16, 512, 4, 1))

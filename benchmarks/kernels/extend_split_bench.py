@@ -30,15 +30,33 @@ from kvfit.kvcache.dtypes import kv_format  # noqa: E402
 from kvfit.kvcache.pool import MHAKVCache  # noqa: E402
 from kvfit.kvcache.spec import KVLayerSpec  # noqa: E402
 
-# (label, (num_splits, min_tiles, block_m or None = the engine's)) ; None = the plain kernel
-VARIANTS = [("plain", None), ("s8 t8", (8, 8, None)), ("s8 t16", (8, 16, None)),
-            ("s16 t4", (16, 4, None)), ("s8 t8 m32", (8, 8, 32)), ("s16 t4 m32", (16, 4, 32))]
+# variant labels: "plain" (no split) or space-separated fields s<splits> t<min tiles> and,
+# overriding the engine's ``prefill_config``, m<rows> n<keys per tile> w<warps> st<stages>
+VARIANTS = ["plain", "s8 t8", "s8 t16", "s16 t4", "s8 t8 m32", "s16 t4 m32"]
+_FIELDS = {"m": "block_m", "n": "block_n", "w": "num_warps", "st": "num_stages"}
 
 
-def point(kv_dtype, ps, v_layout, q_len, ctx):
-    """Yields (label, us per layer) for each variant at one point."""
+def parse_variant(label: str, base):
+    """(num_splits, min_tiles, PrefillConfig) of a variant label; splits None = plain."""
     import dataclasses
+    import re
 
+    if label == "plain":
+        return None, None, base
+    splits, tiles, over = 8, 8, {}
+    for tok in label.split():
+        key, val = re.fullmatch(r"([a-z]+)(\d+)", tok).groups()
+        if key == "s":
+            splits = int(val)
+        elif key == "t":
+            tiles = int(val)
+        else:
+            over[_FIELDS[key]] = int(val)
+    return splits, tiles, dataclasses.replace(base, **over)
+
+
+def point(kv_dtype, ps, v_layout, q_len, ctx, variants=VARIANTS):
+    """Yields (label, us per layer) for each variant at one point."""
     hq, hkv, d = 16, 8, 128
     pages = -(-ctx // ps)
     pool = MHAKVCache([KVLayerSpec("full", hkv, d)], pages + 1, ps, kv_format(kv_dtype), "cuda",
@@ -51,15 +69,13 @@ def point(kv_dtype, ps, v_layout, q_len, ctx):
     q = torch.randn(q_len, hq, d, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     base = prefill_config(d, q.dtype, pool.dtype)
-    for label, var in VARIANTS:
-        split, cfg = None, base
-        if var is not None:
-            ns, mt, bm = var
+    for label in variants:
+        ns, mt, cfg = parse_variant(label, base)
+        split = None
+        if ns is not None:
             split = ExtendSplit()
             split.num_splits, split.min_tiles = ns, mt
             split.reserve(q_len, hq, d, "cuda")
-            if bm is not None:
-                cfg = dataclasses.replace(base, block_m=bm)
         blocks = order_prefill_blocks([q_len], hq // hkv, cfg.block_m, "cuda", [ctx])
 
         def f(split=split, cfg=cfg, blocks=blocks):
@@ -75,14 +91,19 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--q-lens", type=int, nargs="+", default=[16, 128, 512])
     p.add_argument("--ctxs", type=int, nargs="+", default=[1024, 4224, 16384])
+    p.add_argument("--variants", nargs="+", default=VARIANTS,
+                   help='e.g. "plain" "s8 t8" "s8 t8 m128 w8" "s4 t8 n128 st3"')
+    p.add_argument("--kv-dtypes", nargs="+", default=["fp8_e4m3", "bfloat16"])
     args = p.parse_args()
     rows = []
     print("| KV | q_len | context | variant (splits, min tiles, rows) | us per layer |")
     print("|---|---:|---:|---|---:|", flush=True)
-    for kv_dtype, ps, lay in (("fp8_e4m3", 32, "HDN"), ("bfloat16", 16, "HND")):
+    layouts = {"fp8_e4m3": (32, "HDN"), "bfloat16": (16, "HND")}
+    for kv_dtype in args.kv_dtypes:
+        ps, lay = layouts[kv_dtype]
         for q_len in args.q_lens:
             for ctx in args.ctxs:
-                for label, us in point(kv_dtype, ps, lay, q_len, ctx):
+                for label, us in point(kv_dtype, ps, lay, q_len, ctx, args.variants):
                     rows.append({"kv_dtype": kv_dtype, "q_len": q_len, "ctx": ctx,
                                  "variant": label, "us": us})
                     print(f"| {kv_dtype} | {q_len} | {ctx} | {label} | {us:.1f} |", flush=True)

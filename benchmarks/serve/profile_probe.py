@@ -265,6 +265,29 @@ def main() -> None:
         res["profile_kernel_ms"] = sum(e.device_time for e in kernels) / 1e3
         print(f"profiled cached probe: {len(kernels)} kernels, {res['profile_kernel_ms']:.2f} ms "
               f"of kernel time", flush=True)
+
+        # the host's Python functions in one cached probe (cProfile: the per-function split of
+        # the host milliseconds above; cProfile's own overhead inflates them evenly)
+        import cProfile
+        import io
+        import pstats
+
+        prefix = [rng.randrange(lo, hi) for _ in range(args.prefix_len)]
+        wl.drive(eng, [prefix + [rng.randrange(lo, hi) for _ in range(args.suffix_len)]], [1],
+                 "p")
+        torch.cuda.synchronize()
+        prof_py = cProfile.Profile()
+        prof_py.enable()
+        wl.drive(eng, [prefix + [rng.randrange(lo, hi) for _ in range(args.suffix_len)]], [1],
+                 "p")
+        prof_py.disable()
+        stats = pstats.Stats(prof_py, stream=io.StringIO()).stats
+        for col, key in ((2, "self"), (3, "cumulative")):  # (calls, prim, tottime, cumtime)
+            top = sorted(stats.items(), key=lambda kv: -kv[1][col])[:30]
+            print(f"cProfile of one cached probe, top by {key} us:", flush=True)
+            for (path, line, fn), st in top:
+                print(f"  {1e6 * st[2]:8.1f} self {1e6 * st[3]:8.1f} cum {st[0]:5d} calls  "
+                      f"{os.path.basename(path)}:{line}({fn})", flush=True)
     # the random-workload TTFT with caching on: the same kind of batch twice on this engine (a
     # first run that pays one-off costs, e.g. kernel compiles for new shapes, shows here)
     import random

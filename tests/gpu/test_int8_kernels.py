@@ -443,7 +443,7 @@ def test_int8_decode_cuda_graph_replay():
     hq, hkv, d, ps = 16, 8, 128, 32
     kv_lens = [700, 33, 1500, 64]
     b = len(kv_lens)
-    num_pages = 200
+    num_pages = b * (2048 // ps) + 8  # room for every request's 2,048-token page list
     pool = make_int8_pool(ps, hkv, d, num_pages, DEV, "HDN")
     tables = random_tables([2048] * b, ps, num_pages)
     fill_int8_prefix(pool, [0] * b, [2048] * b, tables)

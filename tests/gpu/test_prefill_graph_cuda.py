@@ -92,6 +92,36 @@ def test_graph_extend_equals_eager_and_reference(kv_dtype):
     assert toks["graph"] == toks["eager"] == toks["torch"]
 
 
+def test_linked_graphs_equal_one_graph(monkeypatch):
+    """The forward captured as a chain of graphs cut at layer boundaries (the default,
+    engine/graph_segments.py) replays exactly the one-graph capture: the same bits."""
+    from kvfit.engine import graph_segments
+    from kvfit.engine.prefill_graph import PrefillGraphs
+
+    torch.manual_seed(5)
+    cfg, model = tiny_model()
+    ps, num_pages = 16, 200
+    prefixes = [torch.randint(0, 512, (n,)).tolist() for n in (700, 90)]
+    tables = random_tables([900, 200], ps, num_pages)
+    new = [torch.randint(0, 512, (n,)).tolist() for n in (100, 1)]
+    q_lens = [len(x) for x in new]
+    kv_lens = [len(p) + len(x) for p, x in zip(prefixes, new)]
+    ids = torch.tensor(sum(new, []), device=DEV)
+    pos = torch.tensor([len(p) + i for p, x in zip(prefixes, new) for i in range(len(x))],
+                       device=DEV)
+    out = {}
+    for growth in (0, 1):
+        monkeypatch.setattr(graph_segments, "GROWTH", growth)
+        ctx = make_backend("triton", cfg, model, "fp8_e4m3", num_pages, ps)
+        graphs = PrefillGraphs(model, ctx, 128, 900 // ps + 1, DEV)
+        assert graphs.links == (1 if growth == 0 else cfg.num_hidden_layers)
+        assert all(len(chain) == graphs.links for chain in graphs.graphs.values())
+        _prefill(model, ctx, prefixes, tables)
+        out[growth] = graphs.run(ids, pos, q_lens, kv_lens, tables).clone()
+        assert torch.isfinite(out[growth].float()).all()
+    assert torch.equal(out[0], out[1])
+
+
 CFG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256,
            intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, head_dim=128, vocab_size=512, max_position_embeddings=4096,

@@ -71,7 +71,8 @@ def _logits_by_batch(model, cfg, backend, kv_dtype, prompts, tables, batches, gr
     from kvfit.engine.cuda_graph import DecodeGraphs
 
     ps = 16
-    ctx = make_backend(backend, cfg, model, kv_dtype, 256, ps)
+    num_pages = max(256, 1 + max(max(t) for t in tables))
+    ctx = make_backend(backend, cfg, model, kv_dtype, num_pages, ps)
     out = {}
     with torch.inference_mode():
         for p, t in zip(prompts, tables):
@@ -106,10 +107,10 @@ def test_request_logits_are_batch_invariant(backend, kv_dtype, graphed, max_rows
         monkeypatch.setattr(decode_rows, "MAX_ROWS", max_rows)
     torch.manual_seed(0)
     cfg, model = tiny_model(128)
-    n = 33
+    top = decode_rows.MAX_ROWS
+    n = max(33, top)  # a prompt for every row of the largest batch
     prompts = [torch.randint(0, 512, (int(k),)).tolist() for k in torch.randint(5, 100, (n,))]
     tables = [list(range(1 + 7 * i, 8 + 7 * i)) for i in range(n)]  # 7 pages each, disjoint
-    top = decode_rows.MAX_ROWS
     batches = sorted({1, 2, 3, 8, top} | ({33} if top >= 33 else set()))
     got = _logits_by_batch(model, cfg, backend, kv_dtype, prompts[:max(batches)], tables,
                            batches, graphed)

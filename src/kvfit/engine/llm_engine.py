@@ -13,7 +13,7 @@ import torch
 from kvfit.config import EngineConfig
 from kvfit.engine.detokenizer import IncrementalDetokenizer
 from kvfit.engine.preflight import check_memory, check_runs_here
-from kvfit.engine.request_check import check_request, token_id_list
+from kvfit.engine.request_check import check_request, prompt_ids
 from kvfit.engine.runner import ModelRunner
 from kvfit.engine.inflight import InFlightStep, launch_sampling
 from kvfit.engine.sampling import top_logprobs
@@ -99,20 +99,21 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use", "request_id")
         params.validate()
+        int64 = None
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestRejected("this model has no tokenizer: send token ids", "prompt")
             text, ids = prompt, self.tokenizer(prompt)["input_ids"]
         else:
-            text, ids = None, token_id_list(prompt)
+            text, (ids, int64) = None, prompt_ids(prompt)
         params.max_tokens = check_request(ids, params.max_tokens, self.max_model_len,
-                                          self.vocab_size)
+                                          self.vocab_size, int64=int64)
         self._check_vocab(params)
         seed = params.seed
         if seed is None:  # drawn from the engine's RNG (EngineConfig.seed): runs repeat
             seed = 0 if params.greedy else int(
                 torch.randint(0, 2**62, (1,), generator=self._seed_rng))
-        req = Request(request_id, text, ids, params, seed, next(self._arrival))
+        req = Request(request_id, text, ids, params, seed, next(self._arrival), int64)
         req.detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         if params.structured_outputs is not None:
             req.grammar = self._structured_outputs().new_matcher(params.structured_outputs)

@@ -23,6 +23,7 @@ import time
 import torch
 
 from kvfit.attention.base import AttentionMetadata
+from kvfit.engine.graph_segments import SegmentedGraph, capture_segmented, segment_starts
 from kvfit.engine.prefill_staging import PrefillStaging
 
 log = logging.getLogger("kvfit")
@@ -79,14 +80,14 @@ class PrefillGraphs:
                                       backend.prefill_graph_block_m(), self.device)
         self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, SegmentedGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         t0 = time.monotonic()
         self._capture_all()
         self.capture_seconds = time.monotonic() - t0
         log.info("CUDA graphs: captured %d prefill token buckets (%d..%d tokens, up to %d "
-                 "requests) in %.1f s", len(self.sizes), self.sizes[0], max_tokens, MAX_REQS,
-                 self.capture_seconds)
+                 "requests, %d linked graphs each) in %.1f s", len(self.sizes), self.sizes[0],
+                 max_tokens, MAX_REQS, self.links, self.capture_seconds)
 
     def _meta(self, bucket: int, q_lens: list[int], kv_lens: list[int], n_pages: list[int],
               num_real: int) -> AttentionMetadata:
@@ -106,6 +107,11 @@ class PrefillGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         zeros = [0] * MAX_REQS
+        # a chain of graphs cut at layer boundaries: the GPU starts after the first link's
+        # launch instead of the whole graph's (engine/graph_segments.py)
+        layers = getattr(getattr(self.model, "model", None), "layers", None) or []
+        starts = segment_starts(len(layers))
+        self.links = len(starts) + 1
         for bucket in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
             # the buffers hold spare programs only and slots -1: the capture stores nothing
             self._prepare(self._meta(bucket, zeros, zeros, zeros, 0), bucket)
@@ -114,10 +120,9 @@ class PrefillGraphs:
             with torch.cuda.stream(stream):  # warm-up (compiles kernels) off-graph
                 self.model.forward(ids, pos, self.ctx)
             torch.cuda.current_stream(self.device).wait_stream(stream)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                out = self.model.forward(ids, pos, self.ctx)
-            self.graphs[bucket] = g
+            chain, out = capture_segmented(lambda: self.model.forward(ids, pos, self.ctx),
+                                           layers, starts, pool, stream)
+            self.graphs[bucket] = chain
             self.outputs[bucket] = out
         torch.cuda.synchronize(self.device)
 

@@ -30,11 +30,13 @@ def build():
     import triton.language as tl
 
     from kvfit.kernels.decode_common import build as build_decode_common
+    from kvfit.kernels.pdl import gdc
     from kvfit.kernels.tile_math import build as build_tile_math
 
     common = build_decode_common()
     _to_mma, _split_range, _store_split = common.to_mma, common.split_range, common.store_split
     softcap_logits = build_tile_math().softcap_logits
+    gdc_wait, gdc_launch_dependents = gdc()
 
     @triton.jit
     def _decode_split_packed(Q, KC, VC, KS, VS, QB, BT, KVLEN, OUT, OP, LSE,
@@ -46,7 +48,11 @@ def build():
                              D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                              F16: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                              HAS_WINDOW: tl.constexpr, SINGLE: tl.constexpr, ROWS: tl.constexpr,
-                             I8_CVT: tl.constexpr, HAS_QBIAS: tl.constexpr):
+                             I8_CVT: tl.constexpr, HAS_QBIAS: tl.constexpr,
+                             PDL: tl.constexpr = False):
+        if PDL:  # programmatic dependent launch (kernels/pdl.py)
+            gdc_wait()
+            gdc_launch_dependents()
         M: tl.constexpr = R * GP  # MMA rows: sub-split i, query g -> row i * GP + g
         NR: tl.constexpr = BLOCK_N // R  # tile rows of R consecutive tokens
         W: tl.constexpr = R * D  # tile row width

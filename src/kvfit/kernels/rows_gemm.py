@@ -57,8 +57,8 @@ class RowsConfig(NamedTuple):
 # larger M. Measured on the H200 (benchmarks/kernels/rows_gemm_probe.py); other shapes take the
 # rule in rows_config. A row's bits do not depend on the tile (every tile chains the same k16
 # tensor-core products in K order; tests/gpu/test_rows_gemm_cuda.py checks it across the
-# buckets), so the tile may follow M; the split count may not (each shape keeps one), nor, for
-# the norm prologue, the block_k (its sum of squares is a tree over block_k lanes).
+# buckets), so the tile may follow M; the split count may not (each shape keeps one). The norm
+# prologue's sum of squares is chained over 64-column chunks, the same for block_k 64-256.
 ROWS_CONFIG: dict = {
     # Qwen3-1.7B's products (benchmarks/kernels/rows_gemm_probe.py, H200, round A2 of 2026-12-01;
     # us per product at M = 1 / 64, cuBLAS in brackets)
@@ -74,6 +74,10 @@ ROWS_CONFIG: dict = {
                             (64, (64, 128, 64, 8, 3)),  # 156.7 (160.6 + cast)
                             (1 << 30, (64, 128, 64, 4, 3, 1))),
 }
+# columns per chunk of the norm prologue's sum of squares (each chunk a fixed tree, chunks in
+# K order): every table tile has block_k >= 64, so a row's 1/rms has the same bits whatever
+# the tile (block_k 64, 128 and 256 all chain the same 64-column trees)
+NORM_CHUNK = 64
 MIN_PROGRAMS = 132  # one column block per SM of an H200 at least
 
 
@@ -173,6 +177,10 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
         residual, res_out = x, x
     cfg = RowsConfig(*(config or rows_config(n_out, k, gated, m)))
     bk = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
+    ch = min(NORM_CHUNK, bk)  # the norm's sum-of-squares chunk: one order for every tile
+    if norm is not None and bk // ch > 4:
+        raise ValueError(f"rows_gemm's norm prologue takes tiles of at most {4 * NORM_CHUNK} "
+                         f"columns, got block_k {bk}")
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n_out, cfg.block_n), cfg.split)
     k_split = triton.cdiv(triton.cdiv(k, cfg.split), bk) * bk
     if cfg.split > 1:
@@ -187,7 +195,7 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
                   wsq, cnt, m, k, n_out, k_split, x.stride(0), residual.stride(0),
                   res_out.stride(0), weight.stride(0), out.stride(0), n_out, float(eps),
                   float(offset), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
-                  LOG2_K=bk.bit_length() - 1, SPLIT=cfg.split, NORM=norm is not None, ADD=add,
+                  LOG2_CH=ch.bit_length() - 1, SPLIT=cfg.split, NORM=norm is not None, ADD=add,
                   HAS_OFFSET=bool(offset), GATED=gated, ACT=ACTIVATIONS.get(gated_act, 0),
                   HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, STAGES=cfg.num_stages,
                   F32_DOT=interpreting(), SWAP=bool(cfg.swap), num_warps=cfg.num_warps,

@@ -5,9 +5,10 @@ with ``SPLIT`` > 1 the ``pid_s``-th of SPLIT equal ranges, whose float32 partial
 workspace; the last program of a tile to finish (an atomic counter per tile, reset by that
 program) adds the SPLIT partials in split order and runs the epilogue. Every sum a row's output
 depends on has a fixed order: tensor-core products chained in K order inside a range, partials
-added in split order, and the RMSNorm's sum of squares accumulated element-wise in K order,
-then reduced by a pairwise tree over the ``BLOCK_K`` lanes (``_tree_sum``: the same additions
-whatever the register layout), per split in split order.
+added in split order, and the RMSNorm's sum of squares as chunks of 64 columns (fewer when
+K < 64: every tile then has the same BLOCK_K) in K order, each chunk a fixed pairwise tree
+(``_chunk_sums``, ``_add_in_order``: the same additions whatever BLOCK_K or the register
+layout), per split in split order.
 """
 
 from __future__ import annotations
@@ -26,13 +27,33 @@ def build():
     gdc_wait, gdc_launch_dependents = gdc()
 
     @triton.jit
-    def _tree_sum(v, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_K: tl.constexpr):
-        """[BM, BK] -> [BM]: lanes j and j + 1 added, then pairs of those, ... (a fixed tree)."""
-        for i in tl.static_range(LOG2_K):
+    def _chunk_sums(v, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_CH: tl.constexpr):
+        """[BM, BK] -> [BM, BK >> LOG2_CH]: each run of 2**LOG2_CH lanes summed by a fixed
+        pairwise tree (lanes j and j + 1, then pairs of those, ...; never across a run)."""
+        for i in tl.static_range(LOG2_CH):
             v = tl.reshape(v, [BLOCK_M, BLOCK_K >> (i + 1), 2])
             a, b = tl.split(v)
             v = a + b
-        return tl.reshape(v, [BLOCK_M])
+        return v
+
+    @triton.jit
+    def _add_in_order(ssq, t, BLOCK_M: tl.constexpr, C: tl.constexpr):
+        """ssq [BM] + the C columns of t [BM, C] one after the other, in column order."""
+        if C == 1:
+            ssq = ssq + tl.reshape(t, [BLOCK_M])
+        elif C == 2:
+            c0, c1 = tl.split(t)
+            ssq = ssq + c0
+            ssq = ssq + c1
+        else:  # C == 4: (hi, lo) -> column 2 * hi + lo
+            even, odd = tl.split(tl.reshape(t, [BLOCK_M, 2, 2]))  # lo 0: columns 0, 2
+            c0, c2 = tl.split(even)
+            c1, c3 = tl.split(odd)
+            ssq = ssq + c0
+            ssq = ssq + c1
+            ssq = ssq + c2
+            ssq = ssq + c3
+        return ssq
 
     @triton.jit
     def _epilogue(acc, acc_up, ssq, B, OUT, rm64, rn, mmask, nmask, K, stride_o, up_off, eps,
@@ -66,7 +87,7 @@ def build():
     def _rows_gemm_kernel(X, R, RO, NW, W, B, OUT, WS, WSQ, CNT, M, K, N_OUT, K_SPLIT, stride_x,
                           stride_r, stride_ro, stride_w, stride_o, up_off, eps, offset,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          LOG2_K: tl.constexpr, SPLIT: tl.constexpr,
+                          LOG2_CH: tl.constexpr, SPLIT: tl.constexpr,
                           NORM: tl.constexpr, ADD: tl.constexpr, HAS_OFFSET: tl.constexpr,
                           GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
                           EVEN_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
@@ -94,7 +115,7 @@ def build():
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # element-wise sums of squares
+        ssq = tl.zeros([BLOCK_M], dtype=tl.float32)  # the rows' sums of squares
         k_lo = pid_s * K_SPLIT
         k_hi = tl.minimum(k_lo + K_SPLIT, K)
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
@@ -113,7 +134,10 @@ def build():
                     if pid_n == 0:
                         tl.store(ro_ptr + k0, xk, mask=xm)
                 sf = xk.to(tl.float32)
-                sq += sf * sf
+                # chunks of 2**LOG2_CH columns (64, whatever BLOCK_K) in K order, each a
+                # fixed tree: the same additions for every tile of this K
+                ssq = _add_in_order(ssq, _chunk_sums(sf * sf, BLOCK_M, BLOCK_K, LOG2_CH),
+                                    BLOCK_M, BLOCK_K >> LOG2_CH)
                 if EVEN_K:
                     nw = tl.load(NW + k0 + ks).to(tl.float32)
                 else:
@@ -142,9 +166,6 @@ def build():
         if SWAP:  # [BN, BM] -> [BM, BN]
             acc = tl.trans(acc)
             acc_up = tl.trans(acc_up)
-        ssq = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if NORM:
-            ssq = _tree_sum(sq, BLOCK_M, BLOCK_K, LOG2_K)
         if SPLIT == 1:
             _epilogue(acc, acc_up, ssq, B, OUT, rm64, rn, mmask, nmask, K, stride_o, up_off,
                       eps, NORM, GATED, ACT, HAS_BIAS, ty)

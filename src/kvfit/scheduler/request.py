@@ -34,7 +34,8 @@ class Request:
     """
 
     def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
-                 params: SamplingParams, sampling_seed: int, arrival: int):
+                 params: SamplingParams, sampling_seed: int, arrival: int,
+                 prompt_int64: Optional[memoryview] = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -65,7 +66,9 @@ class Request:
         self.page_keys_root: Optional[bytes] = None
         self.num_registered_pages = 0
         self.num_cached_tokens: Optional[int] = None  # set at first admission
-        self._prompt_bytes: Optional[memoryview] = None  # int64 bytes of the prompt (page keys)
+        # int64 bytes of the prompt (page keys): given (``request_check.prompt_ids``) or made
+        # on first use
+        self._prompt_bytes: Optional[memoryview] = prompt_int64
         self.t_arrival = time.monotonic()
         self.t_first_token: Optional[float] = None
 
