@@ -464,7 +464,11 @@ def test_int8_decode_cuda_graph_replay():
         paged_decode(*args, **kw)
     for lens in ([701, 34, 1501, 65], [2000, 1, 5, 1024]):
         fill_int8_prefix(pool, [0] * b, [2048] * b, tables, scale=1.5)
-        meta.kv_lens.copy_(torch.tensor(lens, device=DEV, dtype=torch.int32))
+        # the new lengths and their page tables (a request may have grown onto a new page), in
+        # place, as the engine's graph staging writes them
+        grown = build_metadata([1] * b, lens, tables, ps, DEV, max_pages=2048 // ps)
+        meta.kv_lens.copy_(grown.kv_lens)
+        meta.block_table.copy_(grown.block_table)
         q.copy_(torch.randn_like(q))
         out.fill_(float("nan"))
         graph.replay()
