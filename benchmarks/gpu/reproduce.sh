@@ -24,6 +24,8 @@
 #   engine-host        issue 13's engine path (seventh session): engine steps at batch 256/1,
 #                      the sampler fused vs torch ops, bench throughput fp8/bf16, serve vs
 #                      offline at concurrency 64                                            ~8
+#   prefix-probe       issue 15's cached-4k probe: linked prefill graphs per growth, the
+#                      probe's host split, trace and cProfile, extend-split launch shapes    ~4
 #   tests              the GPU tests (tests/gpu)                                            ~4
 # Groups: seed = the four seed-*; kernels = decode-page16 decode-page32 decode-page-size prefill.
 set -uo pipefail
@@ -121,6 +123,14 @@ target() {
       run serve_fp8_round3 kvfit bench serve --model $M --load-format dummy --kv-dtype fp8_e4m3 \
         --num-prompts 256 --input-len 1024 --output-len 256 --max-concurrency 64 --offline
       grep -E "throughput|TTFT|TPOT|server/offline" "$OUT/serve_fp8_round3.log" ;;
+    prefix-probe) gpu_env
+      local M=src/kvfit/bench/configs/qwen3-1.7b.json
+      run probe_links python3 benchmarks/serve/probe_links.py --model $M --growths 0,3,1,2
+      run probe_profile python3 benchmarks/serve/profile_probe.py --model $M --kv-dtype fp8_e4m3 \
+        --repeats 7 --random-reps 0 --out-dir "$OUT/probe_profile"
+      grep -E "^probe|cached probe" "$OUT/probe_profile.log"
+      run extend_split python3 benchmarks/kernels/extend_split_bench.py --kv-dtypes fp8_e4m3 \
+        --q-lens 128 --ctxs 4224 --variants plain "s8 t8" "s8 t8 m128 w8" "s16 t4" "s16 t4 st3" ;;
     tests) gpu_env
       run gpu_tests python3 -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/gpu
       tail -3 "$OUT/gpu_tests.log" ;;
