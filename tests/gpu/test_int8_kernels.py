@@ -434,6 +434,45 @@ def test_backend_steps_with_transform(kv_dtype, rotate, d, softcap):
         assert err < 1e-2, (step, err)
 
 
+@pytest.mark.parametrize("variant", ["default", "splits1", "splits3", "stages3", "nocap", "asm",
+                                     "imma", "cast"])
+def test_int8_decode_short_requests_in_a_long_config(variant):
+    """A decode config chosen for 2,048 tokens (as CUDA graphs choose it for their longest
+    context) over requests of 1-2,000 tokens whose pages hold valid K/V beyond their lengths
+    (tokens past kv_len must be masked, not just harmless): every request against the float64
+    reference, per launch variant. (Measured on the H200 while diagnosing the graph-replay test
+    below: 1.6e-3-1.7e-3 in every variant.)"""
+    from kvfit.kernels.decode import choose_config, paged_decode
+
+    torch.manual_seed(3)
+    hq, hkv, d, ps, longest = 16, 8, 128, 32, 2048
+    b = 4
+    num_pages = b * (longest // ps) + 8
+    pool = make_int8_pool(ps, hkv, d, num_pages, DEV, "HDN")
+    tables = random_tables([longest] * b, ps, num_pages)
+    fill_int8_prefix(pool, [0] * b, [longest] * b, tables)  # every page full: nothing poisoned
+    cfg = choose_config(b, hkv, hq // hkv, d, longest, torch.int8, torch.bfloat16, v_t=True)
+    cfg = {"default": cfg, "splits1": dataclasses.replace(cfg, num_splits=1),
+           "splits3": dataclasses.replace(cfg, num_splits=3),
+           "stages3": dataclasses.replace(cfg, num_stages=3),
+           "nocap": dataclasses.replace(cfg, maxnreg=None),
+           "asm": dataclasses.replace(cfg, i8_cvt="asm"),
+           "imma": dataclasses.replace(cfg, i8_cvt="imma"),
+           "cast": dataclasses.replace(cfg, i8_cvt="cast")}[variant]
+    for lens in ([701, 34, 1501, 65], [2000, 1, 5, 1024], [64, 129, 193, 257]):
+        meta = build_metadata([1] * b, lens, tables, ps, DEV, max_pages=longest // ps)
+        q = torch.randn(b, hq, d, device=DEV, dtype=torch.bfloat16)
+        ref = reference_attention(pool, q, build_metadata([1] * b, lens, tables, ps, DEV),
+                                  d ** -0.5)
+        out = poison_(torch.empty_like(q))
+        paged_decode(q, pool.k_caches[0], pool.v_caches[0], meta.block_table, meta.kv_lens, out,
+                     d ** -0.5, cfg, k_scale_cache=pool.k_scale_caches[0],
+                     v_scale_cache=pool.v_scale_caches[0])
+        for i in range(b):
+            err = rel_err(out[i:i + 1], ref[i:i + 1])
+            assert err < BOUND[torch.bfloat16], (lens, i, err)
+
+
 def test_int8_decode_cuda_graph_replay():
     """An int8 decode launch captured in a CUDA graph, replayed over new page contents and
     new lengths, equals the eager call."""
