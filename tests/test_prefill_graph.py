@@ -148,3 +148,66 @@ def test_graph_link_starts():
     for n in range(1, 80):
         s = segment_starts(n, 3)
         assert s == sorted(set(s)) and all(0 < i < n for i in s)
+
+
+def test_capture_segmented_cuts_before_the_chosen_layers(monkeypatch):
+    """capture_segmented on CPU with a recording stand-in for CUDAGraph: each link's capture
+    holds exactly its layers, links share the pool, replay runs them in order, and the cutting
+    hooks are gone afterwards (also when the forward raises)."""
+    import contextlib
+
+    from kvfit.engine import graph_segments
+
+    log: list = []
+
+    class FakeGraph:
+        count = 0
+
+        def __init__(self):
+            self.id = FakeGraph.count
+            FakeGraph.count += 1
+
+        def capture_begin(self, pool=None):
+            log.append(("begin", self.id, pool))
+
+        def capture_end(self):
+            log.append(("end", self.id))
+
+        def replay(self):
+            log.append(("replay", self.id))
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+
+    class Layer(torch.nn.Module):
+        def __init__(self, i):
+            super().__init__()
+            self.i = i
+
+        def forward(self, x):
+            log.append(("layer", self.i))
+            if x is None:
+                raise RuntimeError("boom")
+            return x + 1
+
+    layers = torch.nn.ModuleList(Layer(i) for i in range(5))
+
+    def forward(x=torch.zeros(1)):
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    chain, out = graph_segments.capture_segmented(forward, layers, [1, 3], "pool", None)
+    assert out.item() == 5 and len(chain) == 3
+    assert log == [("begin", 0, "pool"), ("layer", 0), ("end", 0), ("begin", 1, "pool"),
+                   ("layer", 1), ("layer", 2), ("end", 1), ("begin", 2, "pool"), ("layer", 3),
+                   ("layer", 4), ("end", 2)]
+    log.clear()
+    chain.replay()
+    assert log == [("replay", 0), ("replay", 1), ("replay", 2)]
+    assert all(not layer._forward_pre_hooks for layer in layers)
+    with pytest.raises(RuntimeError, match="boom"):
+        graph_segments.capture_segmented(lambda: forward(None), layers, [2], "pool", None)
+    assert log[-1][0] == "end"  # the open capture was ended
+    assert all(not layer._forward_pre_hooks for layer in layers)
