@@ -282,11 +282,12 @@ def main() -> None:
                  "p")
         prof_py.disable()
         stats = pstats.Stats(prof_py, stream=io.StringIO()).stats
-        for col, key in ((2, "self"), (3, "cumulative")):  # (calls, prim, tottime, cumtime)
+        # pstats rows: (primitive calls, calls, tottime, cumtime, callers)
+        for col, key in ((2, "self"), (3, "cumulative")):
             top = sorted(stats.items(), key=lambda kv: -kv[1][col])[:30]
             print(f"cProfile of one cached probe, top by {key} us:", flush=True)
             for (path, line, fn), st in top:
-                print(f"  {1e6 * st[2]:8.1f} self {1e6 * st[3]:8.1f} cum {st[0]:5d} calls  "
+                print(f"  {1e6 * st[2]:8.1f} self {1e6 * st[3]:8.1f} cum {st[1]:5d} calls  "
                       f"{os.path.basename(path)}:{line}({fn})", flush=True)
     # the random-workload TTFT with caching on: the same kind of batch twice on this engine (a
     # first run that pays one-off costs, e.g. kernel compiles for new shapes, shows here)

@@ -39,6 +39,19 @@ def tiny_model():
     return cfg, model
 
 
+def _extend_step(prefix_lens, new_lens):
+    """Random cached prefixes and the new tokens of one step after them -> (prefixes, new,
+    q_lens, kv_lens, device ids [T], device positions [T])."""
+    prefixes = [torch.randint(0, 512, (n,)).tolist() for n in prefix_lens]
+    new = [torch.randint(0, 512, (n,)).tolist() for n in new_lens]
+    q_lens = [len(x) for x in new]
+    kv_lens = [len(p) + len(x) for p, x in zip(prefixes, new)]
+    ids = torch.tensor(sum(new, []), device=DEV)
+    pos = torch.tensor([len(p) + i for p, x in zip(prefixes, new) for i in range(len(x))],
+                       device=DEV)
+    return prefixes, new, q_lens, kv_lens, ids, pos
+
+
 @torch.inference_mode()
 def _prefill(model, ctx, prompts, tables):
     ps = ctx.pool.page_size
@@ -56,14 +69,8 @@ def test_graph_extend_equals_eager_and_reference(kv_dtype):
     torch.manual_seed(3)
     cfg, model = tiny_model()
     ps, num_pages = 16, 200
-    prefixes = [torch.randint(0, 512, (n,)).tolist() for n in (1100, 300)]
-    tables = random_tables([1400, 400], ps, num_pages)
-    new = [torch.randint(0, 512, (n,)).tolist() for n in (60, 1)]  # an extend and a decode
-    q_lens = [len(x) for x in new]
-    kv_lens = [len(p) + len(x) for p, x in zip(prefixes, new)]
-    ids = torch.tensor(sum(new, []), device=DEV)
-    pos = torch.tensor([len(p) + i for p, x in zip(prefixes, new) for i in range(len(x))],
-                       device=DEV)
+    prefixes, _, q_lens, kv_lens, ids, pos = _extend_step((1100, 300), (60, 1))
+    tables = random_tables([1400, 400], ps, num_pages)  # (60, 1): an extend and a decode
     hidden = {}
     for name in ("eager", "graph", "torch"):
         ctx = make_backend("torch" if name == "torch" else "triton", cfg, model, kv_dtype,
@@ -101,14 +108,8 @@ def test_linked_graphs_equal_one_graph(monkeypatch):
     torch.manual_seed(5)
     cfg, model = tiny_model()
     ps, num_pages = 16, 200
-    prefixes = [torch.randint(0, 512, (n,)).tolist() for n in (700, 90)]
+    prefixes, _, q_lens, kv_lens, ids, pos = _extend_step((700, 90), (100, 1))
     tables = random_tables([900, 200], ps, num_pages)
-    new = [torch.randint(0, 512, (n,)).tolist() for n in (100, 1)]
-    q_lens = [len(x) for x in new]
-    kv_lens = [len(p) + len(x) for p, x in zip(prefixes, new)]
-    ids = torch.tensor(sum(new, []), device=DEV)
-    pos = torch.tensor([len(p) + i for p, x in zip(prefixes, new) for i in range(len(x))],
-                       device=DEV)
     out = {}
     for growth in (0, 1):
         monkeypatch.setattr(graph_segments, "GROWTH", growth)

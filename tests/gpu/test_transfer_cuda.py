@@ -36,8 +36,12 @@ def test_ring_copies_behind_a_busy_stream():
 
 def test_to_device_uses_the_ring_and_keeps_dtypes():
     dev = torch.device("cuda")
-    for dtype in (np.int64, np.int32, np.float32, np.float64, np.bool_):
+    ring = transfer._ring(dev)
+    start = ring._next
+    dtypes = (np.int64, np.int32, np.float32, np.float64, np.bool_)
+    for dtype in dtypes:
         x = (np.arange(37) % 5).astype(dtype)
         t = transfer.to_device(x, dev)
-        assert t.is_cuda and torch.equal(t.cpu(), torch.from_numpy(x))
-    assert transfer._RINGS  # the ring carried them
+        assert t.is_cuda and t.dtype == torch.from_numpy(x).dtype
+        assert torch.equal(t.cpu(), torch.from_numpy(x))
+    assert (ring._next - start) % ring.num_slabs == len(dtypes)  # each copy took a ring slab

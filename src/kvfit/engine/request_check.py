@@ -68,11 +68,11 @@ def check_request(prompt_ids: Sequence[int], max_tokens: Optional[int], max_mode
     n = len(prompt_ids)
     if n == 0:
         raise RequestRejected(f"the {prompt_param} is empty", prompt_param)
-    lo, hi = _id_bounds(prompt_ids, int64) if vocab_size is not None else (0, 0)
-    if vocab_size is not None and (lo < 0 or hi >= vocab_size):
-        bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise RequestRejected(f"prompt token ids must be in [0, {vocab_size}), got {bad[0]}",
+    if vocab_size is not None:
+        lo, hi = _id_bounds(prompt_ids, int64)
+        if lo < 0 or hi >= vocab_size:
+            bad = next(t for t in prompt_ids if not 0 <= t < vocab_size)
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab_size}), got {bad}",
                                   prompt_param)
     if max_tokens is None:
         if n >= max_model_len:
