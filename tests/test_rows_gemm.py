@@ -121,17 +121,20 @@ def test_bad_input_is_refused():
         rows_gemm(x, w, norm=(torch.ones(16).half(), 1e-6, 0.0), residual=x[:1])
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])  # norms unfused / fused
-def test_decode_rows_layer_path_equals_the_batched_path(monkeypatch, dtype):
-    """models/decode_rows.py wired into a tiny float16 Llama on the CPU (the GEMMs interpreted,
-    the torch attention backend): a decode step of 1 and of 3 requests through the rows path
-    gives the batched path's hidden states to within a few roundings and stores the same K/V;
-    request 0's hidden state has the same bits alone and batched."""
+@pytest.mark.parametrize("path", ["rows_gemm", "gemv"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_rows_layer_path_equals_the_batched_path(monkeypatch, dtype, path):
+    """models/decode_rows.py wired into a tiny Llama on the CPU (the products interpreted, the
+    torch attention backend), through the tensor-core rows path and the default GEMV path: a
+    decode step of 1 and of 3 requests gives the batched path's hidden states to within a few
+    roundings and stores the same K/V; request 0's hidden state and logits have the same bits
+    alone and batched."""
     from transformers import LlamaConfig
 
     from kvfit.attention.meta_builder import build_metadata
     from kvfit.attention.torch_ref import TorchRefBackend
     from kvfit.engine.context import Context
+    from kvfit.kernels import gemv as gemv_mod
     from kvfit.kernels import rows_gemm as rows_mod
     from kvfit.kvcache.dtypes import kv_format
     from kvfit.kvcache.pool import MHAKVCache
@@ -157,13 +160,19 @@ def test_decode_rows_layer_path_equals_the_batched_path(monkeypatch, dtype):
         ctx = Context(TorchRefBackend(pool, dtype, model.sm_scale(cfg)), pool, dtype)
         ps, ts = prompts[:nreq], tables[:nreq]
         with torch.inference_mode(), monkeypatch.context() as m:
-            m.setattr(decode_rows, "ENABLED", False)  # the prompts: batched path, both runs
+            model.set_decode_gemv(False)  # the prompts: batched path, both runs
+            m.setattr(decode_rows, "ROWS_GEMM", False)
             lens = [len(p) for p in ps]
             ctx.backend.prepare(build_metadata(lens, lens, ts, 4, "cpu"))
             model(torch.tensor(sum(ps, [])), torch.cat([torch.arange(n) for n in lens]), ctx)
             if rows_on:  # the GPU path's dispatch, on the CPU under the interpreter
-                m.setattr(rows_mod, "supports", rows_mod._fits)
-            m.setattr(decode_rows, "ENABLED", rows_on)
+                mod = rows_mod if path == "rows_gemm" else gemv_mod
+                m.setattr(mod, "supports", mod._fits)
+            m.setattr(decode_rows, "ROWS_GEMM", rows_on and path == "rows_gemm")
+            # the GEMV's rows are invariant for any M (one program per row); the engine's
+            # limit of one row is a speed choice: three rows here exercise the invariance
+            m.setattr(decode_rows, "GEMV_MAX_ROWS", 3)
+            model.set_decode_gemv(rows_on and path == "gemv")
             assert decode_rows.applies(model.model.layers[0], torch.zeros(nreq, 64, dtype=dtype),
                                        torch.zeros(nreq, 64, dtype=dtype)) == rows_on
             ctx.backend.prepare(build_metadata([1] * nreq, [n + 1 for n in lens], ts, 4, "cpu"))
@@ -204,3 +213,32 @@ def test_norm_sum_of_squares_same_for_every_block_k():
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     with pytest.raises(ValueError, match="block_k"):
         rows_gemm(x, w, norm=(nw, 1e-6, 0.0), config=(16, 16, 512, 4, 1))
+
+
+def test_decode_gemv_flag_resolves_and_reaches_every_layer():
+    """``--decode-gemv``: auto is on only where no step batches requests (max_num_seqs = 1: the
+    GEMV path's bits differ from the batched path's), on/off force it, anything else is refused;
+    ``set_decode_gemv`` flags the model and every layer (what the runner calls before capture)."""
+    import argparse
+
+    from transformers import LlamaConfig
+
+    from kvfit.config import add_engine_args, make_config
+    from kvfit.models.llama import LlamaForCausalLM
+
+    assert not make_config(device="cpu").resolved_decode_gemv
+    assert make_config(device="cpu", max_num_seqs=1).resolved_decode_gemv
+    assert make_config(device="cpu", decode_gemv="on").resolved_decode_gemv
+    assert not make_config(device="cpu", max_num_seqs=1, decode_gemv="off").resolved_decode_gemv
+    with pytest.raises(ValueError, match="decode_gemv"):
+        make_config(decode_gemv="yes")
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert p.parse_args(["--decode-gemv", "on"]).decode_gemv == "on"
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=64,
+                      max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg, 64)
+    assert not model.decode_gemv and not any(l.decode_gemv for l in model.model.layers)
+    model.set_decode_gemv(True)
+    assert model.decode_gemv and all(l.decode_gemv for l in model.model.layers)

@@ -35,6 +35,9 @@ MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "sr
                      "configs", "qwen3-1.7b.json")
 
 
+EXTRA_CONFIG: dict = {}  # EngineConfig fields of the run (--small-path)
+
+
 def _sync():
     torch.cuda.synchronize()
 
@@ -45,6 +48,7 @@ def build_runner(kvd: str, tokens: int, max_len: int, max_bs: int, model: str,
     from kvfit.engine.runner import ModelRunner
 
     extra = {} if backend is None else {"attention_backend": backend}
+    extra.update(EXTRA_CONFIG)
     cfg = make_config(model=model, load_format="dummy", kv_dtype=kvd, device="cuda",
                       num_tokens=tokens, max_model_len=max_len, max_num_seqs=max_bs,
                       cuda_graph_max_bs=max_bs, max_num_batched_tokens=1024, **extra)
@@ -172,6 +176,11 @@ def main() -> None:
     p.add_argument("--trace-dir", default=None)
     p.add_argument("--one-token", choices=["on", "off"], default="on",
                    help="trees with kvfit.models.decode_rows (or one_token): that path on or off")
+    p.add_argument("--small-path", choices=["gemv", "rows_gemm", "off", "default"],
+                   default="default",
+                   help="trees with EngineConfig.decode_gemv: the small-step path (gemv: "
+                        "decode_gemv on; rows_gemm: decode_rows.ROWS_GEMM; off: neither; "
+                        "--one-token is ignored there)")
     p.add_argument("--lm-head-gemv", choices=["on", "off", "default"], default="default",
                    help="trees with decode_rows/one_token: the LM head through that GEMM")
     p.add_argument("--overlapped", action="store_true",
@@ -197,7 +206,12 @@ def main() -> None:
         except ImportError:
             from kvfit.models import one_token  # trees with the batch-1 GEMV path
 
-        one_token.ENABLED = args.one_token == "on"
+        if hasattr(one_token, "GEMV_MAX_ROWS"):  # trees with EngineConfig.decode_gemv
+            if args.small_path != "default":
+                EXTRA_CONFIG["decode_gemv"] = "on" if args.small_path == "gemv" else "off"
+                one_token.ROWS_GEMM = args.small_path == "rows_gemm"
+        else:
+            one_token.ENABLED = args.one_token == "on"
         if args.lm_head_gemv != "default":
             one_token.LM_HEAD = args.lm_head_gemv == "on"
     except ImportError:  # trees before the one-token path

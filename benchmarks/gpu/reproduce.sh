@@ -21,6 +21,8 @@
 #   quality            the CPU quality tables (`kvfit bench quality`): hours on 2 CPU cores
 #   batch-invariance   rows_gemm vs cuBLAS rows across batch sizes and tiles, their speed, and
 #                      the batch-1/64 decode step (bf16, fp8)                                ~2
+#   gemv-rows          the GEMV of one-token steps (tenth session): tiles per rows per program,
+#                      28 layers + LM head against cuBLAS, decode_gemv off/on at batch 1     ~5
 #   engine-host        issue 13's engine path (seventh session): engine steps at batch 256/1,
 #                      the sampler fused vs torch ops, bench throughput fp8/bf16, serve vs
 #                      offline at concurrency 64                                            ~8
@@ -107,6 +109,15 @@ target() {
       for kvd in bfloat16 fp8_e4m3; do
         run batch_invariance_step_$kvd python3 benchmarks/engine/ab_decode_step.py --label b1v \
           --kv-dtypes $kvd --points 1x1024,64x1024,1x16384 --steps 32 --repeats 3 --overlapped
+      done ;;
+    gemv-rows) gpu_env
+      run gemv_rows_sweep python3 benchmarks/kernels/gemv_rows_sweep.py --json "$OUT/tiles.json"
+      run gemv_rows_chain python3 benchmarks/kernels/gemv_rows_bench.py --tiles "$OUT/tiles.json" \
+        --block-ms 1,2,4,8 --ms 1,2,3,4,6,8,12,16
+      for path in off gemv; do
+        run decode_gemv_$path python3 benchmarks/engine/ab_decode_step.py --label $path \
+          --small-path $path --kv-dtypes bfloat16,fp8_e4m3 --points 1x1024,1x16384 --steps 32 \
+          --repeats 2 --overlapped
       done ;;
     engine-host) gpu_env
       local M=src/kvfit/bench/configs/qwen3-1.7b.json

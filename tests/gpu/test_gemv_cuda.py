@@ -1,6 +1,9 @@
-"""The batch-1 GEMV (kernels/gemv.py) on the GPU: against float64 products and the unfused
-kernels at Qwen3-1.7B's layer shapes. (The decode step's path is models/decode_rows.py, tested in
-test_rows_gemm_cuda.py.)"""
+"""The GEMV of small decode steps (kernels/gemv.py) on the GPU: against float64 products and the
+unfused kernels at Qwen3-1.7B's layer shapes; each row's bits the same for every M and row
+position (plain, fused norm + residual, gated, float32 LM head); and, through
+models/decode_rows.py's default path, a tiny Llama's logits of request 0 bit-equal alone and in
+decode batches up to ``decode_rows.GEMV_MAX_ROWS``, eager and CUDA graph, per backend and KV
+dtype."""
 
 from __future__ import annotations
 
@@ -69,3 +72,61 @@ def test_fused_norm_and_act_match_unfused_kernels(n, k, gated):
         _within(y, exact, dtype, 1)
     assert (y.double() - unfused).norm() <= 2 * ULP[dtype] * unfused.norm()
 
+
+
+QWEN3 = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (12288, 2048),
+         "down": (2048, 6144), "lm_head": (151936, 2048)}
+
+
+@pytest.mark.parametrize("name", list(QWEN3))
+def test_rows_are_batch_invariant(name):
+    """Row i of x[rows] has the bits it has alone, for M in 1..8 and rows in any order."""
+    from kvfit.kernels.gemv import gemv
+
+    n, k = QWEN3[name]
+    g = torch.Generator(device=DEV).manual_seed(3)
+    x = torch.randn(8, k, device=DEV, generator=g).bfloat16()
+    w = (torch.randn(n, k, device=DEV, generator=g) / k ** 0.5).bfloat16()
+    r = torch.randn(8, k, device=DEV, generator=g).bfloat16()
+    nw = (1 + 0.1 * torch.randn(k, device=DEV, generator=g)).bfloat16()
+    if name == "lm_head":
+        fn = lambda rows: gemv(x[rows], w, out_dtype=torch.float32)  # noqa: E731
+    elif name in ("qkv", "gate_up"):
+        gated = "silu" if name == "gate_up" else None
+        fn = lambda rows: torch.cat(gemv(x[rows], w, norm=(nw, 1e-6, 0.0), residual=r[rows],  # noqa
+                                         gated_act=gated), 1)
+    else:
+        fn = lambda rows: gemv(x[rows], w)  # noqa: E731
+    alone = torch.cat([fn([i]) for i in range(8)])
+    assert torch.isfinite(alone).all()
+    for rows in ([0, 1], [2, 1, 0], [3, 0, 2, 1], [7, 6, 5, 4, 3, 2, 1, 0], list(range(5))):
+        assert torch.equal(fn(rows), alone[rows]), rows
+
+
+@pytest.mark.parametrize("backend", ["triton", "fi"])
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
+@pytest.mark.parametrize("graphed", [True, False])
+def test_request_logits_on_the_gemv_path(backend, kv_dtype, graphed, monkeypatch):
+    """``decode_gemv`` on: a one-token step's logits (the GEMV path) agree with the batched
+    path's (cuBLAS) to within a few roundings; with the path's row limit raised to 4, request
+    0's logits have the same bits alone and in decode batches of 2, 3 and 4 (contexts under 256
+    tokens: one attention split in every batch), eager and from CUDA graphs."""
+    from kvfit.models import decode_rows
+    from test_cuda_graph import tiny_model
+    from test_rows_gemm_cuda import _logits_by_batch
+
+    monkeypatch.setattr(decode_rows, "ROWS_GEMM", False)
+    monkeypatch.setattr(decode_rows, "GEMV_MAX_ROWS", 4)
+    torch.manual_seed(0)
+    cfg, model = tiny_model(128)
+    prompts = [torch.randint(0, 512, (int(k),)).tolist() for k in torch.randint(5, 100, (4,))]
+    tables = [list(range(1 + 7 * i, 8 + 7 * i)) for i in range(4)]  # 7 pages each, disjoint
+    model.set_decode_gemv(False)
+    ref = _logits_by_batch(model, cfg, backend, kv_dtype, prompts, tables, [1], graphed)[1]
+    model.set_decode_gemv(True)
+    got = _logits_by_batch(model, cfg, backend, kv_dtype, prompts, tables, [1, 2, 3, 4], graphed)
+    assert torch.isfinite(got[1]).all()
+    # two products' roundings (normed input unrounded, other sums) per layer, 2 layers
+    assert (got[1] - ref).abs().max() <= 0.05 * ref.abs().max(), (got[1] - ref).abs().max()
+    for bs in (2, 3, 4):
+        assert torch.equal(got[bs], got[1]), (bs, (got[bs] - got[1]).abs().max().item())

@@ -1,4 +1,5 @@
-"""Batch invariance of the decode step on the GPU (kernels/rows_gemm.py, models/decode_rows.py):
+"""Batch invariance of the decode step on the GPU through the opt-in tensor-core path
+(kernels/rows_gemm.py, models/decode_rows.py; the default GEMV path: test_gemv_cuda.py):
 rows_gemm against float64 at Qwen3-1.7B's layer shapes; each row's bits the same for every
 batch size across the tile buckets (plain, fused norm/gated, float32 LM head); and a tiny
 Llama's logits of request 0 bit-equal alone and inside decode batches of 2, 3, 8 and
@@ -102,7 +103,7 @@ def test_request_logits_are_batch_invariant(backend, kv_dtype, graphed, max_rows
     batch); with MAX_ROWS = 64 also in a batch of 33 (other rows_gemm tiles)."""
     from kvfit.models import decode_rows
 
-    monkeypatch.setattr(decode_rows, "ENABLED", True)  # off by default (see decode_rows)
+    monkeypatch.setattr(decode_rows, "ROWS_GEMM", True)  # off by default (see decode_rows)
     if max_rows is not None:
         monkeypatch.setattr(decode_rows, "MAX_ROWS", max_rows)
     torch.manual_seed(0)

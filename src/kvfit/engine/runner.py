@@ -115,6 +115,8 @@ class ModelRunner:
 
         free_before = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         self.model = self._fold_kv_rotation(self._load_model())
+        if hasattr(self.model, "set_decode_gemv"):  # before any CUDA graph is captured
+            self.model.set_decode_gemv(config.resolved_decode_gemv)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.sizing = self._size_pool(free_before)
         backend_cls = s.backend_cls

@@ -1,22 +1,26 @@
-"""Batch-1 GEMV with the decoder's neighbours fused in: the fastest one-row product measured on
-the H200 (docs/benchmarks.md), kept as the reference the batch-invariant decode products
-(``kernels/rows_gemm.py``) are measured against. The engine does not run it: its CUDA-core sums
-differ from any tensor-core GEMM's, so a request alone in its step would get other bits than
-batched.
+"""GEMV for the few token rows of a small decode step, with the decoder's neighbours fused in:
+the fastest one-row product measured on the H200 (docs/benchmarks.md), and batch-invariant by
+construction, so ``models/decode_rows.py`` runs it for every step of up to
+``decode_rows.GEMV_MAX_ROWS`` tokens.
 
-Owns nothing; returns new tensors. ``y = W @ x`` for ONE token (x ``[1, K]``, W ``[N, K]``
-row-major as ``nn.Linear`` stores it), each program computing ``BLOCK_N`` outputs over the whole
-K (no split-K: no reduce kernel, and every output is summed in one fixed order, so an output does
-not depend on N or on the launch grid). Optional parts, each replacing one launch of the unfused
-step:
-* ``norm`` (``residual``-add + RMSNorm): every program reads the 2-8 KB input row (it is in L2)
-  in the same pass as its weights, ``s = x + residual`` rounded like torch's add (program 0
-  writes it: the new residual), accumulates ``sum(w_norm * s * W)`` and ``sum(s^2)`` together
-  and scales by ``1/rms(s)`` at the end: no norm kernel and no second pass over the row. The
-  normed input is not rounded to the dtype before the product (the unfused path rounds it
-  twice), so outputs agree with the unfused kernels to within about one rounding of the input;
+Owns nothing; returns new tensors. ``y = x @ W.T`` for M token rows (x ``[M, K]``, W ``[N, K]``
+row-major as ``nn.Linear`` stores it). One program computes ``BLOCK_N`` outputs of ONE row over
+the whole K (no split-K: no reduce kernel, and every output is summed in one fixed order). The
+tile depends on (N, K) only, M is a runtime argument that Triton never specializes, and a row's
+program differs from another row's only in its pointers: a row's outputs have the same bits
+whatever M is and wherever the row sits in the step (tests/gpu/test_gemv_cuda.py). The programs of
+one output block are adjacent in launch order, so the rows after the first read that block's
+weights from L2: HBM traffic stays one pass over W, L2 traffic grows with M (hence a small M).
+Optional parts, each replacing one launch of the unfused step:
+* ``norm`` (``residual``-add + RMSNorm): every program reads its 2-8 KB input row (it is in L2)
+  in the same pass as its weights, ``s = x + residual`` rounded like torch's add (the row's
+  first program writes it: the new residual), accumulates ``sum(w_norm * s * W)`` and
+  ``sum(s^2)`` together and scales by ``1/rms(s)`` at the end: no norm kernel and no second pass
+  over the row. The normed input is not rounded to the dtype before the product (the unfused
+  path rounds it twice), so outputs agree with the unfused kernels to within about one rounding
+  of the input;
 * ``gated`` epilogue: W holds ``[gate; up]`` (``[2I, K]``, ``GatedMLP.gate_up_proj``) and the
-  output is ``act(gate) * up`` ``[1, I]`` with ``fused_act``'s roundings (activation in float32
+  output is ``act(gate) * up`` ``[M, I]`` with ``fused_act``'s roundings (activation in float32
   rounded to the dtype, then the product rounded once).
 The dot products accumulate in float32 and round once to the dtype, like a cuBLAS GEMM; without
 ``norm`` only the summation order differs, so outputs agree with ``F.linear`` to within one
@@ -50,45 +54,52 @@ def build():
 
     gdc_wait, gdc_launch_dependents = gdc()
 
-    @triton.jit
-    def _gemv_kernel(X, R, RO, NW, W, B, OUT, K, N_OUT, stride_w, up_off, eps, offset,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-                     ADD: tl.constexpr, HAS_OFFSET: tl.constexpr, GATED: tl.constexpr,
-                     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                     STAGES: tl.constexpr, PDL: tl.constexpr):
+    # M is never specialized: every M runs the same binary, so a row's sums never depend on M
+    @triton.jit(do_not_specialize=["M"])
+    def _gemv_kernel(X, R, RO, NW, W, B, OUT, M, K, N_OUT, stride_w, up_off, eps, offset,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     NORM: tl.constexpr, ADD: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                     GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     EVEN_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # programmatic dependent launch (kernels/pdl.py)
             gdc_wait()
             gdc_launch_dependents()
+        # one program per (block of BLOCK_N outputs, block of BLOCK_M token rows): each weight
+        # tile is loaded once and multiplied into every row of the block. Rows past M are
+        # masked (zeros in, nothing out); the row blocks of an output block are adjacent in
+        # launch order (L2 reuse when M > BLOCK_M). Every value of row m is computed by
+        # element-wise ops and per-row reductions: its bits depend on neither M nor m.
         pid = tl.program_id(0)
+        n_mb = tl.cdiv(M, BLOCK_M)
+        mb = pid % n_mb
+        nb = pid // n_mb
         ty = X.dtype.element_ty
-        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output rows
+        ms = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] token rows
+        mmask = ms < M
+        rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output rows
         rmask = rows < N_OUT
         ks = tl.arange(0, BLOCK_K)
         # element-wise partial sums, reduced once after the loop (no cross-lane reduction per
         # tile); the loop is software-pipelined (STAGES tiles in flight through cp.async). With
         # NORM the mean square accumulates in the same pass and scales the sums at the end.
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc2_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        ssq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc3_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        ssq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        x_off = ms[:, None] * K + ks[None, :]  # [BM, BK]
         w_ptr = W + rows.to(tl.int64)[:, None] * stride_w + ks[None, :]  # [BN, BK]
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             if EVEN_K:
-                xk = tl.load(X + k0 + ks)
+                xmask = mmask[:, None]
             else:
                 km = (k0 + ks) < K
-                xk = tl.load(X + k0 + ks, mask=km, other=0.0)
+                xmask = mmask[:, None] & km[None, :]
+            xk = tl.load(X + x_off + k0, mask=xmask, other=0.0)  # [BM, BK]
             if NORM:
                 if ADD:  # s = x + residual, rounded like torch's add: the new residual
-                    if EVEN_K:
-                        rk = tl.load(R + k0 + ks)
-                    else:
-                        rk = tl.load(R + k0 + ks, mask=km, other=0.0)
+                    rk = tl.load(R + x_off + k0, mask=xmask, other=0.0)
                     xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(ty)
-                    if pid == 0:
-                        if EVEN_K:
-                            tl.store(RO + k0 + ks, xk)
-                        else:
-                            tl.store(RO + k0 + ks, xk, mask=km)
+                    if nb == 0:  # the row block's first program writes its rows' residual
+                        tl.store(RO + x_off + k0, xk, mask=xmask)
                 if EVEN_K:
                     nw = tl.load(NW + k0 + ks).to(tl.float32)
                 else:
@@ -96,33 +107,30 @@ def build():
                 sf = xk.to(tl.float32)
                 ssq += sf * sf
                 if HAS_OFFSET:
-                    xf = (sf * (offset + nw))[None, :]
+                    xf = sf * (offset + nw)[None, :]
                 else:
-                    xf = (sf * nw)[None, :]
+                    xf = sf * nw[None, :]
             else:
-                xf = xk.to(tl.float32)[None, :]
+                xf = xk.to(tl.float32)
             if EVEN_K:
-                w = tl.load(w_ptr + k0, mask=rmask[:, None], other=0.0)
+                wmask = rmask[:, None]
             else:
-                w = tl.load(w_ptr + k0, mask=rmask[:, None] & km[None, :], other=0.0)
-            acc2 += w.to(tl.float32) * xf
+                wmask = rmask[:, None] & km[None, :]
+            w = tl.load(w_ptr + k0, mask=wmask, other=0.0)
+            acc3 += w.to(tl.float32)[None, :, :] * xf[:, None, :]
             if GATED:
-                if EVEN_K:
-                    wu = tl.load(w_ptr + up_off * stride_w + k0, mask=rmask[:, None], other=0.0)
-                else:
-                    wu = tl.load(w_ptr + up_off * stride_w + k0,
-                                 mask=rmask[:, None] & km[None, :], other=0.0)
-                acc2_up += wu.to(tl.float32) * xf
-        acc = tl.sum(acc2, axis=1)  # [BN]
-        acc_up = tl.sum(acc2_up, axis=1)
-        if NORM:  # RMSNorm's 1/rms, a scalar of the row: applied to the finished sums
-            rstd = tl.rsqrt(tl.sum(ssq, axis=0) / K + eps)
-            acc = acc * rstd
-            acc_up = acc_up * rstd
+                wu = tl.load(w_ptr + up_off * stride_w + k0, mask=wmask, other=0.0)
+                acc3_up += wu.to(tl.float32)[None, :, :] * xf[:, None, :]
+        acc = tl.sum(acc3, axis=2)  # [BM, BN]
+        acc_up = tl.sum(acc3_up, axis=2)
+        if NORM:  # RMSNorm's 1/rms, a scalar per row: applied to the finished sums
+            rstd = tl.rsqrt(tl.sum(ssq, axis=1) / K + eps)  # [BM]
+            acc = acc * rstd[:, None]
+            acc_up = acc_up * rstd[:, None]
         if HAS_BIAS:
-            acc += tl.load(B + rows, mask=rmask, other=0.0).to(tl.float32)
+            acc += tl.load(B + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
             if GATED:
-                acc_up += tl.load(B + up_off + rows, mask=rmask, other=0.0).to(tl.float32)
+                acc_up += tl.load(B + up_off + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
         y = acc.to(ty)
         if GATED:  # act(gate) * up, as kernels.fused_act rounds it
             g = y.to(tl.float32)
@@ -135,41 +143,47 @@ def build():
             else:
                 a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
             y = (a.to(ty).to(tl.float32) * u).to(ty)
-        tl.store(OUT + rows, y.to(OUT.dtype.element_ty), mask=rmask)  # rounded to ty first
+        out_ptr = OUT + ms[:, None] * N_OUT + rows[None, :]  # [BM, BN]
+        tl.store(out_ptr, y.to(OUT.dtype.element_ty), mask=mmask[:, None] & rmask[None, :])
 
     return _gemv_kernel
 
 
-# (block_n, block_k, num_warps, num_stages) measured best on the H200 for (n_out, k, gated)
-# (benchmarks/kernels/gemv_bench.py, GPU round A of 2026-12-01, Qwen3-1.7B's shapes: TB/s of
-# weights read, best tile against cuBLAS): qkv 2.75 vs 2.43, o 2.74 vs 1.65, gate_up 3.60 vs
-# 3.30, down 3.07 vs 2.29, LM head 4.46 vs 4.04 (with its float32 cast); other shapes take the
-# rule in gemv_config (which picks the first and third of these too)
-GEMV_CONFIG: dict = {(2048, 2048, False): (8, 256, 4, 4), (2048, 6144, False): (4, 512, 4, 4),
-                     (151936, 2048, False): (8, 512, 4, 3)}
+# (block_n, block_k, num_warps, num_stages) measured best on the H200 for (n_out, k, gated,
+# block_m) (benchmarks/kernels/gemv_rows_sweep.py, Qwen3-1.7B's shapes; docs/benchmarks.md);
+# other shapes take the rule in gemv_config
+GEMV_CONFIG: dict = {(2048, 2048, False, 1): (8, 256, 4, 4), (2048, 6144, False, 1): (4, 512, 4, 4),
+                     (151936, 2048, False, 1): (8, 512, 4, 3)}
+# token rows per program: one binary serves every M, and each weight tile loaded is multiplied
+# into BLOCK_M rows (at M = 1 the other rows are masked). On the H200 (Qwen3-1.7B's 28 layers +
+# LM head, docs/benchmarks.md "GEMV rows") block_m 2 / 4 / 8 took 1.15 / 1.45 / 2.5x block_m 1's
+# time at M = 1 and never beat cuBLAS at any M: one row per program.
+BLOCK_M = 1
 MIN_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): enough tiles in flight
 
 
-def gemv_config(n_out: int, k: int, gated: bool) -> tuple[int, int, int, int]:
-    """The tile for an output of ``n_out`` rows over ``k`` inputs (gated: two weight rows each):
-    the measured one, else the widest row block that still gives ``MIN_PROGRAMS`` programs (at
-    most 8 gated rows: each reads two weight tiles)."""
-    if (n_out, k, gated) in GEMV_CONFIG:
-        return GEMV_CONFIG[(n_out, k, gated)]
+def gemv_config(n_out: int, k: int, gated: bool, block_m: int = 1) -> tuple[int, int, int, int]:
+    """The tile for an output of ``n_out`` rows over ``k`` inputs (gated: two weight rows each)
+    at ``block_m`` token rows per program: the measured one, else the widest row block that
+    still gives ``MIN_PROGRAMS`` programs (at most 8 gated rows: each reads two weight tiles),
+    with block_k shrunk so the float32 partial sums stay at 32 per thread per weight tile."""
+    if (n_out, k, gated, block_m) in GEMV_CONFIG:
+        return GEMV_CONFIG[(n_out, k, gated, block_m)]
+    bk = max(64, 512 // block_m)
     for bn in ((8,) if gated else (16, 8)):
         if n_out // bn >= MIN_PROGRAMS:
-            return (bn, 512, 4, 3)
-    return (4, 512, 4, 3)
+            return (bn, bk, 4, 3)
+    return (4, bk, 4, 3)
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in GEMV_DTYPES
+    return (x.dim() == 2 and x.shape[0] >= 1 and x.dtype in GEMV_DTYPES
             and weight.dtype == x.dtype and weight.device == x.device and weight.dim() == 2
             and weight.stride(1) == 1 and x.shape[1] == weight.shape[1])
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when ``gemv`` runs this product on the GPU: one CUDA token row, 16-bit, the weight's
+    """True when ``gemv`` runs this product on the GPU: CUDA token rows, 16-bit, the weight's
     dtype, a row-major weight."""
     return x.is_cuda and _fits(x, weight)
 
@@ -178,22 +192,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
          norm: Optional[tuple[torch.Tensor, float, float]] = None,
          residual: Optional[torch.Tensor] = None, gated_act: Optional[str] = None,
          out_dtype: Optional[torch.dtype] = None,
-         config: Optional[tuple[int, int, int, int]] = None):
-    """One token's ``x [1, K]`` times ``weight [N, K]`` (+ ``bias [N]``) -> ``[1, N]``.
+         config: Optional[tuple[int, int, int, int]] = None, block_m: Optional[int] = None):
+    """Token rows ``x [M, K]`` times ``weight [N, K]`` (+ ``bias [N]``) -> ``[M, N]``.
 
     ``out_dtype=torch.float32`` returns the dtype-rounded values widened to float32 (what
     ``F.linear(x, w).float()`` gives, in one launch: the LM head's logits).
     ``norm = (norm_weight [K], eps, offset)``: the input is ``RMSNorm(x)`` (or, with
-    ``residual [1, K]``, ``RMSNorm(x + residual)``), not rounded before the product; returns
+    ``residual [M, K]``, ``RMSNorm(x + residual)``), not rounded before the product; returns
     ``(y, s)`` with the new residual
     ``s = x + residual`` (``s = x`` without ``residual``, no copy). ``gated_act`` ("silu", ...):
-    ``weight`` is ``[2I, K]`` = [gate; up] and ``y = act(gate) * up`` ``[1, I]``.
-    Never writes its inputs.
+    ``weight`` is ``[2I, K]`` = [gate; up] and ``y = act(gate) * up`` ``[M, I]``.
+    ``block_m``: token rows per program (default ``BLOCK_M``; a row's bits are the same for
+    every M only at one block_m, so callers leave it alone but benchmarks). Never writes its
+    inputs.
     """
     import triton
 
     if not _fits(x, weight):
-        raise ValueError(f"gemv wants one 16-bit row x [1, K] and a row-major weight [N, K] of "
+        raise ValueError(f"gemv wants 16-bit rows x [M, K] and a row-major weight [N, K] of "
                          f"its dtype on its device, got x {tuple(x.shape)} {x.dtype} on "
                          f"{x.device}, weight {tuple(weight.shape)} {weight.dtype}")
     n, k = weight.shape
@@ -202,10 +218,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         raise ValueError(f"gated gemv wants an even row count and an activation in "
                          f"{sorted(ACTIVATIONS)}, got {n} rows and {gated_act!r}")
     n_out = n // 2 if gated else n
+    m = x.shape[0]
     x = x.contiguous()
     if out_dtype not in (None, x.dtype, torch.float32):
         raise ValueError(f"gemv writes x's dtype or float32, not {out_dtype}")
-    out = torch.empty((1, n_out), dtype=out_dtype or x.dtype, device=x.device)
+    out = torch.empty((m, n_out), dtype=out_dtype or x.dtype, device=x.device)
     add = norm is not None and residual is not None
     if norm is None:
         nw, eps, offset = x, 0.0, 0.0
@@ -221,11 +238,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         res_out = torch.empty_like(x)
     else:
         residual, res_out = x, x
-    bn, bk, warps, stages = config or gemv_config(n_out, k, gated)
+    bm = block_m or BLOCK_M
+    bn, bk, warps, stages = config or gemv_config(n_out, k, gated, bm)
     bk = min(bk, triton.next_power_of_2(k))
-    grid = (triton.cdiv(n_out, bn),)
-    build()[grid](x, residual, res_out, nw, weight, weight if bias is None else bias, out, k,
-                  n_out, weight.stride(0), n_out, float(eps), float(offset), BLOCK_N=bn,
+    grid = (triton.cdiv(n_out, bn) * triton.cdiv(m, bm),)
+    build()[grid](x, residual, res_out, nw, weight, weight if bias is None else bias, out, m, k,
+                  n_out, weight.stride(0), n_out, float(eps), float(offset), BLOCK_M=bm,
+                  BLOCK_N=bn,
                   BLOCK_K=bk, NORM=norm is not None, ADD=add, HAS_OFFSET=bool(offset),
                   GATED=gated, ACT=ACTIVATIONS.get(gated_act, 0), HAS_BIAS=bias is not None,
                   EVEN_K=k % bk == 0, STAGES=stages, num_warps=warps, num_stages=stages,

@@ -86,6 +86,8 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    decode_gemv = False  # one-token steps through kernels/gemv.py (set_decode_gemv)
+
     def __init__(self, cfg, layer_id, qkv_bias, qk_norm):
         super().__init__()
         self.self_attn = Attention(cfg, layer_id, qkv_bias, qk_norm)
@@ -99,9 +101,10 @@ class DecoderLayer(nn.Module):
         with ``residual`` None, for layer 0) and ``residual`` the stream before it; returns
         ``(mlp_out, residual)``. Each add is fused into the following norm (one kernel on CUDA);
         on the torch path the values equal ``x = x + attn(norm(x)); x = x + mlp(norm(x))`` bit
-        for bit. A CUDA step of up to ``decode_rows.MAX_ROWS`` tokens runs
+        for bit. A small CUDA step (``decode_rows.applies``: one token with ``decode_gemv``, or
+        up to ``decode_rows.MAX_ROWS`` with its opt-in tensor-core path) runs
         ``decode_rows.layer_forward``: the same values (to within a rounding per product)
-        through four fused batch-invariant GEMM launches."""
+        through four fused launches."""
         if decode_rows.applies(self, x, residual):
             return decode_rows.layer_forward(self, x, residual, positions, rotary, ctx)
         if residual is None:
@@ -128,6 +131,7 @@ class LlamaForCausalLM(nn.Module):
     ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` in float32."""
 
     family = "llama"
+    decode_gemv = False
 
     def __init__(self, cfg, max_positions: int):
         super().__init__()
@@ -142,6 +146,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, self.model.embed_tokens.num_embeddings, bias=False)
         self.num_q_heads_per_rank = self.model.layers[0].self_attn.num_heads
+
+    def set_decode_gemv(self, on: bool) -> None:
+        """Run one-token decode steps through the fused GEMV (``EngineConfig.decode_gemv``).
+        Mutates this model's and its layers' flag; set it before capturing CUDA graphs."""
+        self.decode_gemv = bool(on)
+        for layer in self.model.layers:
+            layer.decode_gemv = bool(on)
 
     @classmethod
     def tensor_parallel_refusals(cls, cfg, size: int) -> list[str]:
@@ -176,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits [N, vocab] (every rank gets all of them under tensor parallelism)."""
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if hidden.is_cuda:
-            out = decode_rows.logits(hidden, w)  # one rank, few rows: float32 out, invariant
+            out = decode_rows.logits(hidden, w, self.decode_gemv)  # one rank, few rows: float32
             if out is not None:
                 return out
         return vocab_parallel_logits(hidden, w, self.config.vocab_size)
