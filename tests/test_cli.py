@@ -18,3 +18,19 @@ def test_generate_reports_bad_combination(capsys):
     assert rc == 1
     err = capsys.readouterr().err
     assert "unsupported combination" in err and "backend=fi" in err and "torch" in err
+
+
+def test_generate_runs_no_more_requests_than_prompts(monkeypatch):
+    """generate caps max_num_seqs at the prompt count: one prompt = one-token decode steps, so
+    --decode-gemv auto resolves on (its fused GEMV on CUDA); an explicit off stays off."""
+    import kvfit.cli_generate as cli_generate
+
+    seen = []
+    monkeypatch.setattr(cli_generate, "run_generate",
+                        lambda cfg, *a, **kw: seen.append(cfg) or 0)
+    assert main(["generate", "hi", "--device", "cpu"]) == 0
+    assert seen[-1].max_num_seqs == 1 and seen[-1].resolved_decode_gemv
+    assert main(["generate", "a", "b", "c", "--max-num-seqs", "2", "--device", "cpu"]) == 0
+    assert seen[-1].max_num_seqs == 2 and not seen[-1].resolved_decode_gemv
+    assert main(["generate", "hi", "--decode-gemv", "off", "--device", "cpu"]) == 0
+    assert seen[-1].max_num_seqs == 1 and not seen[-1].resolved_decode_gemv

@@ -100,8 +100,9 @@ def _generate(argv: list[str]) -> int:
         sp.validate()
     except RequestRejected as e:
         return _fail(str(e))
-    try:
-        cfg = config_from_args(args)
+    try:  # never more requests at once than prompts: one prompt decodes one token per step,
+        # so --decode-gemv auto runs its fused GEMV and only batch 1 is captured as a graph
+        cfg = config_from_args(args, max_num_seqs=min(args.max_num_seqs, len(prompts)))
     except ValueError as e:
         return _fail(str(e))
     from kvfit.cli_generate import run_generate

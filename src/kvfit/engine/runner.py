@@ -117,6 +117,9 @@ class ModelRunner:
         self.model = self._fold_kv_rotation(self._load_model())
         if hasattr(self.model, "set_decode_gemv"):  # before any CUDA graph is captured
             self.model.set_decode_gemv(config.resolved_decode_gemv)
+            if config.resolved_decode_gemv and self.device.type == "cuda":
+                log.info("one-token decode steps through the fused GEMV (--decode-gemv %s)",
+                         config.decode_gemv)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.sizing = self._size_pool(free_before)
         backend_cls = s.backend_cls

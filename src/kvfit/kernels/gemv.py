@@ -1,16 +1,16 @@
-"""GEMV for the few token rows of a small decode step, with the decoder's neighbours fused in:
-the fastest one-row product measured on the H200 (docs/benchmarks.md), and batch-invariant by
-construction, so ``models/decode_rows.py`` runs it for every step of up to
-``decode_rows.GEMV_MAX_ROWS`` tokens.
+"""GEMV for the token rows of a small decode step, with the decoder's neighbours fused in: the
+fastest one-row product measured on the H200 (docs/benchmarks.md), run by
+``models/decode_rows.py`` for one-token steps when the engine's ``decode_gemv`` is on.
 
 Owns nothing; returns new tensors. ``y = x @ W.T`` for M token rows (x ``[M, K]``, W ``[N, K]``
-row-major as ``nn.Linear`` stores it). One program computes ``BLOCK_N`` outputs of ONE row over
-the whole K (no split-K: no reduce kernel, and every output is summed in one fixed order). The
-tile depends on (N, K) only, M is a runtime argument that Triton never specializes, and a row's
-program differs from another row's only in its pointers: a row's outputs have the same bits
-whatever M is and wherever the row sits in the step (tests/gpu/test_gemv_cuda.py). The programs of
-one output block are adjacent in launch order, so the rows after the first read that block's
-weights from L2: HBM traffic stays one pass over W, L2 traffic grows with M (hence a small M).
+row-major as ``nn.Linear`` stores it). One program computes ``BLOCK_N`` outputs of ``BLOCK_M``
+rows over the whole K (no split-K: no reduce kernel, and every output is summed in one fixed
+order). The tile depends on (N, K) only, M is a runtime argument that Triton never specializes,
+and a row's values come from element-wise ops and per-row reductions: a row's outputs have the
+same bits whatever M is and wherever the row sits in the step (tests/gpu/test_gemv_cuda.py).
+They differ from a tensor-core GEMM's (other sums). The row blocks of one output block are
+adjacent in launch order, so the blocks after the first read its weights from L2: HBM traffic
+stays one pass over W, L2 traffic grows with M (measured: slower than cuBLAS from M = 2).
 Optional parts, each replacing one launch of the unfused step:
 * ``norm`` (``residual``-add + RMSNorm): every program reads its 2-8 KB input row (it is in L2)
   in the same pass as its weights, ``s = x + residual`` rounded like torch's add (the row's
