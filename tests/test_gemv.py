@@ -96,13 +96,15 @@ def test_gated_epilogue(act):
     _close(y, ref, dtype, extra=4 * ULP[dtype] * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("block_m", [1, 4])  # the engine's, and a benchmark's masked rows
 @pytest.mark.parametrize("fused", ["plain", "norm", "norm_residual", "gated"])
-def test_rows_are_batch_invariant(fused):
+def test_rows_are_batch_invariant(fused, block_m):
     """M token rows: each row has the bits it has alone, wherever it sits in the step (the
-    decode path's batch invariance rests on this); the residual is written once per row."""
+    decode path's batch invariance rests on this), at one rows-per-program setting; the
+    residual is written once per row."""
     dtype, k, n = torch.float16, 80, 20  # K not a multiple of the tile, a partial last block
     g = torch.Generator().manual_seed(11)
-    xs = torch.randn(6, k, generator=g).to(dtype)  # more rows than a program's BLOCK_M (4)
+    xs = torch.randn(6, k, generator=g).to(dtype)  # 6 rows: two row blocks at block_m 4
     rs = torch.randn(6, k, generator=g).to(dtype)
     w = (torch.randn(2 * n, k, generator=g) / k ** 0.5).to(dtype)
     nw = (1 + 0.2 * torch.randn(k, generator=g)).to(dtype)
@@ -114,7 +116,7 @@ def test_rows_are_batch_invariant(fused):
     def run(rows):
         res = rs[rows] if fused == "norm_residual" else None
         extra = {"residual": res} if res is not None else {}
-        return gemv(xs[rows], w, config=cfg, **kw, **extra)
+        return gemv(xs[rows], w, config=cfg, block_m=block_m, **kw, **extra)
 
     alone = [run([i]) for i in range(6)]
     for order in ([0, 1, 2], [2, 0, 1], [1, 2], [5, 0, 3, 1, 4, 2]):

@@ -173,8 +173,9 @@ def test_decode_rows_layer_path_equals_the_batched_path(monkeypatch, dtype, path
             # limit of one row is a speed choice: three rows here exercise the invariance
             m.setattr(decode_rows, "GEMV_MAX_ROWS", 3)
             model.set_decode_gemv(rows_on and path == "gemv")
-            assert decode_rows.applies(model.model.layers[0], torch.zeros(nreq, 64, dtype=dtype),
-                                       torch.zeros(nreq, 64, dtype=dtype)) == rows_on
+            assert decode_rows.path_of(model.model.layers[0], torch.zeros(nreq, 64, dtype=dtype),
+                                       torch.zeros(nreq, 64, dtype=dtype)) == (
+                path if rows_on else None)
             ctx.backend.prepare(build_metadata([1] * nreq, [n + 1 for n in lens], ts, 4, "cpu"))
             hidden = model(torch.tensor([11, 12, 13][:nreq]), torch.tensor(lens), ctx)
             logits = model.compute_logits(hidden)
@@ -242,3 +243,22 @@ def test_decode_gemv_flag_resolves_and_reaches_every_layer():
     assert not model.decode_gemv and not any(l.decode_gemv for l in model.model.layers)
     model.set_decode_gemv(True)
     assert model.decode_gemv and all(l.decode_gemv for l in model.model.layers)
+
+
+def test_runner_sets_decode_gemv_from_its_config(tmp_path):
+    """The runner flags the model (before any graph capture) as its config resolves."""
+    import json
+
+    from kvfit.config import make_config
+    from kvfit.engine.runner import ModelRunner
+    from modelhelpers import TINY
+
+    cfg = dict(TINY["llama"], architectures=["LlamaForCausalLM"], torch_dtype="float32")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for seqs, want in ((1, True), (4, False)):
+        runner = ModelRunner(make_config(model=str(tmp_path / "config.json"),
+                                         load_format="dummy", device="cpu", num_tokens=256,
+                                         max_model_len=128, max_num_seqs=seqs,
+                                         max_num_batched_tokens=128))
+        assert runner.model.decode_gemv is want
+        assert all(layer.decode_gemv is want for layer in runner.model.model.layers)

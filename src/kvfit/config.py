@@ -87,8 +87,8 @@ class EngineConfig:
                                      "on with CUDA, off on CPU")
     decode_gemv: DecodeGemv = _f("auto", "run one-token decode steps through the fused "
                                  "CUDA-core GEMV (kernels/gemv.py: a layer's products and norms "
-                                 "in 4 launches, ~16%% faster than cuBLAS at batch 1 on the "
-                                 "H200): auto = on when max_num_seqs is 1 (every decode step is "
+                                 "in 4 launches; batch-1 decode +12-16%% on the H200, "
+                                 "docs/benchmarks.md): auto = on when max_num_seqs is 1 (every decode step is "
                                  "one token, so nothing changes with batching); on = every "
                                  "one-token step, at the price of batch invariance (a seeded "
                                  "request may then sample other tokens alone than batched, as "

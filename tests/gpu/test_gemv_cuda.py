@@ -1,9 +1,9 @@
 """The GEMV of small decode steps (kernels/gemv.py) on the GPU: against float64 products and the
 unfused kernels at Qwen3-1.7B's layer shapes; each row's bits the same for every M and row
 position (plain, fused norm + residual, gated, float32 LM head); and, through
-models/decode_rows.py's default path, a tiny Llama's logits of request 0 bit-equal alone and in
-decode batches up to ``decode_rows.GEMV_MAX_ROWS``, eager and CUDA graph, per backend and KV
-dtype."""
+models/decode_rows.py's GEMV path (``decode_gemv`` on), a tiny Llama's one-token logits close to
+the batched path's, and request 0's bit-equal alone and in decode batches of up to 4 (the path's
+row limit raised), eager and CUDA graph, per backend and KV dtype."""
 
 from __future__ import annotations
 

@@ -149,15 +149,19 @@ def build():
     return _gemv_kernel
 
 
-# (block_n, block_k, num_warps, num_stages) measured best on the H200 for (n_out, k, gated,
-# block_m) (benchmarks/kernels/gemv_rows_sweep.py, Qwen3-1.7B's shapes; docs/benchmarks.md);
-# other shapes take the rule in gemv_config
+# (block_n, block_k, num_warps, num_stages) for (n_out, k, gated, block_m): the tiles measured
+# best one product at a time on the H200 (benchmarks/kernels/gemv_bench.py, 2026-12-01,
+# Qwen3-1.7B's shapes); other shapes take the rule in gemv_config, which gives 8 x 512 for qkv
+# and gate/up. The per-(product, block_m) sweep of 2026-12-02 (gemv_rows_sweep.py) picked
+# other qkv and gate/up tiles, which made the whole step slower (1,139 against 1,101 us,
+# docs/benchmarks.md "GEMV rows"): kept as is.
 GEMV_CONFIG: dict = {(2048, 2048, False, 1): (8, 256, 4, 4), (2048, 6144, False, 1): (4, 512, 4, 4),
                      (151936, 2048, False, 1): (8, 512, 4, 3)}
 # token rows per program: one binary serves every M, and each weight tile loaded is multiplied
 # into BLOCK_M rows (at M = 1 the other rows are masked). On the H200 (Qwen3-1.7B's 28 layers +
 # LM head, docs/benchmarks.md "GEMV rows") block_m 2 / 4 / 8 took 1.15 / 1.45 / 2.5x block_m 1's
-# time at M = 1 and never beat cuBLAS at any M: one row per program.
+# time at M = 1 and beat cuBLAS only there (block_m 2: 0.965x its time): one row per program.
+# Other values serve benchmarks (gemv's block_m argument).
 BLOCK_M = 1
 MIN_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): enough tiles in flight
 

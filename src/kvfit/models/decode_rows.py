@@ -75,29 +75,32 @@ def path_for(x: torch.Tensor, gemv: bool) -> Optional[str]:
     return "gemv" if gemv and 1 <= m <= GEMV_MAX_ROWS else None
 
 
-def applies(layer, x: torch.Tensor, residual: Optional[torch.Tensor]) -> bool:
-    """True when ``layer`` (a ``llama.DecoderLayer``) runs ``x`` [M, hidden] on this path."""
+def path_of(layer, x: torch.Tensor, residual: Optional[torch.Tensor]) -> Optional[str]:
+    """The path ``layer`` (a ``llama.DecoderLayer``) runs ``x`` [M, hidden] on: "gemv",
+    "rows_gemm", or None (the batched path)."""
     path = path_for(x, layer.decode_gemv)
     if path is None:
-        return False
+        return None
     if path == "gemv":
         from kvfit.kernels.gemv import ACTIVATIONS, supports
     else:
         from kvfit.kernels.rows_gemm import ACTIVATIONS, supports
 
     attn, mlp = layer.self_attn, layer.mlp
-    return (supports(x, attn.qkv_proj.weight) and mlp.act_name in ACTIVATIONS  # CUDA only
-            and attn.o_proj.weight.dtype == x.dtype
-            and mlp.gate_up_proj.weight.dtype == mlp.down_proj.weight.dtype == x.dtype
-            and layer.input_layernorm._fusable(x, residual)
-            and layer.post_attention_layernorm._fusable(x, residual))
+    ok = (supports(x, attn.qkv_proj.weight) and mlp.act_name in ACTIVATIONS  # CUDA only
+          and attn.o_proj.weight.dtype == x.dtype
+          and mlp.gate_up_proj.weight.dtype == mlp.down_proj.weight.dtype == x.dtype
+          and layer.input_layernorm._fusable(x, residual)
+          and layer.post_attention_layernorm._fusable(x, residual))
+    return path if ok else None
 
 
-def layer_forward(layer, x: torch.Tensor, residual: Optional[torch.Tensor], positions, rotary,
-                  ctx) -> tuple[torch.Tensor, torch.Tensor]:
-    """``DecoderLayer.forward`` for the step's M tokens: ``(mlp_out [M, hidden], residual
-    [M, hidden])``. Mutates the KV pool (this step's K/V) like the batched path."""
-    if path_for(x, layer.decode_gemv) == "gemv":
+def layer_forward(layer, path: str, x: torch.Tensor, residual: Optional[torch.Tensor],
+                  positions, rotary, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """``DecoderLayer.forward`` for the step's M tokens on ``path`` (``path_of``'s answer):
+    ``(mlp_out [M, hidden], residual [M, hidden])``. Mutates the KV pool (this step's K/V) like
+    the batched path."""
+    if path == "gemv":
         return _gemv_layer(layer, x, residual, positions, rotary, ctx)
     from kvfit.kernels.rows_gemm import rows_gemm
 

@@ -101,12 +101,13 @@ class DecoderLayer(nn.Module):
         with ``residual`` None, for layer 0) and ``residual`` the stream before it; returns
         ``(mlp_out, residual)``. Each add is fused into the following norm (one kernel on CUDA);
         on the torch path the values equal ``x = x + attn(norm(x)); x = x + mlp(norm(x))`` bit
-        for bit. A small CUDA step (``decode_rows.applies``: one token with ``decode_gemv``, or
+        for bit. A small CUDA step (``decode_rows.path_of``: one token with ``decode_gemv``, or
         up to ``decode_rows.MAX_ROWS`` with its opt-in tensor-core path) runs
         ``decode_rows.layer_forward``: the same values (to within a rounding per product)
         through four fused launches."""
-        if decode_rows.applies(self, x, residual):
-            return decode_rows.layer_forward(self, x, residual, positions, rotary, ctx)
+        path = decode_rows.path_of(self, x, residual)
+        if path is not None:
+            return decode_rows.layer_forward(self, path, x, residual, positions, rotary, ctx)
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
