@@ -13,10 +13,12 @@ best of 5 replays; the bytes are the weights read once per step. Decides GEMV_MA
 largest M where the GEMV path is not slower than the batched path.
 
 Usage: python3 gemv_rows_bench.py [--model CONFIG.json] [--ms 1,2,3,4,6,8,12,16]
-       [--block-ms 4] [--tiles SWEEP.json] [--json F]
+       [--block-ms 4] [--tiles SWEEP.json] [--pdl-preload 0,1,2] [--json F]
 Prints one table: M, batched-path us and TB/s, then per rows-per-program (block_m) the GEMV
 path's us and its ratio to the batched path. ``--tiles``: the best tiles of
-``gemv_rows_sweep.py --json`` (else the module's table and rule).
+``gemv_rows_sweep.py --json`` (else the module's table and rule). ``--pdl-preload``: extra
+columns with programmatic dependent launch on (``kernels/pdl.py``), one per ``gemv.PRELOAD``
+(weight tiles each program loads before the wait), at the first block_m.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from kvfit.kernels.fused_act import act_and_mul
 from kvfit.kernels.fused_norm import fused_add_rms_norm, rms_norm
 from kvfit.kernels import gemv as gemv_mod
 from kvfit.kernels.gemv import gemv
+
+from gemv_bench import timed  # benchmarks/kernels/, the script's own folder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = os.path.join(HERE, "..", "..", "src", "kvfit", "bench", "configs", "qwen3-1.7b.json")
@@ -87,6 +91,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="default: the config's")
     p.add_argument("--block-ms", default=str(gemv_mod.BLOCK_M))
     p.add_argument("--tiles", default=None)
+    p.add_argument("--pdl-preload", default="", help="PRELOAD values to time with PDL on")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     cfg = json.load(open(args.model))
@@ -104,12 +109,15 @@ def main() -> None:
             for bm, e in per_bm.items():
                 gemv_mod.GEMV_CONFIG[(e["n_out"], e["k"], e["gated"], int(bm))] = tuple(e["tile"])
     bms = [int(v) for v in args.block_ms.split(",")]
+    pfs = [int(v) for v in args.pdl_preload.split(",") if v]
+    from kvfit.kernels import pdl
     rows = []
     print(f"{os.path.basename(args.model)}: {n_layers} layers + LM head, "
           f"{nbytes / 1e9:.2f} GB of weights per step; {torch.cuda.get_device_name()}")
     print("| M | batched path us (TB/s) | " + " | ".join(
-        f"GEMV block_m={bm} us (/ batched)" for bm in bms) + " |")
-    print("|---:|---:|" + "---:|" * len(bms))
+        f"GEMV block_m={bm} us (/ batched)" for bm in bms) + "".join(
+        f" PDL preload {pf} us (/ batched) |" for pf in pfs))
+    print("|---:|---:|" + "---:|" * (len(bms) + len(pfs)))
     with torch.inference_mode():
         for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, cfg["hidden_size"], device="cuda", dtype=dtype)
@@ -120,6 +128,13 @@ def main() -> None:
                 gemv_mod.BLOCK_M = bm
                 tg = graph_time(lambda: step_gemv(x, layers, lm_head, q_size))
                 row[f"gemv_bm{bm}_us"] = tg * 1e6
+                cells.append(f"{tg * 1e6:,.1f} ({tg / tb:.3f})")
+            gemv_mod.BLOCK_M = bms[0]
+            for pf in pfs:
+                pdl.ENABLED, gemv_mod.PRELOAD = True, pf
+                tg = graph_time(lambda: step_gemv(x, layers, lm_head, q_size))
+                pdl.ENABLED = False
+                row[f"gemv_pdl_preload{pf}_us"] = tg * 1e6
                 cells.append(f"{tg * 1e6:,.1f} ({tg / tb:.3f})")
             rows.append(row)
             print(f"| {m} | {tb * 1e6:,.1f} ({nbytes / tb / 1e12:.2f}) | " + " | ".join(cells)

@@ -25,7 +25,8 @@ def sig(kv, q="bf16"):
             "OUT": f"*{q}", "OP": "*fp32", "LSE": "*fp32", "qk_scale": "fp32", "softcap": "fp32",
             "window": "i32", "v_scale": "fp32", "stride_qt": "i32", "stride_qh": "i32",
             "stride_ot": "i32", "stride_oh": "i32", "stride_cp": "i32", "stride_ch": "i32",
-            "stride_bt": "i32", "num_splits": "i32"}
+            "stride_bt": "i32", "num_splits": "i32",
+            "min_per": "i32"}
 
 
 def compile_one(fn, kv, consts, num_warps=4, num_stages=3, maxnreg=None):

@@ -1,5 +1,5 @@
 """The ``kvfit`` command: generate, plan, serve, bench {quality, seed, kernels, serve, throughput,
-prefix}.
+latency, prefix}.
 
 Engine flags are generated from EngineConfig (kvfit.config.add_engine_args): one source.
 """
@@ -19,6 +19,8 @@ _BENCHES = {
     "kernels": ("kvfit.bench.kernels", "attention kernels vs FlashInfer on the GPU"),
     "serve": ("kvfit.bench.serve", "load generator for kvfit serve (a running one, or its own)"),
     "throughput": ("kvfit.bench.throughput", "offline throughput and its roofline fraction"),
+    "latency": ("kvfit.bench.latency", "end-to-end latency of one batch (vLLM's bench latency), "
+                                       "decode rate and roofline fraction"),
     "prefix": ("kvfit.bench.prefix", "prefix caching on vs off per KV dtype: TTFT, throughput, "
                                      "hit rate, prefixes cached"),
 }
@@ -176,7 +178,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               "  generate  generate text offline (default model: smollm2-135m)\n"
               "  plan      KV capacity per KV dtype for a model and memory size\n"
               "  serve     OpenAI-compatible HTTP server\n"
-              "  bench     benchmarks: quality, seed, kernels, serve, throughput, prefix", file=sys.stderr)
+              "  bench     benchmarks: quality, seed, kernels, serve, throughput, latency, prefix", file=sys.stderr)
         if argv and argv[0] not in ("-h", "--help"):
             print(f"kvfit: error: unknown command {argv[0]!r}", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

@@ -130,3 +130,56 @@ def test_request_logits_on_the_gemv_path(backend, kv_dtype, graphed, monkeypatch
     assert (got[1] - ref).abs().max() <= 0.05 * ref.abs().max(), (got[1] - ref).abs().max()
     for bs in (2, 3, 4):
         assert torch.equal(got[bs], got[1]), (bs, (got[bs] - got[1]).abs().max().item())
+
+
+@pytest.mark.parametrize("preload", [0, 1, 2])
+def test_pdl_chain_in_a_graph_matches_eager(preload, monkeypatch):
+    """A chain of dependent GEMVs (the four products of two Qwen3-1.7B layers + the LM head)
+    captured in a CUDA graph with programmatic dependent launch on and 0-2 weight tiles loaded
+    before the wait (``PRELOAD``):
+    every replay, fed a fresh input, gives the bits of the eager chain without PDL. A kernel
+    that read its input before its predecessor finished would read the previous replay's
+    values (other inputs), so the fresh input per replay is what catches a missing wait."""
+    from kvfit.kernels import gemv as gemv_mod
+    from kvfit.kernels import pdl
+    from kvfit.kernels.gemv import gemv
+
+    g = torch.Generator(device=DEV).manual_seed(11)
+
+    def rnd(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, device=DEV, generator=g)).bfloat16()
+
+    layers = [{name: rnd(*QWEN3[name], scale=QWEN3[name][1] ** -0.5)
+               for name in ("qkv", "o", "gate_up", "down")} for _ in range(2)]
+    norms = [(1 + rnd(2048, scale=0.1), 1 + rnd(2048, scale=0.1)) for _ in range(2)]
+    lm_head = rnd(*QWEN3["lm_head"], scale=2048 ** -0.5)
+
+    def chain(x):
+        residual = None
+        for w, (n_in, n_post) in zip(layers, norms):
+            qkv, residual = gemv(x, w["qkv"], norm=(n_in, 1e-6, 0.0), residual=residual)
+            h = gemv(qkv[:, :2048].contiguous(), w["o"])
+            a, residual = gemv(h, w["gate_up"], norm=(n_post, 1e-6, 0.0), residual=residual,
+                               gated_act="silu")
+            x = gemv(a, w["down"])
+        return gemv(x, lm_head, out_dtype=torch.float32)
+
+    inputs = [rnd(1, 2048) for _ in range(3)]
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    eager = [chain(x) for x in inputs]
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    monkeypatch.setattr(gemv_mod, "PRELOAD", preload)
+    if not pdl.launch_options(torch.device(DEV))["PDL"]:
+        pytest.skip("no programmatic dependent launch on this GPU / Triton")
+    static_x = inputs[0].clone()
+    chain(static_x)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(static_x)
+    for x, ref in zip(inputs[1:] + inputs[:1], eager[1:] + eager[:1]):
+        out.fill_(float("nan"))  # poisoned: a replay that skips the LM head is caught too
+        static_x.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)

@@ -32,6 +32,12 @@ I8_CVTS = {"cast": (0, 0), "asm": (1, 1), "bias": (2, 2), "kbias": (2, 1), "imma
            "imma-bias": (3, 2), "imma1": (4, 1)}
 # 8-bit page dtypes: converted to float16 tiles for the MMAs (exact for int8)
 EIGHT_BIT = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+# DecodeConfig.min_split_tokens of choose_config. At batch 1 a graph captured for 16k+ contexts
+# runs 64 splits, so a 1k context runs 16 one-tile splits (the rest empty: they exit at once
+# and the merge skips them). A floor of 64/128/256 tokens per split measured equal or slower
+# on the H200 (1k: 6.9 / 7.4 / 9.3 us per layer against 6.9 with none; docs/benchmarks.md
+# "Decode splits at short contexts"): none by default, kept as a measured option.
+MIN_SPLIT_TOKENS = 0
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,9 @@ class DecodeConfig:
     # > 1: that many KV heads per program, one [16, heads * D] tile (kernels/decode_heads.py;
     # a power of two with heads * G <= 16)
     heads: int = 1
+    # the fewest tokens a split holds (rounded up to block_n): a CUDA graph's split count
+    # comes from the longest context it may see, and a shorter one then fills fewer splits
+    min_split_tokens: int = 0
 
 
 @functools.lru_cache(maxsize=1024)  # a pure function of hashable arguments, called every step
@@ -134,7 +143,13 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
     # biased conversion on HND 64-d tiles (imma measured 1.47x fp8 there, "bias" 1.37x)
     i8_cvt = "bias" if head_dim <= 64 and not v_t else "imma1"
     return DecodeConfig(splits, block_n, use_dot, num_warps or 4, num_stages, maxnreg or None,
-                        v_t, i8_cvt=i8_cvt, pack=pack, heads=heads)
+                        v_t, i8_cvt=i8_cvt, pack=pack, heads=heads,
+                        min_split_tokens=MIN_SPLIT_TOKENS)
+
+
+def _min_per(cfg: DecodeConfig) -> int:
+    """The fewest tokens of a split, in whole tiles."""
+    return -(-cfg.min_split_tokens // cfg.block_n) * cfg.block_n
 
 
 def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_scale: float,
@@ -162,7 +177,7 @@ def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_sc
             lse, float(sm_scale * k_scale * LOG2E), float(softcap or 0.0), int(window or 0),
             float(v_scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), ssp, ssh, block_table.stride(0),
-            0 if qb is None else qb.stride(0), s)
+            0 if qb is None else qb.stride(0), s, _min_per(cfg))
     opts = dict(G=group, G_PAD=g_pad, D=d, PAGE=k_cache.shape[2], BLOCK_N=cfg.block_n,
                 V_T=cfg.v_t, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
                 SINGLE=s == 1, ROWS=rows, HAS_QBIAS=qb is not None, num_warps=cfg.num_warps,
@@ -294,9 +309,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         s = cfg.num_splits
         merge_k = decode_kernels.build()[1]
         v_out = 1.0 if k_cache.dtype == torch.int8 else float(v_scale)
-        merge_k[(b, hq)](op, lse, out, v_out, out.stride(0), out.stride(1), s, hq,
-                         D=d, S_PAD=triton.next_power_of_2(s), num_warps=4 if d >= 128 else 2,
-                         **launch_options(q.device))
+        # decode_kernels' split kernels write nothing for an empty split: the merge counts the
+        # live ones from the context (the packed and multi-head kernels write every split)
+        live = cfg.pack == 1 and cfg.heads == 1
+        merge_k[(b, hq)](op, lse, out, kv_lens, v_out, out.stride(0), out.stride(1), s,
+                         _min_per(cfg), int(window or 0), hq, D=d, S_PAD=triton.next_power_of_2(s),
+                         LIVE=live, BLOCK_N=cfg.block_n, HAS_WINDOW=window is not None,
+                         num_warps=4 if d >= 128 else 2, **launch_options(q.device))
     return out
 
 

@@ -84,16 +84,20 @@ def build() -> types.SimpleNamespace:
         return qk
 
     @triton.jit
-    def _split_range(KVLEN, b, s, num_splits, window, BLOCK_N: tl.constexpr,
+    def _split_range(KVLEN, b, s, num_splits, min_per, window, BLOCK_N: tl.constexpr,
                      HAS_WINDOW: tl.constexpr):
-        # tokens [lo, hi) of split s of request b; splits start at multiples of BLOCK_N. With a
-        # window the splits share only the window's tiles (from the tile holding its first
-        # token), so a long request's splits all have work and none reads a freed page.
+        # tokens [lo, hi) of split s of request b; splits start at multiples of BLOCK_N and
+        # hold at least min_per tokens (a multiple of BLOCK_N), so a short context leaves the
+        # last splits empty instead of cutting it into one-tile splits (a CUDA graph fixes
+        # num_splits from the longest context). With a window the splits share only the
+        # window's tiles (from the tile holding its first token), so a long request's splits
+        # all have work and none reads a freed page.
         kv_len = tl.load(KVLEN + b)
         base = 0
         if HAS_WINDOW:
             base = tl.maximum(kv_len - window, 0) // BLOCK_N * BLOCK_N
-        per = tl.cdiv(tl.cdiv(kv_len - base, num_splits), BLOCK_N) * BLOCK_N
+        per = tl.maximum(tl.cdiv(tl.cdiv(kv_len - base, num_splits), BLOCK_N) * BLOCK_N,
+                         min_per)
         lo = base + s * per
         hi = tl.minimum(lo + per, kv_len)
         if HAS_WINDOW:

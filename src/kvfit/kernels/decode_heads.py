@@ -111,7 +111,7 @@ def build():
                             qk_scale, softcap, window, v_scale,
                             stride_qt, stride_qh, stride_ot, stride_oh,
                             stride_cp, stride_ch, stride_sp, stride_sh, stride_bt, stride_qb,
-                            num_splits,
+                            num_splits, min_per,
                             G: tl.constexpr, HP: tl.constexpr, HKV: tl.constexpr,
                             D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                             F16: tl.constexpr, V_T: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -127,7 +127,7 @@ def build():
         b = tl.program_id(0)
         hb = tl.program_id(1)
         s = tl.program_id(2)
-        lo, hi = _split_range(KVLEN, b, s, num_splits, window, BLOCK_N, HAS_WINDOW)
+        lo, hi = _split_range(KVLEN, b, s, num_splits, min_per, window, BLOCK_N, HAS_WINDOW)
         r = tl.arange(0, M)
         c = tl.arange(0, W)
         h0 = hb * HP

@@ -137,7 +137,7 @@ def build():
                       qk_scale, softcap, window, v_scale,
                       stride_qt, stride_qh, stride_ot, stride_oh,
                       stride_cp, stride_ch, stride_sp, stride_sh, stride_bt, stride_qb,
-                      num_splits,
+                      num_splits, min_per,
                       G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                       BLOCK_N: tl.constexpr, F16: tl.constexpr, V_T: tl.constexpr,
                       HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, SINGLE: tl.constexpr,
@@ -149,7 +149,10 @@ def build():
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
-        lo, hi = _split_range(KVLEN, b, s, num_splits, window, BLOCK_N, HAS_WINDOW)
+        lo, hi = _split_range(KVLEN, b, s, num_splits, min_per, window, BLOCK_N, HAS_WINDOW)
+        if not SINGLE:
+            if lo >= hi:  # an empty split: the merge counts the live ones from the context
+                return
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
         gmask = g < G
@@ -207,8 +210,9 @@ def build():
                      stride_oh, G, G_PAD, D, SINGLE)
 
     @triton.jit
-    def _decode_merge(OP, LSE, OUT, v_scale, stride_ot, stride_oh, num_splits, HQ,
-                      D: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr = False):
+    def _decode_merge(OP, LSE, OUT, KVLEN, v_scale, stride_ot, stride_oh, num_splits, min_per,
+                      window, HQ, D: tl.constexpr, S_PAD: tl.constexpr, LIVE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr = False):
         if PDL:  # programmatic dependent launch (kernels/pdl.py)
             gdc_wait()
             gdc_launch_dependents()
@@ -217,14 +221,25 @@ def build():
         sp = tl.arange(0, S_PAD)
         d = tl.arange(0, D)
         row = (b * HQ + hq) * num_splits + sp
-        smask = sp < num_splits
+        n_live = num_splits
+        if LIVE:  # the splits with tokens, as _split_range cuts the context: empty ones wrote
+            # nothing (their scratch rows hold another call's values)
+            kv_len = tl.load(KVLEN + b)
+            base = 0
+            if HAS_WINDOW:
+                base = tl.maximum(kv_len - window, 0) // BLOCK_N * BLOCK_N
+            per = tl.maximum(tl.cdiv(tl.cdiv(kv_len - base, num_splits), BLOCK_N) * BLOCK_N,
+                             min_per)
+            n_live = tl.cdiv(kv_len - base, tl.maximum(per, BLOCK_N))
+        smask = sp < n_live
         lse = tl.load(LSE + row, mask=smask, other=float("-inf"))
         mx = tl.max(lse, axis=0)
         mx = tl.where(mx == float("-inf"), 0.0, mx)
         w = tl.exp2(lse - mx)
         den = tl.sum(w, axis=0)
         den = tl.where(den > 0, den, 1.0)
-        o = tl.load(OP + row[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
+        live = smask & (lse > float("-inf"))  # empty splits (weight 0) are not read
+        o = tl.load(OP + row[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
         o = tl.sum(o * w[:, None], axis=0) / den
         tl.store(OUT + b * stride_ot + hq * stride_oh + d, (o * v_scale).to(OUT.dtype.element_ty))
 
@@ -233,7 +248,7 @@ def build():
                           qk_scale, softcap, window, v_scale,
                           stride_qt, stride_qh, stride_ot, stride_oh,
                           stride_cp, stride_ch, stride_sp, stride_sh, stride_bt, stride_qb,
-                          num_splits,
+                          num_splits, min_per,
                           G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                           PAGE: tl.constexpr, BLOCK_N: tl.constexpr, V_T: tl.constexpr,
                           HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -249,7 +264,10 @@ def build():
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
-        start, end = _split_range(KVLEN, b, s, num_splits, window, BLOCK_N, HAS_WINDOW)
+        start, end = _split_range(KVLEN, b, s, num_splits, min_per, window, BLOCK_N, HAS_WINDOW)
+        if not SINGLE:
+            if start >= end:  # an empty split: the merge counts the live ones from the context
+                return
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
         gmask = g < G

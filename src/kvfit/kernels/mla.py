@@ -241,8 +241,9 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
         s_pad = triton.next_power_of_2(s)
         # the merge holds all S_PAD x rank partials of a row: <= 128 float32 registers a thread
         warps = min(8, max(2, rank * s_pad // 4096))
-        merge[(b, h)](op, lse, out, float(scale), out.stride(0), out.stride(1), s, h, D=rank,
-                      S_PAD=s_pad, num_warps=warps)
+        merge[(b, h)](op, lse, out, kv_lens, float(scale), out.stride(0), out.stride(1), s, 0,
+                      0, h, D=rank, S_PAD=s_pad, LIVE=False, BLOCK_N=1, HAS_WINDOW=False,
+                      num_warps=warps)
     return out
 
 
