@@ -24,9 +24,11 @@ from kvfit.kernels.store import store_chunk_list
 
 def test_buckets_and_flag_bounds():
     assert prefill_buckets(512) == [16, 32, 64, 128, 256, 512]
+    assert prefill_buckets(2048)[-3:] == [512, 1024, 2048]
+    EngineConfig(cuda_graph_max_prefill_tokens=8192)  # up to the default step budget
     assert prefill_buckets(100) == [16, 32, 64, 100]
     assert prefill_buckets(8) == [8]
-    for bad in (-1, 513):
+    for bad in (-1, 8193):
         with pytest.raises(ValueError, match="cuda_graph_max_prefill_tokens"):
             EngineConfig(cuda_graph_max_prefill_tokens=bad)
     g = PrefillGraphs.__new__(PrefillGraphs)

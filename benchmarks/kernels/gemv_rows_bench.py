@@ -115,8 +115,8 @@ def main() -> None:
     print(f"{os.path.basename(args.model)}: {n_layers} layers + LM head, "
           f"{nbytes / 1e9:.2f} GB of weights per step; {torch.cuda.get_device_name()}")
     print("| M | batched path us (TB/s) | " + " | ".join(
-        f"GEMV block_m={bm} us (/ batched)" for bm in bms) + "".join(
-        f" PDL preload {pf} us (/ batched) |" for pf in pfs))
+        [f"GEMV block_m={bm} us (/ batched)" for bm in bms]
+        + [f"PDL preload {pf} us (/ batched)" for pf in pfs]) + " |")
     print("|---:|---:|" + "---:|" * (len(bms) + len(pfs)))
     with torch.inference_mode():
         for m in [int(v) for v in args.ms.split(",")]:

@@ -30,6 +30,8 @@ DecodeGemv = Literal["auto", "on", "off"]
 assert set(typing.get_args(KVDtype)) == set(KV_DTYPE_CHOICES)  # one table, checked at import
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the largest prefill CUDA graph bucket accepted (the default token budget of a step)
+MAX_PREFILL_GRAPH_TOKENS = 8192
 
 
 def _f(default, help: str, aliases: tuple[str, ...] = (), **kw):
@@ -81,7 +83,8 @@ class EngineConfig:
                                           "replays a graph)")
     cuda_graph_max_prefill_tokens: int = _f(
         512, "largest prefill/extend step (tokens, up to 8 requests) run from a CUDA graph; "
-        "0 = such steps run eagerly; at most 512 (larger steps are compute bound)")
+        "0 = such steps run eagerly; at most %d (steps above 512 tokens attend without "
+        "splitting their keys, as eager ones do)" % MAX_PREFILL_GRAPH_TOKENS)
     async_scheduling: AsyncMode = _f("auto", "overlap the host's scheduling and output "
                                      "processing of one step with the GPU's next step; auto = "
                                      "on with CUDA, off on CPU")
@@ -107,9 +110,10 @@ class EngineConfig:
                      "tensor_parallel_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.cuda_graph_max_prefill_tokens <= 512:
-            raise ValueError(f"cuda_graph_max_prefill_tokens must be in 0..512 (0 = no prefill "
-                             f"graphs), got {self.cuda_graph_max_prefill_tokens}")
+        if not 0 <= self.cuda_graph_max_prefill_tokens <= MAX_PREFILL_GRAPH_TOKENS:
+            raise ValueError(f"cuda_graph_max_prefill_tokens must be in "
+                             f"0..{MAX_PREFILL_GRAPH_TOKENS} (0 = no prefill graphs), got "
+                             f"{self.cuda_graph_max_prefill_tokens}")
         if self.kv_k_centering not in typing.get_args(KCentering):
             raise ValueError(f"kv_k_centering must be one of {typing.get_args(KCentering)}, "
                              f"got {self.kv_k_centering!r}")

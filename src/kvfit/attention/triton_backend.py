@@ -364,17 +364,18 @@ class TritonBackend(AttentionBackend):
         _, d = self._layer_shape()
         for layer in range(self.pool.num_layers):  # K means on the device before any capture
             self._k_mean(layer)
-        # eager steps split up to SPLIT_MAX_TOKENS tokens: room for them too, never regrown
-        self.extend_split.reserve(max(max_tokens, SPLIT_MAX_TOKENS), num_q_heads, d,
-                                  self.pool.device)
+        # graph buckets and eager steps split up to SPLIT_MAX_TOKENS tokens, never more:
+        # room for them, never regrown
+        self.extend_split.reserve(SPLIT_MAX_TOKENS, num_q_heads, d, self.pool.device)
         self.extend_split.frozen = True
 
     def prepare_prefill_graph(self, meta: AttentionMetadata, blocks: torch.Tensor,
                               chunks: torch.Tensor, group: int) -> None:
         """``prepare`` for a prefill step padded to a graph bucket: the program list and the V
         store chunks are the graph's static buffers (spare entries exit), and the full layers
-        always split their keys (a block of a short context computes the same bits as without
-        a split, so eager steps, which split only long contexts, agree)."""
+        split their keys in buckets of up to ``SPLIT_MAX_TOKENS`` tokens (a block of a short
+        context computes the same bits as without a split, so eager steps, which split only
+        long contexts, agree); larger buckets attend unsplit, as eager steps of their size."""
         self.meta = meta
         _, d = self._layer_shape()
         self._prefill_cfg = prefill_config(d, self.compute_dtype, self.pool.dtype)
@@ -382,7 +383,7 @@ class TritonBackend(AttentionBackend):
         self._kv_lens = list(meta.kv_lens_cpu)
         self._blocks = {group: blocks}
         self._store_chunks = chunks
-        self._split_step = True
+        self._split_step = meta.slot_mapping.shape[0] <= SPLIT_MAX_TOKENS  # the bucket's tokens
 
 
 def _eight_bit(kv_dtype: str) -> bool:

@@ -2,7 +2,7 @@
 
 Start-up order: the settings (engine/settings.py: model config, dtypes, pool class, backend, page
 size, V layout, checked by the guard before any weight is loaded) -> load weights -> measure
-activations -> size the pool (``pool_cls.solve_pages``) and allocate it -> KV scales and the KV
+activations -> size the pool (engine/pool_budget.py, ``pool_cls.solve_pages``) and allocate it -> KV scales and the KV
 transform (K centering calibration, the int8 V rotation folded into the weights at load) -> CUDA
 graphs. ``execute(items)`` runs one step.
 
@@ -29,25 +29,18 @@ import torch
 from kvfit.attention.meta_builder import (RequestLookups, build_metadata, build_step_metadata,
                                           request_lookups, token_positions)
 from kvfit.config import EngineConfig
-from kvfit.engine import memory
 from kvfit.engine.context import Context
 from kvfit.engine.kv_calibration import resolve_kv_transform
 from kvfit.engine.kv_scales import resolve_scales
+from kvfit.engine.pool_budget import one_slot, size_pool
 from kvfit.engine.settings import EngineSettings, resolve_settings
-from kvfit.errors import KVBudgetError
-from kvfit.kvcache.sizing import PoolSizing
 from kvfit.models.kv_rotation_fold import fold_v_rotation
 from kvfit.models.weights import WeightSink, init_dummy, iter_gguf, iter_safetensors
-from kvfit.parallel.state import broadcast_from_driver, min_over_ranks, tp_group
+from kvfit.parallel.state import broadcast_from_driver, tp_group
 from kvfit.parallel.step_channel import RankCall
 from kvfit.transfer import to_device
 
 log = logging.getLogger("kvfit")
-
-
-def _one_slot(pool):
-    """A throwaway one-request pool's residual slots (int4: slot 0), None for other pools."""
-    return None if pool.residual_slots is None else [0]
 
 
 @dataclass
@@ -121,7 +114,7 @@ class ModelRunner:
                 log.info("one-token decode steps through the fused GEMV (--decode-gemv %s)",
                          config.decode_gemv)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.sizing = self._size_pool(free_before)
+        self.sizing = size_pool(self, free_before)
         backend_cls = s.backend_cls
         k_scales, v_scales = resolve_scales(config.kv_scales, self, self.kv_format, tokenizer)
         self.pool = self.pool_cls.from_sizing(self.sizing, self.layers, self.kv_format,
@@ -261,63 +254,6 @@ class ModelRunner:
             log.info("V Hadamard rotation folded into v_proj/o_proj of %d layers", n)
         return model
 
-    def _size_pool(self, free_before: int) -> PoolSizing:
-        """The pool's size from the memory budget (or the page flags); lowers ``max_model_len``
-        to the capacity when the model's context does not fit, refuses an explicit one."""
-        c = self.config
-        if c.num_pages is not None or c.num_tokens is not None:
-            budget = None
-        elif self.device.type == "cuda":
-            peak = self._profile_activations()
-            used = self.weight_bytes + peak
-            budget = memory.cuda_budget_bytes(free_before, used, c.memory_ratio)
-        else:
-            budget = memory.cpu_budget_bytes(c.cpu_kv_space_gib, c.memory_ratio)
-        self.kv_budget_bytes = budget  # None when --num-pages/--num-tokens fix the pool
-        sizing = self.pool_cls.solve_pages(self.layers, self.kv_format, c.page_size,
-                                           self.settings.sizing_limits(budget))
-        if tp_group().size > 1 and budget is not None:
-            # the fewest pages any rank's budget holds, full and sliding: page ids valid on all
-            swa = sizing.sliding_reservation
-            counts = min_over_ranks([sizing.num_pages] + ([swa.num_swa_pages] if swa else []))
-            sizing = dataclasses.replace(sizing, num_pages=counts[0], **(
-                {"num_swa_pages": counts[1]} if swa else {}))
-        capacity = sizing.tokens
-        if self.max_model_len > capacity:
-            if c.max_model_len is not None:
-                raise KVBudgetError(
-                    f"--max-model-len {c.max_model_len} does not fit the KV cache "
-                    f"({capacity} tokens of {self.kv_format.name}); the largest that fits is "
-                    f"{capacity}: lower --max-model-len, raise --memory-ratio, or use "
-                    f"--kv-dtype fp8 to double the tokens")
-            log.warning("model context %d > KV capacity %d tokens: max_model_len set to %d",
-                        self.max_model_len, capacity, capacity)
-            self.max_model_len = capacity
-        return sizing
-
-    @torch.inference_mode()
-    def _profile_activations(self) -> int:
-        """Peak bytes of one full step of max_num_batched_tokens (a throwaway one-request pool)."""
-        n = min(self.config.max_num_batched_tokens, self.max_model_len)
-        ps = self.config.page_size
-        pages = -(-n // ps)
-        pool = self.pool_cls(self.layers, pages, ps, self.kv_format, self.device,
-                             v_layout=self.settings.v_layout)
-        be = self.settings.backend_cls(pool, self.dtype, self.model_cls.sm_scale(self.hf_config))
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        be.prepare(build_metadata([n], [n], [list(range(pages))], ps, self.device,
-                                  residual_slots=_one_slot(pool)))
-        ids = torch.randint(0, self.hf_config.vocab_size, (n,), device=self.device)
-        h = self.model(ids, torch.arange(n, device=self.device), Context(be, pool, self.dtype))
-        self.model.compute_logits(h[-min(n, self.config.max_num_seqs):])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        del pool, be, h
-        torch.cuda.empty_cache()
-        return peak
-
     # -- one step -------------------------------------------------------------------------
     def _plan(self, items, sample_mask, prompt_lp, carried) -> StepPlan:
         """The step's host inputs. Token ids of ``carried`` tokens are placeholders here and are
@@ -430,7 +366,7 @@ class ModelRunner:
         n = len(token_ids)
         pages = list(range(-(-n // pool.page_size)))
         backend.prepare(build_metadata([n], [n], [pages], pool.page_size, self.device,
-                                       residual_slots=_one_slot(pool)))
+                                       residual_slots=one_slot(pool)))
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         return self.model(ids, torch.arange(n, device=self.device),
                           Context(backend, pool, self.dtype))

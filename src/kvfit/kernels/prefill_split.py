@@ -6,8 +6,9 @@ prefill kernel (``kernels/prefill.py``) runs each block's keys in up to ``num_sp
 of at least ``min_tiles`` tiles each, writes partial rows and their base-2 log-sum-exps, and
 ``merge`` combines them per block (one launch, only blocks of more than one split).
 
-Prefill CUDA graphs (engine/prefill_graph.py) always split; eager steps only with
-``EAGER_SPLIT`` (off: they are bound by their launches on the host). The partition of a block's
+Prefill CUDA graphs (engine/prefill_graph.py) split in buckets of up to ``SPLIT_MAX_TOKENS``
+tokens; eager steps only with ``EAGER_SPLIT`` (off: they are bound by their launches on the
+host), up to the same size. The partition of a block's
 tiles depends only on the block (its rows' context), never on the grid or the batch: a padded
 graph step and the eager step with ``EAGER_SPLIT`` give the same bits, and a block whose
 context is at most ``min_tiles`` tiles is computed exactly as without a split.
@@ -24,8 +25,8 @@ import torch
 
 from kvfit.kernels.interpret import expose_for_interpreter
 
-# steps of at most this many tokens split their keys (the largest prefill graph bucket too);
-# larger steps have programs enough
+# steps (graph buckets, and eager steps with EAGER_SPLIT) of at most this many tokens split
+# their keys; larger steps have programs enough
 SPLIT_MAX_TOKENS = 512
 NUM_SPLITS = 8  # programs per block at most (a fixed grid dimension)
 # key tiles per split at least (512 tokens of 64-token tiles). H200, Qwen3-1.7B fp8, the cached
@@ -107,8 +108,8 @@ def build():
 def wants_split(num_tokens: int, max_kv_len: int, block_n: int,
                 min_tiles: int = MIN_TILES) -> bool:
     """Whether an eager prefill step of ``num_tokens`` tokens whose longest request holds
-    ``max_kv_len`` tokens splits the keys of its full layers (graph steps always do): only
-    with ``EAGER_SPLIT``, only short steps (graph buckets stop at ``SPLIT_MAX_TOKENS``), and
+    ``max_kv_len`` tokens splits the keys of its full layers (graph buckets of up to
+    ``SPLIT_MAX_TOKENS`` tokens always do): only with ``EAGER_SPLIT``, only such short steps, and
     only when some block can have more than one split (else the split kernel computes the
     same bits as the plain one, without the merge launch)."""
     return (EAGER_SPLIT and num_tokens <= SPLIT_MAX_TOKENS
