@@ -50,9 +50,9 @@ def test_plan_cli_prints_every_dtype():
     with contextlib.redirect_stdout(buf):
         assert cli_main(["plan", "--model", QWEN3, "--memory", "2.90GiB"]) == 0
     out = buf.getvalue()
-    # the backend and page size the engine picks on CUDA (fi for bf16, triton with pages of 32
-    # for fp8 at head_dim 128): the fp8 row is the engine's 54,272 tokens, not 54,288 at 16
-    assert "| bfloat16 | fi | 16 | 114,688 |" in out and "2.00x" in out
+    # the backend and page size the engine picks on CUDA at head_dim 128 (triton: pages of 16
+    # for bf16, of 32 for fp8): the fp8 row is the engine's 54,272 tokens, not 54,288 at 16
+    assert "| bfloat16 | triton | 16 | 114,688 |" in out and "2.00x" in out
     assert "| fp8_e4m3 | triton | 32 | 57,344 | 1,696 | 54,272 |" in out
     if not torch.cuda.is_available():  # planned for a device that is not here: says so
         assert "auto choice on cuda with FlashInfer and Triton installed" in out
@@ -272,7 +272,7 @@ def test_triton_backend_asks_for_token_minor_v_only_where_measured_faster():
 
 def test_auto_backend_and_page_size_follow_the_measurements(monkeypatch):
     """auto on CUDA: triton for fp8 KV with heads >= 128 (its decode beat FlashInfer's fp8 by
-    1.2-2.2x), fi otherwise (triton where fi does not hold the pool), triton when FlashInfer is
+    1.2-2.2x) and 16-bit KV with 128-d heads (decode 1.05-1.13x, prefill graphs), fi otherwise (triton where fi does not hold the pool), triton when FlashInfer is
     missing; torch on CPU and for pools only it holds. Unset page size: 32 for fp8 on triton (128-d), else 16."""
     from kvfit.attention import registry
     from kvfit.attention.torch_ref import TorchRefBackend
@@ -286,7 +286,11 @@ def test_auto_backend_and_page_size_follow_the_measurements(monkeypatch):
     assert sel("auto", "cuda", "MHAKVCache", "fp8_e4m3", 128) == "triton"
     assert sel("auto", "cuda", "MHAKVCache", "fp8_e5m2", 256) == "triton"
     assert sel("auto", "cuda", "MHAKVCache", "fp8_e4m3", 64) == "fi"
-    assert sel("auto", "cuda", "MHAKVCache", "bfloat16", 128) == "fi"
+    # 16-bit KV: triton at 128-d heads (measured faster end to end), fi at other sizes
+    assert sel("auto", "cuda", "MHAKVCache", "bfloat16", 128) == "triton"
+    assert sel("auto", "cuda", "MHAKVCache", "float16", 128) == "triton"
+    assert sel("auto", "cuda", "MHAKVCache", "bfloat16", 64) == "fi"
+    assert sel("auto", "cuda", "MHAKVCache", "bfloat16", 256) == "fi"
     # the hybrid sliding-window pool: triton holds it (issue 18), FlashInfer does not
     assert sel("auto", "cuda", "HybridSWAKVCache", "fp8_e4m3", 256) == "triton"
     assert sel("auto", "cuda", "HybridSWAKVCache", "bfloat16", 256) == "triton"
@@ -296,7 +300,7 @@ def test_auto_backend_and_page_size_follow_the_measurements(monkeypatch):
     assert sel("auto", "cpu", "MHAKVCache", "fp8_e4m3", 128) == "torch"
     assert sel("fi", "cuda", "MHAKVCache", "fp8_e4m3", 128) == "fi"  # explicit kept
     missing.add("fi")
-    assert sel("auto", "cuda", "MHAKVCache", "bfloat16", 128) == "triton"
+    assert sel("auto", "cuda", "MHAKVCache", "bfloat16", 64) == "triton"
     missing.add("triton")
     assert sel("auto", "cuda", "MHAKVCache", "fp8_e4m3", 128) == "torch"
     assert TritonBackend.default_page_size("fp8_e4m3", 128) == 32

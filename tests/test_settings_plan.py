@@ -86,8 +86,8 @@ CPU_HOST = pytest.mark.skipif(torch.cuda.is_available(),
 @pytest.mark.parametrize("backend", ["auto", "triton", "fi"])
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3", "fp8_e5m2"])
 def test_cuda_plan_prices_the_page_size_each_backend_chooses(backend, kv_dtype):
-    """Planned from a CPU host for CUDA: auto is triton for fp8 at head_dim 128 (pages of 32),
-    fi otherwise (pages of 16), as on a GPU host with FlashInfer installed."""
+    """Planned from a CPU host for CUDA: auto is triton at head_dim 128 (fp8: pages of 32,
+    token-minor V; bf16: pages of 16), as on a GPU host with FlashInfer installed."""
     from kvfit.attention.registry import backend_class
 
     mem = parse_memory("2.90GiB")
@@ -95,7 +95,7 @@ def test_cuda_plan_prices_the_page_size_each_backend_chooses(backend, kv_dtype):
                            [kv_dtype], device="cuda")
     s = row.settings
     fp8 = kv_dtype.startswith("fp8")
-    want = backend if backend != "auto" else ("triton" if fp8 else "fi")
+    want = backend if backend != "auto" else "triton"
     assert s.backend_name == want and s.device.type == "cuda" and s.assumed_installed
     ps = backend_class(want).default_page_size(kv_dtype, 128)
     assert s.page_size == ps == (32 if want == "triton" and fp8 else 16)

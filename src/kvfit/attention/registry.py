@@ -39,7 +39,9 @@ def select_backend(requested: str, device_type: str, pool_name: str | None = Non
                    kv_dtype: str | None = None, head_dim: int | None = None,
                    assume_installed: bool = False) -> str:
     """``auto`` on CUDA: triton for fp8 KV with heads of >= 128 (its fp8 decode measured 1.2-2.2x
-    FlashInfer's, docs/benchmarks.md), else fi when FlashInfer imports, else triton; each only
+    FlashInfer's, docs/benchmarks.md) and for 16-bit KV with heads of 128 (decode 1.05-1.13x
+    FlashInfer's, prefill graphs FlashInfer does not have: docs/benchmarks.md "bf16 KV on the
+    triton backend"), else fi when FlashInfer imports, else triton; each only
     if it holds ``pool_name``'s pool, heads of ``head_dim`` and reads ``kv_dtype``. torch
     otherwise. Explicit names are kept (the guard then checks them). ``assume_installed``: as on
     a machine where FlashInfer and Triton import."""
@@ -57,7 +59,8 @@ def select_backend(requested: str, device_type: str, pool_name: str | None = Non
 
     if device_type == "cuda":
         fp8_wide = (kv_dtype or "").startswith("fp8") and (head_dim or 0) >= 128
-        order = ("triton", "fi") if fp8_wide else ("fi", "triton")
+        wide16 = kv_dtype in ("bfloat16", "float16") and head_dim == 128
+        order = ("triton", "fi") if fp8_wide or wide16 else ("fi", "triton")
         for name in order:
             if usable(name):
                 return name
