@@ -21,17 +21,38 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
 
 
 def sig(kv, q="bf16"):
-    return {"Q": f"*{q}", "KC": f"*{kv}", "VC": f"*{kv}", "BT": "*i32", "KVLEN": "*i32",
-            "OUT": f"*{q}", "OP": "*fp32", "LSE": "*fp32", "qk_scale": "fp32", "softcap": "fp32",
-            "window": "i32", "v_scale": "fp32", "stride_qt": "i32", "stride_qh": "i32",
-            "stride_ot": "i32", "stride_oh": "i32", "stride_cp": "i32", "stride_ch": "i32",
-            "stride_bt": "i32", "num_splits": "i32",
+    # the split kernels' runtime arguments, in order (kernels/decode_kernels.py)
+    return {"Q": f"*{q}", "KC": f"*{kv}", "VC": f"*{kv}", "KS": "*fp16", "VS": "*fp16",
+            "QB": f"*{q}", "BT": "*i32", "KVLEN": "*i32", "OUT": f"*{q}", "OP": "*fp32",
+            "LSE": "*fp32", "qk_scale": "fp32", "softcap": "fp32", "window": "i32",
+            "v_scale": "fp32", "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32",
+            "stride_oh": "i32", "stride_cp": "i32", "stride_ch": "i32", "stride_sp": "i32",
+            "stride_sh": "i32", "stride_bt": "i32", "stride_qb": "i32", "num_splits": "i32",
             "min_per": "i32"}
 
 
+MERGE_SIG = {"OP": "*fp32", "LSE": "*fp32", "OUT": "*bf16", "KVLEN": "*i32", "v_scale": "fp32",
+             "stride_ot": "i32", "stride_oh": "i32", "num_splits": "i32", "min_per": "i32",
+             "window": "i32", "HQ": "i32"}
+
+
+def _full(fn, runtime: dict, consts: dict) -> tuple[dict, dict]:
+    """Triton >= 3.4 wants every argument in the signature (constexprs typed "constexpr"),
+    defaults included: (signature, constexprs)."""
+    consts = {**{n: False for n in ("PDL",) if n in fn.arg_names}, **consts}
+    if "K_CVT" in fn.arg_names and "K_CVT" not in consts:
+        consts["K_CVT"] = 0
+    return {n: runtime.get(n, "constexpr") for n in fn.arg_names}, consts
+
+
 def compile_one(fn, kv, consts, num_warps=4, num_stages=3, maxnreg=None):
-    attrs = {(i,): [["tt.divisibility", 16]] for i in list(range(8)) + list(range(12, 19))}
-    src = ASTSource(fn, sig(kv), constexprs=consts, attrs=attrs)
+    if fn is merge_k:
+        s, c = _full(fn, MERGE_SIG, consts)
+        return triton.compile(ASTSource(fn, s, constexprs=c), target=TARGET,
+                              options={"num_warps": num_warps})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in list(range(11))}
+    s, c = _full(fn, sig(kv), consts)
+    src = ASTSource(fn, s, constexprs=c, attrs=attrs)
     opts = {"num_warps": num_warps, "num_stages": num_stages}
     if maxnreg:
         opts["maxnreg"] = maxnreg
@@ -61,15 +82,19 @@ def sass_counts(k):
 
 
 def main():
-    base = dict(G=2, G_PAD=16, D=128, PAGE=16, HAS_SOFTCAP=False, HAS_WINDOW=False, SINGLE=False)
+    base = dict(G=2, G_PAD=16, D=128, PAGE=16, HAS_SOFTCAP=False, HAS_WINDOW=False, SINGLE=False,
+                ROWS=False, I8_CVT=0, HAS_QBIAS=False)
     variants = {
         "bf16 HND bn64": (split_k, "bf16", dict(base, BLOCK_N=64, F16=False, V_T=False), 4, 3, None),
         "fp8 HND bn128": (split_k, "fp8e4nv", dict(base, BLOCK_N=128, F16=True, V_T=False), 4, 3,
                           None),
         "fp8 token-minor V bn64 s5 r128": (split_k, "fp8e4nv", dict(base, BLOCK_N=64, F16=True,
                                                                     V_T=True), 4, 5, 128),
-        "fp8 fma bn16": (split_fma, "fp8e4nv", dict(base, G_PAD=2, BLOCK_N=16, V_T=False), 4, 2,
+        "fp8 fma bn16": (split_fma, "fp8e4nv", {**{k: v for k, v in base.items() if k != "I8_CVT"},
+                                                 "G_PAD": 2, "BLOCK_N": 16, "V_T": False}, 4, 2,
                          None),
+        "merge, live splits": (merge_k, None, dict(D=128, S_PAD=64, LIVE=True, BLOCK_N=64,
+                                                   HAS_WINDOW=True), 4, 1, None),
     }
     dump = len(sys.argv) > 1
     for name, (fn, kv, consts, nw, ns, mr) in variants.items():

@@ -12,7 +12,8 @@ from kvfit.kernels.interpret import expose_for_interpreter
 @functools.cache
 def build() -> types.SimpleNamespace:
     """``to_mma``/``cvt_one`` (tile conversions), ``split_q_i8`` and ``raw_logits`` (Q.K^T of
-    stored keys), ``split_range`` and ``store_split``, built on first use."""
+    stored keys), ``split_span``/``split_range`` (the decode splits' cut of a context) and
+    ``store_split``, built on first use."""
     import triton
     import triton.language as tl
 
@@ -84,20 +85,32 @@ def build() -> types.SimpleNamespace:
         return qk
 
     @triton.jit
-    def _split_range(KVLEN, b, s, num_splits, min_per, window, BLOCK_N: tl.constexpr,
-                     HAS_WINDOW: tl.constexpr):
-        # tokens [lo, hi) of split s of request b; splits start at multiples of BLOCK_N and
-        # hold at least min_per tokens (a multiple of BLOCK_N), so a short context leaves the
-        # last splits empty instead of cutting it into one-tile splits (a CUDA graph fixes
-        # num_splits from the longest context). With a window the splits share only the
-        # window's tiles (from the tile holding its first token), so a long request's splits
-        # all have work and none reads a freed page.
+    def _split_span(KVLEN, b, num_splits, min_per, window, BLOCK_N: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr):
+        # how request b's context is cut into splits: (kv_len, base, per). Split s holds
+        # tokens [base + s * per, base + (s + 1) * per) of the context; per is a multiple of
+        # BLOCK_N and at least min_per (a multiple of BLOCK_N). With a window, base is the
+        # tile holding its first token. The splits with tokens are the first
+        # cdiv(kv_len - base, per): the merge counts them the same way.
         kv_len = tl.load(KVLEN + b)
         base = 0
         if HAS_WINDOW:
             base = tl.maximum(kv_len - window, 0) // BLOCK_N * BLOCK_N
         per = tl.maximum(tl.cdiv(tl.cdiv(kv_len - base, num_splits), BLOCK_N) * BLOCK_N,
                          min_per)
+        return kv_len, base, per
+
+    @triton.jit
+    def _split_range(KVLEN, b, s, num_splits, min_per, window, BLOCK_N: tl.constexpr,
+                     HAS_WINDOW: tl.constexpr):
+        # tokens [lo, hi) of split s of request b (_split_span's cut): a context shorter than
+        # num_splits tiles (a CUDA graph fixes num_splits from the longest context) fills the
+        # first splits, a tile each (or min_per tokens), and leaves the rest empty (lo >= hi).
+        # With a window the splits share
+        # only the window's tiles, so a long request's splits all have work and none reads a
+        # freed page.
+        kv_len, base, per = _split_span(KVLEN, b, num_splits, min_per, window, BLOCK_N,
+                                        HAS_WINDOW)
         lo = base + s * per
         hi = tl.minimum(lo + per, kv_len)
         if HAS_WINDOW:
@@ -126,5 +139,6 @@ def build() -> types.SimpleNamespace:
 
     expose_for_interpreter(globals(), locals())
     return types.SimpleNamespace(to_mma=_to_mma, cvt_one=_cvt_one, split_q_i8=_split_q_i8,
-                                 raw_logits=_raw_logits, split_range=_split_range,
+                                 raw_logits=_raw_logits, split_span=_split_span,
+                                 split_range=_split_range,
                                  store_split=_store_split)

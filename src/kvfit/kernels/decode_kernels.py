@@ -43,6 +43,7 @@ def build():
 
     common = build_decode_common()
     _cvt_one, _split_range, _store_split = common.cvt_one, common.split_range, common.store_split
+    _split_span = common.split_span
     _split_q_i8, _raw_logits = common.split_q_i8, common.raw_logits
     shared = build_tile_math()
     gdc_wait, gdc_launch_dependents = gdc()
@@ -224,12 +225,8 @@ def build():
         n_live = num_splits
         if LIVE:  # the splits with tokens, as _split_range cuts the context: empty ones wrote
             # nothing (their scratch rows hold another call's values)
-            kv_len = tl.load(KVLEN + b)
-            base = 0
-            if HAS_WINDOW:
-                base = tl.maximum(kv_len - window, 0) // BLOCK_N * BLOCK_N
-            per = tl.maximum(tl.cdiv(tl.cdiv(kv_len - base, num_splits), BLOCK_N) * BLOCK_N,
-                             min_per)
+            kv_len, base, per = _split_span(KVLEN, b, num_splits, min_per, window, BLOCK_N,
+                                            HAS_WINDOW)
             n_live = tl.cdiv(kv_len - base, tl.maximum(per, BLOCK_N))
         smask = sp < n_live
         lse = tl.load(LSE + row, mask=smask, other=float("-inf"))
