@@ -125,3 +125,27 @@ def test_output_kinds_carry_the_same_tokens(bundled_llm, alone, kind):
         assert ids[rid] == list(alone[i]) and len(lps[rid]) == 24
         assert all(t in d for t, d in zip(ids[rid], lps[rid]))
         assert last[rid].text == tok.decode(alone[i], skip_special_tokens=True)
+
+
+def test_request_metrics_are_ordered_and_count_preemptions():
+    """``RequestOutput.metrics`` (vLLM's names): arrival <= first scheduled <= first token <=
+    last token <= finished for every request, and the preemptions a small pool forces are
+    counted on the requests that suffered them."""
+    import time
+
+    from kvfit.outputs import RequestMetrics
+
+    llm = LLM("smollm2-135m", device="cpu", num_pages=24, page_size=4, max_num_batched_tokens=5,
+              max_model_len=64)
+    t0 = time.monotonic()
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    t1 = time.monotonic()
+    for o in outs:
+        m = o.metrics
+        assert isinstance(m, RequestMetrics)
+        assert t0 <= m.arrival_time <= m.first_scheduled_time <= m.first_token_time
+        assert m.first_token_time <= m.last_token_time <= m.finished_time <= t1
+        assert m.time_in_queue == pytest.approx(m.first_scheduled_time - m.arrival_time)
+    assert sum(o.metrics.num_preemptions for o in outs) == llm.engine.scheduler.num_preemptions > 0
+    # the requests admitted last waited in the queue longer than the first one
+    assert max(o.metrics.time_in_queue for o in outs) > outs[0].metrics.time_in_queue

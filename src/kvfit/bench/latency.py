@@ -9,7 +9,7 @@ draws fresh prompts (seeded), so no iteration reuses the last one's prefix cache
 warmup`` uncounted iterations first (Triton compiles, graph capture, allocator growth).
 
 Besides vLLM's latency percentiles it reports, per iteration, the time to first token (the
-slowest request's, from the engine's ``first_token`` metric), the decode rate after it
+slowest request's, from its ``metrics.first_token_time``), the decode rate after it
 (``batch x (output-len - 1)`` tokens over the time from the last first token to the end), and
 with a CUDA device the roofline: ``throughput.roofline`` over the steps the engine actually
 ran (weights + KV bytes over the measured copy bandwidth, FLOPs over the measured matmul rate).
@@ -87,7 +87,7 @@ def _iteration(llm, params, prompts) -> dict:
     outs = llm.generate(prompts, params, use_tqdm=False)
     _sync(llm.engine)
     end = time.monotonic()
-    first = [o.metrics["first_token"] for o in outs]
+    first = [o.metrics.first_token_time for o in outs]
     n_out = [len(o.outputs[0].token_ids) for o in outs]
     return {"latency_s": end - t0, "ttft_s": max(first) - t0, "decode_s": end - max(first),
             "output_tokens": sum(n_out), "decode_tokens": sum(n - 1 for n in n_out)}

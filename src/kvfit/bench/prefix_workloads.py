@@ -78,7 +78,7 @@ def drive(engine, prompts: list[list[int]], output_lens: list[int], workload: st
     res = RunResult(workload, len(outs), sum(map(len, prompts)),
                     sum(len(o.outputs[0].token_ids) for o in outs),
                     sum(o.num_cached_tokens for o in outs), seconds,
-                    [o.metrics["first_token"] - o.metrics["arrival"] for o in outs])
+                    [o.metrics.first_token_time - o.metrics.arrival_time for o in outs])
     return res, outs
 
 

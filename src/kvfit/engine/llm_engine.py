@@ -22,9 +22,9 @@ from kvfit.errors import RequestRejected
 from kvfit.kvcache.allocator import PageAllocator
 from kvfit.kvcache.prefix_cache import PrefixCachingAllocator, kv_identity
 from kvfit.models.registry import load_tokenizer
-from kvfit.outputs import CompletionOutput, RequestOutput
+from kvfit.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvfit.sampling_params import SamplingParams
-from kvfit.scheduler.request import PLACEHOLDER, Request, Status
+from kvfit.scheduler.request import PLACEHOLDER, Request
 from kvfit.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("kvfit")
@@ -290,6 +290,7 @@ class LLMEngine:
         self.generation_tokens_total += 1
         if req.t_first_token is None:
             req.t_first_token = now
+        req.t_last_token = now
         if req.logprobs is not None:
             req.cumulative_logprob += lp[tok]
             req.logprobs.append(lp)
@@ -334,6 +335,7 @@ class LLMEngine:
                                 req.finish_reason, req.stop_reason)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp],
                              req.finished, req.prompt_logprobs,
-                             {"arrival": req.t_arrival, "first_token": req.t_first_token,
-                              "num_preemptions": req.num_preemptions},
+                             RequestMetrics(req.t_arrival, req.t_first_scheduled,
+                                            req.t_first_token, req.t_last_token,
+                                            req.t_finished, req.num_preemptions),
                              req.num_cached_tokens or 0)

@@ -69,8 +69,13 @@ class Request:
         # int64 bytes of the prompt (page keys): given (``request_check.prompt_ids``) or made
         # on first use
         self._prompt_bytes: Optional[memoryview] = prompt_int64
+        # RequestOutput.metrics (monotonic seconds): arrival, first admitted into a step, first
+        # and latest output token, finished
         self.t_arrival = time.monotonic()
+        self.t_first_scheduled: Optional[float] = None
         self.t_first_token: Optional[float] = None
+        self.t_last_token: Optional[float] = None
+        self.t_finished: Optional[float] = None
 
     @property
     def num_prompt_tokens(self) -> int:

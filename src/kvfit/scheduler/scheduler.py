@@ -16,6 +16,7 @@ prefills only the rest; ``cache_full_pages`` registers pages once every slot of 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -138,6 +139,8 @@ class Scheduler:
                     req.num_cached_tokens = hit_tokens
             self.waiting.popleft()
             req.status = Status.RUNNING
+            if req.t_first_scheduled is None:
+                req.t_first_scheduled = time.monotonic()
             self.running.append(req)
             batch.items.append((req, n))
             budget -= n
@@ -207,5 +210,6 @@ class Scheduler:
             self.waiting.remove(req)
         self.release(req)
         req.status = Status.FINISHED
+        req.t_finished = time.monotonic()
         req.finish_reason = reason
         req.stop_reason = stop_reason
