@@ -154,7 +154,9 @@ def int4_decode(q: torch.Tensor, pool, layer_id: int, block_table: torch.Tensor,
         from kvfit.kernels.decode_kernels import build as build_decode
 
         merge = build_decode()[1]
-        merge[(b, hq)](op, lse, out, 1.0, out.stride(0), out.stride(1), cfg.num_splits, hq, D=d,
-                       S_PAD=triton.next_power_of_2(cfg.num_splits),
-                       num_warps=4 if d >= 128 else 2)
+        # every int4 split writes its partial (an empty one lse -inf): no live count (LIVE off)
+        merge[(b, hq)](op, lse, out, kv_lens, 1.0, out.stride(0), out.stride(1),
+                       cfg.num_splits, 0, 0, hq, D=d,
+                       S_PAD=triton.next_power_of_2(cfg.num_splits), LIVE=False, BLOCK_N=1,
+                       HAS_WINDOW=False, num_warps=4 if d >= 128 else 2)
     return out
