@@ -201,6 +201,10 @@ def test_models_health_metrics(srv, client):
     assert after["kvfit_prompt_tokens_total"] > before["kvfit_prompt_tokens_total"]
     assert after["kvfit_time_to_first_token_seconds_count"] == \
         before["kvfit_time_to_first_token_seconds_count"] + 1
+    assert after["kvfit_request_queue_time_seconds_count"] == \
+        before["kvfit_request_queue_time_seconds_count"] + 1
+    assert 0 <= after["kvfit_request_queue_time_seconds_sum"] - \
+        before["kvfit_request_queue_time_seconds_sum"] < 60
     assert after["kvfit_inter_token_latency_seconds_count"] >= \
         before["kvfit_inter_token_latency_seconds_count"] + 4
     key = "kvfit_requests_finished_total{finish_reason=length}"

@@ -7,8 +7,9 @@ Messages out (``emit(events, stats)``, once per loop iteration, never per token)
 list of tuples
 - ``("accepted", rid)``, ``("rejected", rid, status, message, param)``,
 - ``("out", rid, new_ids, text_offset, text_piece, new_logprobs, prompt_logprobs, finish,
-  num_cached_tokens)``:
-  what one step added to one request. Text travels as a piece appended at ``text_offset`` of the
+  num_cached_tokens, queue_seconds)``:
+  what one step added to one request (``queue_seconds``: with the finish, the request's time
+  from arrival to its first step, ``RequestMetrics.time_in_queue``; else None). Text travels as a piece appended at ``text_offset`` of the
   text already sent (the engine's text only grows, except when a stop string cuts its tail: then
   the offset is smaller), so no cumulative copies cross per step; logprob dicts only for
   requests that asked for them.
@@ -123,8 +124,11 @@ class CoreLoop:
                 plp, sent.prompt_logprobs = out.prompt_logprobs, True
             sent.text = len(text)
             finish = comp.finish_reason
+            queue_s = None
             if out.finished or finish is not None:
                 finish = finish or "stop"
                 del self._sent[out.request_id]
+                metrics = getattr(out, "metrics", None)
+                queue_s = metrics.time_in_queue if metrics is not None else None
             events.append(("out", out.request_id, new_ids, offset, piece, lps, plp, finish,
-                           getattr(out, "num_cached_tokens", 0)))
+                           getattr(out, "num_cached_tokens", 0), queue_s))

@@ -286,7 +286,7 @@ class EngineLoop:
                 self._streams.pop(rid, None)
                 item = (stream.index, "error", APIError(ev[2], ev[3], param=ev[4]))
             else:
-                _, _, new_ids, offset, piece, lps, plp, finish, cached = ev
+                _, _, new_ids, offset, piece, lps, plp, finish, cached, queue_s = ev
                 n_new = len(new_ids)
                 if n_new:
                     if stream.last_token_time is None:
@@ -305,6 +305,8 @@ class EngineLoop:
                     self._streams.pop(rid, None)
                     m.finished.labels(finish).inc()
                     m.e2e.observe(now - stream.arrival)
+                    if queue_s is not None:
+                        m.queue_time.observe(queue_s)
             batches.setdefault(stream.loop, []).append((stream.queue, item))
         _post(batches)
 

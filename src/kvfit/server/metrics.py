@@ -108,6 +108,10 @@ class ServerMetrics:
         r.register(self.itl)
         self.e2e = Histogram("kvfit_e2e_request_latency_seconds", "arrival to finish",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("kvfit_request_queue_time_seconds",
+                                    "engine arrival to the first step that ran the request "
+                                    "(observed when it finishes)", buckets=_LATENCY_BUCKETS,
+                                    registry=r)
         self.finished = Counter("kvfit_requests_finished", "engine requests finished, by reason",
                                 ["finish_reason"], registry=r)
         self.disconnects = Counter("kvfit_client_disconnects",
