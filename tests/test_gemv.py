@@ -133,28 +133,6 @@ def test_rows_are_batch_invariant(fused, block_m):
         assert torch.equal(out[1], (xs.float() + rs.float()).to(dtype))
 
 
-@pytest.mark.parametrize("preload", [1, 2, 3])
-@pytest.mark.parametrize("fused", ["plain", "norm_residual", "gated"])
-@pytest.mark.parametrize("k", [96, 80])  # whole tiles of 32, and a partial last tile
-def test_preloaded_tiles_give_the_same_bits(fused, k, preload):
-    """Weight tiles loaded before the PDL wait (``preload``) are summed in k order like the
-    loop's: outputs and residual have the bits of no preload (3 tiles asked: clamped to the
-    kernel's 2, and at K = 80 to the 2 full tiles)."""
-    dtype, n = torch.float16, 20
-    g = torch.Generator().manual_seed(5 + k)
-    xs = torch.randn(3, k, generator=g).to(dtype)
-    rs = torch.randn(3, k, generator=g).to(dtype)
-    w = (torch.randn(2 * n, k, generator=g) / k ** 0.5).to(dtype)
-    nw = (1 + 0.2 * torch.randn(k, generator=g)).to(dtype)
-    kw = {"plain": {}, "norm_residual": {"norm": (nw, 1e-6, 0.0), "residual": rs},
-          "gated": {"norm": (nw, 1e-6, 0.0), "gated_act": "silu"}}[fused]
-    ref = gemv(xs, w, config=(8, 32, 4, 1), preload=0, **kw)
-    out = gemv(xs, w, config=(8, 32, 4, 1), preload=preload, **kw)
-    for a, b in zip(*(((ref,), (out,)) if fused == "plain" else (ref, out))):
-        assert torch.isfinite(a).all()
-        assert torch.equal(a, b)
-
-
 def test_refuses_what_it_cannot_run():
     x = torch.randn(2, 16).half()
     w = torch.randn(8, 16).half()

@@ -15,7 +15,7 @@ Prints one line per figure and a JSON line prefixed ``RESULT`` (collected by the
 
 Usage: python3 ab_decode_step.py --label main --kv-dtypes bfloat16,fp8_e4m3
        [--points 1x1024,64x1024,1x16384] [--steps 32] [--repeats 3] [--trace-dir DIR]
-       [--one-token on|off] [--lm-head-gemv on|off] [--pdl on|off] [--gemv-preload 0|1|2]
+       [--one-token on|off] [--lm-head-gemv on|off] [--pdl on|off]
        [--min-split-tokens N] [--overlapped]
 """
 
@@ -188,9 +188,6 @@ def main() -> None:
                    help="also time each point with no host sync between steps")
     p.add_argument("--pdl", choices=["on", "off", "default"], default="default",
                    help="trees with kvfit.kernels.pdl: programmatic dependent launch")
-    p.add_argument("--gemv-preload", type=int, default=None,
-                   help="kernels/gemv.py PRELOAD (with --pdl on): weight tiles loaded before "
-                        "the PDL wait")
     p.add_argument("--min-split-tokens", type=int, default=None,
                    help="kernels/decode.py MIN_SPLIT_TOKENS: the fewest tokens per decode split")
     p.add_argument("--attention-backend", default=None, help="default: the engine's auto")
@@ -206,10 +203,6 @@ def main() -> None:
         from kvfit.kernels import pdl
 
         pdl.ENABLED = args.pdl == "on"
-    if args.gemv_preload is not None:
-        from kvfit.kernels import gemv
-
-        gemv.PRELOAD = args.gemv_preload
     if args.min_split_tokens is not None:
         from kvfit.kernels import decode
 

@@ -13,12 +13,11 @@ best of 5 replays; the bytes are the weights read once per step. Decides GEMV_MA
 largest M where the GEMV path is not slower than the batched path.
 
 Usage: python3 gemv_rows_bench.py [--model CONFIG.json] [--ms 1,2,3,4,6,8,12,16]
-       [--block-ms 4] [--tiles SWEEP.json] [--pdl-preload 0,1,2] [--json F]
+       [--block-ms 4] [--tiles SWEEP.json] [--pdl] [--json F]
 Prints one table: M, batched-path us and TB/s, then per rows-per-program (block_m) the GEMV
 path's us and its ratio to the batched path. ``--tiles``: the best tiles of
-``gemv_rows_sweep.py --json`` (else the module's table and rule). ``--pdl-preload``: extra
-columns with programmatic dependent launch on (``kernels/pdl.py``), one per ``gemv.PRELOAD``
-(weight tiles each program loads before the wait), at the first block_m.
+``gemv_rows_sweep.py --json`` (else the module's table and rule). ``--pdl``: one more column,
+the GEMV path at the first block_m with programmatic dependent launch on (``kernels/pdl.py``).
 """
 
 from __future__ import annotations
@@ -91,7 +90,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="default: the config's")
     p.add_argument("--block-ms", default=str(gemv_mod.BLOCK_M))
     p.add_argument("--tiles", default=None)
-    p.add_argument("--pdl-preload", default="", help="PRELOAD values to time with PDL on")
+    p.add_argument("--pdl", action="store_true", help="also time the GEMV path with PDL on")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     cfg = json.load(open(args.model))
@@ -109,15 +108,14 @@ def main() -> None:
             for bm, e in per_bm.items():
                 gemv_mod.GEMV_CONFIG[(e["n_out"], e["k"], e["gated"], int(bm))] = tuple(e["tile"])
     bms = [int(v) for v in args.block_ms.split(",")]
-    pfs = [int(v) for v in args.pdl_preload.split(",") if v]
     from kvfit.kernels import pdl
     rows = []
     print(f"{os.path.basename(args.model)}: {n_layers} layers + LM head, "
           f"{nbytes / 1e9:.2f} GB of weights per step; {torch.cuda.get_device_name()}")
     print("| M | batched path us (TB/s) | " + " | ".join(
         [f"GEMV block_m={bm} us (/ batched)" for bm in bms]
-        + [f"PDL preload {pf} us (/ batched)" for pf in pfs]) + " |")
-    print("|---:|---:|" + "---:|" * (len(bms) + len(pfs)))
+        + ["GEMV with PDL us (/ batched)"] * args.pdl) + " |")
+    print("|---:|---:|" + "---:|" * (len(bms) + args.pdl))
     with torch.inference_mode():
         for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, cfg["hidden_size"], device="cuda", dtype=dtype)
@@ -130,11 +128,11 @@ def main() -> None:
                 row[f"gemv_bm{bm}_us"] = tg * 1e6
                 cells.append(f"{tg * 1e6:,.1f} ({tg / tb:.3f})")
             gemv_mod.BLOCK_M = bms[0]
-            for pf in pfs:
-                pdl.ENABLED, gemv_mod.PRELOAD = True, pf
+            if args.pdl:
+                pdl.ENABLED = True
                 tg = graph_time(lambda: step_gemv(x, layers, lm_head, q_size))
                 pdl.ENABLED = False
-                row[f"gemv_pdl_preload{pf}_us"] = tg * 1e6
+                row["gemv_pdl_us"] = tg * 1e6
                 cells.append(f"{tg * 1e6:,.1f} ({tg / tb:.3f})")
             rows.append(row)
             print(f"| {m} | {tb * 1e6:,.1f} ({nbytes / tb / 1e12:.2f}) | " + " | ".join(cells)

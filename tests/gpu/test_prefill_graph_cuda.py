@@ -62,84 +62,69 @@ def _prefill(model, ctx, prompts, tables):
     model(ids, pos, ctx)
 
 
-@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3", "int8"])
-def test_graph_extend_equals_eager_and_reference(kv_dtype):
+def _graph_eager_torch(kv_dtype, prefix_lens, new_lens, max_tokens, bucket, check_graph=None):
+    """One step (extends of ``new_lens`` tokens after cached prefixes of ``prefix_lens``) three
+    ways: eager triton, replayed from the ``bucket`` graph of ``PrefillGraphs(max_tokens)``
+    (``check_graph(ctx)`` right after the replay), and the torch reference. The graph's hidden
+    states are close to both (the padded bucket's matmuls have more rows, so cuBLAS may pick
+    another kernel: not necessarily the same bits), and all three give the same tokens. A
+    second replay of a smaller step in the same graphs reads no leftovers."""
     from kvfit.engine.prefill_graph import PrefillGraphs
 
-    torch.manual_seed(3)
     cfg, model = tiny_model()
     ps, num_pages = 16, 200
-    prefixes, _, q_lens, kv_lens, ids, pos = _extend_step((1100, 300), (60, 1))
-    tables = random_tables([1400, 400], ps, num_pages)  # (60, 1): an extend and a decode
+    prefixes, _, q_lens, kv_lens, ids, pos = _extend_step(prefix_lens, new_lens)
+    width = -(-max(kv_lens) // ps) + 1
+    tables = random_tables([-(-n // ps) * ps + ps for n in kv_lens], ps, num_pages)
     hidden = {}
     for name in ("eager", "graph", "torch"):
         ctx = make_backend("torch" if name == "torch" else "triton", cfg, model, kv_dtype,
                            num_pages, ps)
-        graphs = PrefillGraphs(model, ctx, 128, 1400 // ps + 1, DEV) if name == "graph" else None
+        graphs = PrefillGraphs(model, ctx, max_tokens, width, DEV) if name == "graph" else None
         _prefill(model, ctx, prefixes, tables)
         with torch.inference_mode():
             if graphs is None:
                 ctx.backend.prepare(build_metadata(q_lens, kv_lens, tables, ps, DEV))
                 h = model(ids, pos, ctx)
             else:
-                assert graphs.bucket_for(q_lens) == 64
+                assert graphs.bucket_for(q_lens) == bucket
                 h = graphs.run(ids, pos, q_lens, kv_lens, tables).clone()
-                # a second replay of a smaller step in the same bucket: no leftovers read
+                if check_graph is not None:
+                    check_graph(ctx)
                 graphs.run(ids[:5], pos[:5], [5], [len(prefixes[0]) + 5], tables[:1])
-        hidden[name] = h.float()
-    # the padded bucket's matmuls have more rows than the eager step's (cuBLAS may pick
-    # another kernel): close, not necessarily the same bits; the same tokens
-    err = ((hidden["graph"] - hidden["eager"]).norm() / hidden["eager"].norm()).item()
-    assert err < 1e-2, err
-    err = ((hidden["graph"] - hidden["torch"]).norm() / hidden["torch"].norm()).item()
-    assert err < 3e-2, err
-    last = torch.tensor([59, 60], device=DEV)
-    toks = {k: model.compute_logits(h[last].to(torch.bfloat16)).argmax(-1).tolist()
-            for k, h in hidden.items()}
-    assert toks["graph"] == toks["eager"] == toks["torch"]
-
-
-@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
-def test_large_bucket_attends_unsplit_like_eager(kv_dtype):
-    """Buckets above SPLIT_MAX_TOKENS (``--cuda-graph-max-prefill-tokens`` > 512): a 601-token
-    step (a 600-token extend and a decode) replays the 1,024 bucket unsplit, as the eager step
-    of its size runs, and gives the eager step's and the reference's tokens; a short step in
-    the same graphs still splits."""
-    from kvfit.engine.prefill_graph import PrefillGraphs
-    from kvfit.kernels.prefill_split import SPLIT_MAX_TOKENS
-
-    torch.manual_seed(11)
-    cfg, model = tiny_model()
-    ps, num_pages = 16, 200
-    prefixes, _, q_lens, kv_lens, ids, pos = _extend_step((700, 40), (600, 1))
-    tables = random_tables([1400, 100], ps, num_pages)
-    hidden = {}
-    for name in ("eager", "graph", "torch"):
-        ctx = make_backend("torch" if name == "torch" else "triton", cfg, model, kv_dtype,
-                           num_pages, ps)
-        graphs = PrefillGraphs(model, ctx, 1024, 1400 // ps + 1, DEV) if name == "graph" else None
-        _prefill(model, ctx, prefixes, tables)
-        with torch.inference_mode():
-            if graphs is None:
-                ctx.backend.prepare(build_metadata(q_lens, kv_lens, tables, ps, DEV))
-                h = model(ids, pos, ctx)
-            else:
-                assert graphs.sizes[-2:] == [512, 1024] and SPLIT_MAX_TOKENS == 512
-                assert graphs.bucket_for(q_lens) == 1024
-                h = graphs.run(ids, pos, q_lens, kv_lens, tables).clone()
-                assert ctx.backend._split_step is False
-                graphs.run(ids[:5], pos[:5], [5], [len(prefixes[0]) + 5], tables[:1])
-                assert ctx.backend._split_step is True  # the 16 bucket splits
         hidden[name] = h.float()
     assert torch.isfinite(hidden["graph"]).all()
     err = ((hidden["graph"] - hidden["eager"]).norm() / hidden["eager"].norm()).item()
     assert err < 1e-2, err
     err = ((hidden["graph"] - hidden["torch"]).norm() / hidden["torch"].norm()).item()
     assert err < 3e-2, err
-    last = torch.tensor([599, 600], device=DEV)
-    toks = {k: model.compute_logits(h[last].to(torch.bfloat16)).argmax(-1).tolist()
+    ends = torch.tensor(q_lens, device=DEV).cumsum(0) - 1  # each request's last new token
+    toks = {k: model.compute_logits(h[ends].to(torch.bfloat16)).argmax(-1).tolist()
             for k, h in hidden.items()}
     assert toks["graph"] == toks["eager"] == toks["torch"]
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3", "int8"])
+def test_graph_extend_equals_eager_and_reference(kv_dtype):
+    """A 60-token extend over a 1,100-token prefix and a decode, from the 64 bucket."""
+    torch.manual_seed(3)
+    _graph_eager_torch(kv_dtype, (1100, 300), (60, 1), 128, 64)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
+def test_large_bucket_attends_unsplit_like_eager(kv_dtype):
+    """Buckets above SPLIT_MAX_TOKENS (``--cuda-graph-max-prefill-tokens`` > 512): a 601-token
+    step (a 600-token extend and a decode) replays the 1,024 bucket unsplit, as the eager step
+    of its size runs, and gives the eager step's and the reference's tokens."""
+    from kvfit.kernels.prefill_split import SPLIT_MAX_TOKENS
+
+    assert SPLIT_MAX_TOKENS == 512
+
+    def unsplit(ctx):
+        assert ctx.backend._split_step is False
+
+    torch.manual_seed(11)
+    _graph_eager_torch(kv_dtype, (700, 40), (600, 1), 1024, 1024, unsplit)
 
 
 def test_linked_graphs_equal_one_graph(monkeypatch):

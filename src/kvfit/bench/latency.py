@@ -27,6 +27,9 @@ import statistics
 import time
 from typing import Optional
 
+from kvfit.bench.step_record import StepRecord, StepRecorder
+from kvfit.bench.throughput import measure_ceilings, model_costs, roofline, sync_engine
+
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
@@ -72,9 +75,6 @@ def _prompts(rng: random.Random, batch: int, input_len: int, vocab: int) -> list
 
 def decode_roofline_s(record, costs: dict, ceilings: dict) -> float:
     """Roofline time of the recorded steps that only decode (no prompt tokens)."""
-    from kvfit.bench.step_record import StepRecord
-    from kvfit.bench.throughput import roofline
-
     rows = [i for i, (d, p) in enumerate(zip(record.decode_tokens, record.prefill_tokens))
             if d > 0 and p == 0]
     only = StepRecord(**{k: [v[i] for i in rows] for k, v in record.as_dict().items()})
@@ -85,7 +85,7 @@ def _iteration(llm, params, prompts) -> dict:
     """One timed ``generate``: wall time, the slowest TTFT, the decode time after it."""
     t0 = time.monotonic()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    _sync(llm.engine)
+    sync_engine(llm.engine)
     end = time.monotonic()
     first = [o.metrics.first_token_time for o in outs]
     n_out = [len(o.outputs[0].token_ids) for o in outs]
@@ -94,8 +94,6 @@ def _iteration(llm, params, prompts) -> dict:
 
 
 def run(args) -> dict:
-    from kvfit.bench.step_record import StepRecorder
-    from kvfit.bench.throughput import measure_ceilings, model_costs, roofline
     from kvfit.config import config_from_args
     from kvfit.llm import LLM
     from kvfit.sampling_params import SamplingParams
@@ -151,13 +149,6 @@ def run(args) -> dict:
             res["decode_roofline_fraction"] = statistics.median(
                 it["decode_roofline_s"] / it["decode_s"] for it in iters if it["decode_s"] > 0)
     return res
-
-
-def _sync(engine) -> None:
-    if engine.runner.device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(engine.runner.device)
 
 
 def format_result(r: dict) -> str:

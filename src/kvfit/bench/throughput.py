@@ -140,11 +140,11 @@ def run(args) -> dict:
                             tuple(args.token_id_range), args.bench_seed + 1)
     llm.generate(warm, SamplingParams(temperature=args.temperature, max_tokens=32,
                                       ignore_eos=True), use_tqdm=False)
-    _sync(engine)
+    sync_engine(engine)
     rec = StepRecorder().attach(engine)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    _sync(engine)
+    sync_engine(engine)
     elapsed = time.perf_counter() - t0
     rec.detach()
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -169,7 +169,8 @@ def run(args) -> dict:
     return res
 
 
-def _sync(engine) -> None:
+def sync_engine(engine) -> None:
+    """Wait for ``engine``'s device (a no-op on the CPU): timings end after the GPU's work."""
     if engine.runner.device.type == "cuda":
         import torch
 

@@ -294,8 +294,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ``scratch`` = (op ``[>= B*Hq*S, D]`` f32, lse ``[>= B*Hq*S]`` f32) lets CUDA-graph callers pass
     static buffers; otherwise they are allocated here when ``cfg.num_splits > 1``.
     """
-    import triton
-
     op, lse = _scratch(q, cfg, scratch)
     single = op is None
     if single:
@@ -305,17 +303,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                            _pair(k_scale_cache, v_scale_cache), q_bias)
     kern[grid](*args, **opts)
     if not single:
-        b, hq, d = q.shape
-        s = cfg.num_splits
-        merge_k = decode_kernels.build()[1]
         v_out = 1.0 if k_cache.dtype == torch.int8 else float(v_scale)
         # decode_kernels' split kernels write nothing for an empty split: the merge counts the
         # live ones from the context (the packed and multi-head kernels write every split)
-        live = cfg.pack == 1 and cfg.heads == 1
-        merge_k[(b, hq)](op, lse, out, kv_lens, v_out, out.stride(0), out.stride(1), s,
-                         _min_per(cfg), int(window or 0), hq, D=d, S_PAD=triton.next_power_of_2(s),
-                         LIVE=live, BLOCK_N=cfg.block_n, HAS_WINDOW=window is not None,
-                         num_warps=4 if d >= 128 else 2, **launch_options(q.device))
+        live = ((kv_lens, _min_per(cfg), window, cfg.block_n)
+                if cfg.pack == 1 and cfg.heads == 1 else None)
+        decode_kernels.merge_splits(op, lse, out, v_out, cfg.num_splits,
+                                    4 if q.shape[2] >= 128 else 2, live)
     return out
 
 

@@ -106,9 +106,8 @@ def build() -> types.SimpleNamespace:
         # tokens [lo, hi) of split s of request b (_split_span's cut): a context shorter than
         # num_splits tiles (a CUDA graph fixes num_splits from the longest context) fills the
         # first splits, a tile each (or min_per tokens), and leaves the rest empty (lo >= hi).
-        # With a window the splits share
-        # only the window's tiles, so a long request's splits all have work and none reads a
-        # freed page.
+        # With a window the splits share only the window's tiles, so a long request's splits
+        # all have work and none reads a freed page.
         kv_len, base, per = _split_span(KVLEN, b, num_splits, min_per, window, BLOCK_N,
                                         HAS_WINDOW)
         lo = base + s * per

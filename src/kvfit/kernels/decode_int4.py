@@ -129,8 +129,6 @@ def int4_decode(q: torch.Tensor, pool, layer_id: int, block_table: torch.Tensor,
     ``scratch`` = (op ``[>= B*Hq*S, D]`` f32, lse ``[>= B*Hq*S]`` f32): static split buffers for
     CUDA-graph callers (else allocated here). Writes ``out``.
     """
-    import triton
-
     b, hq, d = q.shape
     if pool.page_size != PAGE:
         raise ValueError(f"int4_decode reads pages of {PAGE} tokens, the pool has "
@@ -151,12 +149,8 @@ def int4_decode(q: torch.Tensor, pool, layer_id: int, block_table: torch.Tensor,
                                      out, op, lse, sm_scale, cfg)
     kern[grid](*args, **opts)
     if not single:
-        from kvfit.kernels.decode_kernels import build as build_decode
+        from kvfit.kernels.decode_kernels import merge_splits
 
-        merge = build_decode()[1]
-        # every int4 split writes its partial (an empty one lse -inf): no live count (LIVE off)
-        merge[(b, hq)](op, lse, out, kv_lens, 1.0, out.stride(0), out.stride(1),
-                       cfg.num_splits, 0, 0, hq, D=d,
-                       S_PAD=triton.next_power_of_2(cfg.num_splits), LIVE=False, BLOCK_N=1,
-                       HAS_WINDOW=False, num_warps=4 if d >= 128 else 2)
+        # every int4 split writes its partial (an empty one lse -inf): no live count
+        merge_splits(op, lse, out, 1.0, cfg.num_splits, 4 if d >= 128 else 2)
     return out

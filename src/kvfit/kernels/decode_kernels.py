@@ -315,3 +315,24 @@ def build():
 
     expose_for_interpreter(globals(), locals())
     return _decode_split, _decode_merge, _decode_split_fma
+
+
+def merge_splits(op, lse, out, v_scale: float, num_splits: int, num_warps: int,
+                 live=None) -> None:
+    """Combine the split partials ``op [B * H * S, D]`` / ``lse [B * H * S]`` into ``out [B, H,
+    D]`` (times ``v_scale``): the one launch of the merge for every split decode (MHA, int4,
+    MLA). ``live = (kv_lens, min_per, window, block_n)``: the split kernels wrote only the
+    splits holding tokens, cut as ``decode_common._split_span`` cuts the context (window None:
+    none), and the merge reads only those; None: every split wrote its partial. Launched with
+    PDL when ``kernels/pdl.py`` enables it (the merge waits for its predecessor first)."""
+    import triton
+
+    from kvfit.kernels.pdl import launch_options
+
+    b, h, d = out.shape
+    kv_lens, min_per, window, block_n = live if live is not None else (lse, 0, None, 1)
+    build()[1][(b, h)](op, lse, out, kv_lens, float(v_scale), out.stride(0), out.stride(1),
+                       num_splits, min_per, int(window or 0), h, D=d,
+                       S_PAD=triton.next_power_of_2(num_splits), LIVE=live is not None,
+                       BLOCK_N=block_n, HAS_WINDOW=window is not None, num_warps=num_warps,
+                       **launch_options(out.device))

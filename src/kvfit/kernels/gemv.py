@@ -38,7 +38,6 @@ from typing import Optional
 
 import torch
 
-from kvfit.kernels.interpret import expose_for_interpreter
 from kvfit.kernels.pdl import launch_options
 
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
@@ -55,53 +54,16 @@ def build():
 
     gdc_wait, gdc_launch_dependents = gdc()
 
-    @triton.jit
-    def _w_tile(w_ptr, k0, ks, rmask, K, EVEN_K: tl.constexpr):
-        # weight tile [BN, BK] at k0 (rows past the output and columns past K: zeros)
-        if EVEN_K:
-            return tl.load(w_ptr + k0, mask=rmask[:, None], other=0.0)
-        return tl.load(w_ptr + k0, mask=rmask[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
-
-    @triton.jit
-    def _x_tile(X, R, RO, NW, x_off, k0, ks, mmask, nb, K, offset, ssq, NORM: tl.constexpr,
-                ADD: tl.constexpr, HAS_OFFSET: tl.constexpr, EVEN_K: tl.constexpr):
-        # the input tile [BM, BK] at k0 in float32, normed (times the norm weight; ssq gains
-        # its squares) when NORM; with ADD, x + residual rounded like torch's add, written as
-        # the new residual by the row block's first program
-        if EVEN_K:
-            xmask = mmask[:, None]
-        else:
-            km = (k0 + ks) < K
-            xmask = mmask[:, None] & km[None, :]
-        xk = tl.load(X + x_off + k0, mask=xmask, other=0.0)  # [BM, BK]
-        if NORM:
-            if ADD:
-                rk = tl.load(R + x_off + k0, mask=xmask, other=0.0)
-                xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(X.dtype.element_ty)
-                if nb == 0:
-                    tl.store(RO + x_off + k0, xk, mask=xmask)
-            if EVEN_K:
-                nw = tl.load(NW + k0 + ks).to(tl.float32)
-            else:
-                nw = tl.load(NW + k0 + ks, mask=km, other=0.0).to(tl.float32)
-            sf = xk.to(tl.float32)
-            ssq += sf * sf
-            if HAS_OFFSET:
-                xf = sf * (offset + nw)[None, :]
-            else:
-                xf = sf * nw[None, :]
-        else:
-            xf = xk.to(tl.float32)
-        return xf, ssq
-
     # M is never specialized: every M runs the same binary, so a row's sums never depend on M
     @triton.jit(do_not_specialize=["M"])
     def _gemv_kernel(X, R, RO, NW, W, B, OUT, M, K, N_OUT, stride_w, up_off, eps, offset,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      NORM: tl.constexpr, ADD: tl.constexpr, HAS_OFFSET: tl.constexpr,
                      GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     EVEN_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
-                     PRELOAD: tl.constexpr = 0):
+                     EVEN_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # programmatic dependent launch (kernels/pdl.py)
+            gdc_wait()
+            gdc_launch_dependents()
         # one program per (block of BLOCK_N outputs, block of BLOCK_M token rows): each weight
         # tile is loaded once and multiplied into every row of the block. Rows past M are
         # masked (zeros in, nothing out); the row blocks of an output block are adjacent in
@@ -117,50 +79,48 @@ def build():
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output rows
         rmask = rows < N_OUT
         ks = tl.arange(0, BLOCK_K)
-        x_off = ms[:, None] * K + ks[None, :]  # [BM, BK]
-        w_ptr = W + rows.to(tl.int64)[:, None] * stride_w + ks[None, :]  # [BN, BK]
-        u_ptr = w_ptr + up_off * stride_w  # gated: the up rows
-        # the first PRELOAD weight tiles (1 or 2, only with PDL) are loaded before waiting for
-        # the previous kernel: weights do not depend on it, so a program that the GPU starts
-        # early has them in registers when the wait returns
-        if PRELOAD >= 1:
-            w0 = _w_tile(w_ptr, 0, ks, rmask, K, EVEN_K)
-            if GATED:
-                u0 = _w_tile(u_ptr, 0, ks, rmask, K, EVEN_K)
-        if PRELOAD >= 2:
-            w1 = _w_tile(w_ptr, BLOCK_K, ks, rmask, K, EVEN_K)
-            if GATED:
-                u1 = _w_tile(u_ptr, BLOCK_K, ks, rmask, K, EVEN_K)
-        if PDL:  # programmatic dependent launch (kernels/pdl.py)
-            gdc_wait()
-            gdc_launch_dependents()
         # element-wise partial sums, reduced once after the loop (no cross-lane reduction per
         # tile); the loop is software-pipelined (STAGES tiles in flight through cp.async). With
         # NORM the mean square accumulates in the same pass and scales the sums at the end.
-        # The tiles are added in k order whether preloaded or not (the same bits).
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc3_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
         ssq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        if PRELOAD >= 1:
-            xf, ssq = _x_tile(X, R, RO, NW, x_off, 0, ks, mmask, nb, K, offset, ssq, NORM, ADD,
-                              HAS_OFFSET, EVEN_K)
-            acc3 += w0.to(tl.float32)[None, :, :] * xf[:, None, :]
+        x_off = ms[:, None] * K + ks[None, :]  # [BM, BK]
+        w_ptr = W + rows.to(tl.int64)[:, None] * stride_w + ks[None, :]  # [BN, BK]
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            if EVEN_K:
+                xmask = mmask[:, None]
+            else:
+                km = (k0 + ks) < K
+                xmask = mmask[:, None] & km[None, :]
+            xk = tl.load(X + x_off + k0, mask=xmask, other=0.0)  # [BM, BK]
+            if NORM:
+                if ADD:  # s = x + residual, rounded like torch's add: the new residual
+                    rk = tl.load(R + x_off + k0, mask=xmask, other=0.0)
+                    xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(ty)
+                    if nb == 0:  # the row block's first program writes its rows' residual
+                        tl.store(RO + x_off + k0, xk, mask=xmask)
+                if EVEN_K:
+                    nw = tl.load(NW + k0 + ks).to(tl.float32)
+                else:
+                    nw = tl.load(NW + k0 + ks, mask=km, other=0.0).to(tl.float32)
+                sf = xk.to(tl.float32)
+                ssq += sf * sf
+                if HAS_OFFSET:
+                    xf = sf * (offset + nw)[None, :]
+                else:
+                    xf = sf * nw[None, :]
+            else:
+                xf = xk.to(tl.float32)
+            if EVEN_K:
+                wmask = rmask[:, None]
+            else:
+                wmask = rmask[:, None] & km[None, :]
+            w = tl.load(w_ptr + k0, mask=wmask, other=0.0)
+            acc3 += w.to(tl.float32)[None, :, :] * xf[:, None, :]
             if GATED:
-                acc3_up += u0.to(tl.float32)[None, :, :] * xf[:, None, :]
-        if PRELOAD >= 2:
-            xf, ssq = _x_tile(X, R, RO, NW, x_off, BLOCK_K, ks, mmask, nb, K, offset, ssq, NORM,
-                              ADD, HAS_OFFSET, EVEN_K)
-            acc3 += w1.to(tl.float32)[None, :, :] * xf[:, None, :]
-            if GATED:
-                acc3_up += u1.to(tl.float32)[None, :, :] * xf[:, None, :]
-        for k0 in tl.range(PRELOAD * BLOCK_K, K, BLOCK_K, num_stages=STAGES):
-            xf, ssq = _x_tile(X, R, RO, NW, x_off, k0, ks, mmask, nb, K, offset, ssq, NORM, ADD,
-                              HAS_OFFSET, EVEN_K)
-            acc3 += _w_tile(w_ptr, k0, ks, rmask, K, EVEN_K).to(tl.float32)[None, :, :] * \
-                xf[:, None, :]
-            if GATED:
-                acc3_up += _w_tile(u_ptr, k0, ks, rmask, K, EVEN_K).to(tl.float32)[None, :, :] * \
-                    xf[:, None, :]
+                wu = tl.load(w_ptr + up_off * stride_w + k0, mask=wmask, other=0.0)
+                acc3_up += wu.to(tl.float32)[None, :, :] * xf[:, None, :]
         acc = tl.sum(acc3, axis=2)  # [BM, BN]
         acc_up = tl.sum(acc3_up, axis=2)
         if NORM:  # RMSNorm's 1/rms, a scalar per row: applied to the finished sums
@@ -186,7 +146,6 @@ def build():
         out_ptr = OUT + ms[:, None] * N_OUT + rows[None, :]  # [BM, BN]
         tl.store(out_ptr, y.to(OUT.dtype.element_ty), mask=mmask[:, None] & rmask[None, :])
 
-    expose_for_interpreter(globals(), locals())
     return _gemv_kernel
 
 
@@ -204,10 +163,6 @@ GEMV_CONFIG: dict = {(2048, 2048, False, 1): (8, 256, 4, 4), (2048, 6144, False,
 # time at M = 1 and beat cuBLAS only there (block_m 2: 0.965x its time): one row per program.
 # Other values serve benchmarks (gemv's block_m argument).
 BLOCK_M = 1
-# with PDL on (kernels/pdl.py): weight tiles (0, 1 or 2) each program loads before waiting for
-# the previous kernel. Measured on the H200: docs/benchmarks.md "PDL".
-PRELOAD = 1
-MAX_PRELOAD = 2  # the kernel's preloaded tiles (w0, w1)
 MIN_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): enough tiles in flight
 
 
@@ -223,16 +178,6 @@ def gemv_config(n_out: int, k: int, gated: bool, block_m: int = 1) -> tuple[int,
         if n_out // bn >= MIN_PROGRAMS:
             return (bn, bk, 4, 3)
     return (4, bk, 4, 3)
-
-
-def _launch_options(device: torch.device, full_tiles: int, preload: Optional[int]) -> dict:
-    """PDL's launch options and the tiles loaded before the wait: ``preload``, else PRELOAD
-    under PDL (none without it), at most MAX_PRELOAD and the K loop's full tiles."""
-    opts = launch_options(device)
-    if preload is None:
-        preload = PRELOAD if opts["PDL"] else 0
-    opts["PRELOAD"] = min(preload, MAX_PRELOAD, full_tiles)
-    return opts
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -251,8 +196,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
          norm: Optional[tuple[torch.Tensor, float, float]] = None,
          residual: Optional[torch.Tensor] = None, gated_act: Optional[str] = None,
          out_dtype: Optional[torch.dtype] = None,
-         config: Optional[tuple[int, int, int, int]] = None, block_m: Optional[int] = None,
-         preload: Optional[int] = None):
+         config: Optional[tuple[int, int, int, int]] = None, block_m: Optional[int] = None):
     """Token rows ``x [M, K]`` times ``weight [N, K]`` (+ ``bias [N]``) -> ``[M, N]``.
 
     ``out_dtype=torch.float32`` returns the dtype-rounded values widened to float32 (what
@@ -263,9 +207,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     ``s = x + residual`` (``s = x`` without ``residual``, no copy). ``gated_act`` ("silu", ...):
     ``weight`` is ``[2I, K]`` = [gate; up] and ``y = act(gate) * up`` ``[M, I]``.
     ``block_m``: token rows per program (default ``BLOCK_M``; a row's bits are the same for
-    every M only at one block_m, so callers leave it alone but benchmarks). ``preload``: weight
-    tiles loaded before the PDL wait (default ``PRELOAD`` under PDL; the same bits for every
-    value). Never writes its inputs.
+    every M only at one block_m, so callers leave it alone but benchmarks). Never writes its
+    inputs.
     """
     import triton
 
@@ -309,7 +252,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
                   BLOCK_K=bk, NORM=norm is not None, ADD=add, HAS_OFFSET=bool(offset),
                   GATED=gated, ACT=ACTIVATIONS.get(gated_act, 0), HAS_BIAS=bias is not None,
                   EVEN_K=k % bk == 0, STAGES=stages, num_warps=warps, num_stages=stages,
-                  **_launch_options(x.device, k // bk, preload))
+                  **launch_options(x.device))
     if norm is None:
         return out
     return out, res_out

@@ -235,15 +235,9 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
         _launch(q, cache, block_table, cu_seqlens_q, kv_lens, kv_lens, out, op, lse, rank,
                 sm_scale, scale, cfg, b * math.ceil(h / cfg.block_m), True)
     if s > 1:
-        import triton
-
-        merge = decode_kernels.build()[1]
-        s_pad = triton.next_power_of_2(s)
         # the merge holds all S_PAD x rank partials of a row: <= 128 float32 registers a thread
-        warps = min(8, max(2, rank * s_pad // 4096))
-        merge[(b, h)](op, lse, out, kv_lens, float(scale), out.stride(0), out.stride(1), s, 0,
-                      0, h, D=rank, S_PAD=s_pad, LIVE=False, BLOCK_N=1, HAS_WINDOW=False,
-                      num_warps=warps)
+        warps = min(8, max(2, rank * _pow2(s) // 4096))
+        decode_kernels.merge_splits(op, lse, out, float(scale), s, warps)
     return out
 
 
