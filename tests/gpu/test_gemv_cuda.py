@@ -79,6 +79,39 @@ QWEN3 = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (12288, 2048),
 
 
 @pytest.mark.parametrize("name", list(QWEN3))
+@pytest.mark.parametrize("programs", [1, 132, 264, 1000])
+def test_persistent_grid_gives_the_classic_bits(name, programs):
+    """The persistent GEMV (config[4] blocks per program) computes each block as the one-program-
+    per-block grid does, at every grid size (one program; the SMs; twice; most blocks alone),
+    with the fused norm, residual and gated epilogue, M = 1 and 3."""
+    from kvfit.kernels.gemv import gemv, gemv_config
+
+    n, k = QWEN3[name]
+    gated = "silu" if name == "gate_up" else None
+    g = torch.Generator(device=DEV).manual_seed(11)
+    w = (torch.randn(n, k, device=DEV, generator=g) / k ** 0.5).bfloat16()
+    nw = (1 + 0.1 * torch.randn(k, device=DEV, generator=g)).bfloat16()
+    n_out = n // 2 if gated else n
+    for m in (1, 3):
+        x = torch.randn(m, k, device=DEV, generator=g).bfloat16()
+        r = torch.randn(m, k, device=DEV, generator=g).bfloat16()
+        tile = gemv_config(n_out, k, bool(gated), 1)[:4]
+        blocks = -(-n_out // tile[0]) * m
+        pers = tile + (-(-blocks // programs),)
+        if name == "lm_head":
+            fn = lambda t: [gemv(x, w, out_dtype=torch.float32, config=t)]  # noqa: E731
+        elif name in ("qkv", "gate_up"):
+            fn = lambda t: list(gemv(x, w, norm=(nw, 1e-6, 0.0), residual=r,  # noqa: E731
+                                     gated_act=gated, config=t))
+        else:
+            fn = lambda t: [gemv(x, w, config=t)]  # noqa: E731
+        classic, persistent = fn(tile), fn(pers)
+        assert torch.isfinite(classic[0]).all()
+        for a, b in zip(classic, persistent):
+            assert torch.equal(a, b), (name, programs, m)
+
+
+@pytest.mark.parametrize("name", list(QWEN3))
 def test_rows_are_batch_invariant(name):
     """Row i of x[rows] has the bits it has alone, for M in 1..8 and rows in any order."""
     from kvfit.kernels.gemv import gemv

@@ -146,7 +146,105 @@ def build():
         out_ptr = OUT + ms[:, None] * N_OUT + rows[None, :]  # [BM, BN]
         tl.store(out_ptr, y.to(OUT.dtype.element_ty), mask=mmask[:, None] & rmask[None, :])
 
-    return _gemv_kernel
+    # The same product as a persistent program: a grid of P programs (about one or two per SM),
+    # program p computes the blocks p, p + P, p + 2P, ... in one flattened loop over (block, k
+    # tile), so its cp.async pipeline keeps STAGES weight tiles in flight across block
+    # boundaries (no prologue/epilogue drain per block, no partial last wave). A block's sums run
+    # in the same order with the same tile as _gemv_kernel's: the same bits.
+    @triton.jit(do_not_specialize=["M"])
+    def _gemv_persistent(X, R, RO, NW, W, B, OUT, M, K, N_OUT, stride_w, up_off, eps, offset,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         NORM: tl.constexpr, ADD: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                         GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         EVEN_K: tl.constexpr, STAGES: tl.constexpr):
+        pid = tl.program_id(0)
+        n_prog = tl.num_programs(0)
+        n_mb = tl.cdiv(M, BLOCK_M)
+        n_blocks = tl.cdiv(N_OUT, BLOCK_N) * n_mb
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        my_blocks = tl.cdiv(n_blocks - pid, n_prog)  # the grid never exceeds n_blocks
+        ty = X.dtype.element_ty
+        ks = tl.arange(0, BLOCK_K)
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc3_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        ssq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for it in tl.range(0, my_blocks * k_tiles, num_stages=STAGES):
+            # the block and k tile are functions of the loop index alone (not carried through
+            # the epilogue's branch): the pipeliner can compute the addresses STAGES ahead
+            blk = pid + (it // k_tiles) * n_prog
+            kt = it % k_tiles
+            mb = blk % n_mb
+            nb = blk // n_mb
+            ms = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] token rows
+            mmask = ms < M
+            rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output rows
+            rmask = rows < N_OUT
+            k0 = kt * BLOCK_K
+            x_off = ms[:, None] * K + ks[None, :] + k0  # [BM, BK]
+            if EVEN_K:
+                xmask = mmask[:, None]
+                wmask = rmask[:, None]
+            else:
+                km = (k0 + ks) < K
+                xmask = mmask[:, None] & km[None, :]
+                wmask = rmask[:, None] & km[None, :]
+            xk = tl.load(X + x_off, mask=xmask, other=0.0)  # [BM, BK]
+            if NORM:
+                if ADD:  # s = x + residual, rounded like torch's add: the new residual
+                    rk = tl.load(R + x_off, mask=xmask, other=0.0)
+                    xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(ty)
+                    if nb == 0:  # the row block's first output block writes its residual
+                        tl.store(RO + x_off, xk, mask=xmask)
+                if EVEN_K:
+                    nw = tl.load(NW + k0 + ks).to(tl.float32)
+                else:
+                    nw = tl.load(NW + k0 + ks, mask=km, other=0.0).to(tl.float32)
+                sf = xk.to(tl.float32)
+                ssq += sf * sf
+                if HAS_OFFSET:
+                    xf = sf * (offset + nw)[None, :]
+                else:
+                    xf = sf * nw[None, :]
+            else:
+                xf = xk.to(tl.float32)
+            w_ptr = W + rows.to(tl.int64)[:, None] * stride_w + (k0 + ks)[None, :]  # [BN, BK]
+            w = tl.load(w_ptr, mask=wmask, other=0.0)
+            acc3 += w.to(tl.float32)[None, :, :] * xf[:, None, :]
+            if GATED:
+                wu = tl.load(w_ptr + up_off * stride_w, mask=wmask, other=0.0)
+                acc3_up += wu.to(tl.float32)[None, :, :] * xf[:, None, :]
+            if kt == k_tiles - 1:  # the block's last tile: finish and store it
+                acc = tl.sum(acc3, axis=2)  # [BM, BN]
+                acc_up = tl.sum(acc3_up, axis=2)
+                if NORM:
+                    rstd = tl.rsqrt(tl.sum(ssq, axis=1) / K + eps)  # [BM]
+                    acc = acc * rstd[:, None]
+                    acc_up = acc_up * rstd[:, None]
+                if HAS_BIAS:
+                    acc += tl.load(B + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
+                    if GATED:
+                        acc_up += tl.load(B + up_off + rows, mask=rmask,
+                                          other=0.0).to(tl.float32)[None, :]
+                y = acc.to(ty)
+                if GATED:
+                    g = y.to(tl.float32)
+                    u = acc_up.to(ty).to(tl.float32)
+                    if ACT == 0:
+                        a = g / (1.0 + tl.exp(-g))
+                    elif ACT == 1:
+                        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+                        a = g / (1.0 + tl.exp(-2.0 * z))
+                    else:
+                        a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+                    y = (a.to(ty).to(tl.float32) * u).to(ty)
+                out_ptr = OUT + ms[:, None] * N_OUT + rows[None, :]  # [BM, BN]
+                tl.store(out_ptr, y.to(OUT.dtype.element_ty),
+                         mask=mmask[:, None] & rmask[None, :])
+                acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+                acc3_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+                ssq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+
+    return _gemv_kernel, _gemv_persistent
 
 
 # (block_n, block_k, num_warps, num_stages) for (n_out, k, gated, block_m): the tiles measured
@@ -243,10 +341,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     else:
         residual, res_out = x, x
     bm = block_m or BLOCK_M
-    bn, bk, warps, stages = config or gemv_config(n_out, k, gated, bm)
+    tile = config or gemv_config(n_out, k, gated, bm)
+    bn, bk, warps, stages = tile[:4]
+    per_prog = tile[4] if len(tile) > 4 else 0
     bk = min(bk, triton.next_power_of_2(k))
-    grid = (triton.cdiv(n_out, bn) * triton.cdiv(m, bm),)
-    build()[grid](x, residual, res_out, nw, weight, weight if bias is None else bias, out, m, k,
+    n_blocks = triton.cdiv(n_out, bn) * triton.cdiv(m, bm)
+    common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NORM=norm is not None, ADD=add,
+                  HAS_OFFSET=bool(offset), GATED=gated, ACT=ACTIVATIONS.get(gated_act, 0),
+                  HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, STAGES=stages,
+                  num_warps=warps, num_stages=stages)
+    if per_prog:  # persistent: ceil(blocks / per_prog) programs, each up to per_prog blocks
+        grid = (triton.cdiv(n_blocks, per_prog),)
+        build()[1][grid](x, residual, res_out, nw, weight, weight if bias is None else bias, out,
+                         m, k, n_out, weight.stride(0), n_out, float(eps), float(offset),
+                         **common)
+        return out if norm is None else (out, res_out)
+    grid = (n_blocks,)
+    build()[0][grid](x, residual, res_out, nw, weight, weight if bias is None else bias, out, m, k,
                   n_out, weight.stride(0), n_out, float(eps), float(offset), BLOCK_M=bm,
                   BLOCK_N=bn,
                   BLOCK_K=bk, NORM=norm is not None, ADD=add, HAS_OFFSET=bool(offset),
