@@ -147,3 +147,27 @@ def test_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="norm weight"):
         gemv(x[:1], w, norm=(torch.ones(8).half(), 1e-6, 0.0))
 
+
+
+@pytest.mark.parametrize("m,per_prog", [(1, 2), (3, 3), (3, 7)])
+def test_persistent_grid_gives_the_classic_bits(m, per_prog):
+    """A tile with a fifth entry (blocks per program) runs the persistent kernel: the same bits
+    as the one-program-per-block grid at the same tile, plain with bias and a ragged K, with the
+    norm + residual prologue, gated, and float32 logits; fewer programs than blocks."""
+    g = torch.Generator().manual_seed(per_prog)
+    dtype = torch.bfloat16
+    k, n = 80, 40
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    r = torch.randn(m, k, generator=g).to(dtype)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    tile = (8, 32, 4, 2)
+    pers = tile + (per_prog,)
+    assert torch.equal(gemv(x, w, b, config=tile), gemv(x, w, b, config=pers))
+    for gated in (None, "silu"):
+        a = gemv(x, w, norm=(nw, 1e-6, 1.0), residual=r, gated_act=gated, config=tile)
+        c = gemv(x, w, norm=(nw, 1e-6, 1.0), residual=r, gated_act=gated, config=pers)
+        assert torch.equal(a[0], c[0]) and torch.equal(a[1], c[1])
+    assert torch.equal(gemv(x, w, out_dtype=torch.float32, config=tile),
+                       gemv(x, w, out_dtype=torch.float32, config=pers))

@@ -5,7 +5,8 @@ fastest one-row product measured on the H200 (docs/benchmarks.md), run by
 Owns nothing; returns new tensors. ``y = x @ W.T`` for M token rows (x ``[M, K]``, W ``[N, K]``
 row-major as ``nn.Linear`` stores it). One program computes ``BLOCK_N`` outputs of ``BLOCK_M``
 rows over the whole K (no split-K: no reduce kernel, and every output is summed in one fixed
-order). The tile depends on (N, K) only, M is a runtime argument that Triton never specializes,
+order); a tile with a fifth entry runs the persistent form, a grid of about one or two programs
+per SM each computing several such blocks in one pipelined loop, with the same bits. The tile depends on (N, K) only, M is a runtime argument that Triton never specializes,
 and a row's values come from element-wise ops and per-row reductions: a row's outputs have the
 same bits whatever M is and wherever the row sits in the step (tests/gpu/test_gemv_cuda.py).
 They differ from a tensor-core GEMM's (other sums). The row blocks of one output block are
@@ -247,14 +248,18 @@ def build():
     return _gemv_kernel, _gemv_persistent
 
 
-# (block_n, block_k, num_warps, num_stages) for (n_out, k, gated, block_m): the tiles measured
-# best one product at a time on the H200 (benchmarks/kernels/gemv_bench.py, 2026-12-01,
-# Qwen3-1.7B's shapes); other shapes take the rule in gemv_config, which gives 8 x 512 for qkv
-# and gate/up. The per-(product, block_m) sweep of 2026-12-02 (gemv_rows_sweep.py) picked
-# other qkv and gate/up tiles, which made the whole step slower (1,139 against 1,101 us,
-# docs/benchmarks.md "GEMV rows"): kept as is.
+# (block_n, block_k, num_warps, num_stages[, blocks per program]) for (n_out, k, gated,
+# block_m): the tiles measured best one product at a time on the H200
+# (benchmarks/kernels/gemv_bench.py, 2026-12-01, Qwen3-1.7B's shapes); other shapes take the
+# rule in gemv_config, which gives 8 x 512 for qkv and gate/up. The per-(product, block_m) sweep
+# of 2026-12-02 (gemv_rows_sweep.py) picked other qkv and gate/up tiles, which made the whole
+# step slower (1,139 against 1,101 us, docs/benchmarks.md "GEMV rows"): kept as is. A fifth
+# entry runs the persistent kernel with that many blocks per program: gate/up's 768 blocks as
+# 256 programs of 3 took 16.1 us against 17.2 on the classic grid (1.45 waves); every other
+# product measured slower persistent (gemv_persistent_sweep.py, 2026-12-03).
 GEMV_CONFIG: dict = {(2048, 2048, False, 1): (8, 256, 4, 4), (2048, 6144, False, 1): (4, 512, 4, 4),
-                     (151936, 2048, False, 1): (8, 512, 4, 3)}
+                     (151936, 2048, False, 1): (8, 512, 4, 3),
+                     (6144, 2048, True, 1): (8, 512, 4, 3, 3)}
 # token rows per program: one binary serves every M, and each weight tile loaded is multiplied
 # into BLOCK_M rows (at M = 1 the other rows are masked). On the H200 (Qwen3-1.7B's 28 layers +
 # LM head, docs/benchmarks.md "GEMV rows") block_m 2 / 4 / 8 took 1.15 / 1.45 / 2.5x block_m 1's
@@ -264,9 +269,10 @@ BLOCK_M = 1
 MIN_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): enough tiles in flight
 
 
-def gemv_config(n_out: int, k: int, gated: bool, block_m: int = 1) -> tuple[int, int, int, int]:
-    """The tile for an output of ``n_out`` rows over ``k`` inputs (gated: two weight rows each)
-    at ``block_m`` token rows per program: the measured one, else the widest row block that
+def gemv_config(n_out: int, k: int, gated: bool, block_m: int = 1) -> tuple[int, ...]:
+    """The tile ``(block_n, block_k, num_warps, num_stages[, blocks per program])`` for an
+    output of ``n_out`` rows over ``k`` inputs (gated: two weight rows each) at ``block_m`` token
+    rows per program: the measured one, else the widest row block that
     still gives ``MIN_PROGRAMS`` programs (at most 8 gated rows: each reads two weight tiles),
     with block_k shrunk so the float32 partial sums stay at 32 per thread per weight tile."""
     if (n_out, k, gated, block_m) in GEMV_CONFIG:
@@ -294,7 +300,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
          norm: Optional[tuple[torch.Tensor, float, float]] = None,
          residual: Optional[torch.Tensor] = None, gated_act: Optional[str] = None,
          out_dtype: Optional[torch.dtype] = None,
-         config: Optional[tuple[int, int, int, int]] = None, block_m: Optional[int] = None):
+         config: Optional[tuple[int, ...]] = None, block_m: Optional[int] = None):
     """Token rows ``x [M, K]`` times ``weight [N, K]`` (+ ``bias [N]``) -> ``[M, N]``.
 
     ``out_dtype=torch.float32`` returns the dtype-rounded values widened to float32 (what
@@ -304,6 +310,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     ``(y, s)`` with the new residual
     ``s = x + residual`` (``s = x`` without ``residual``, no copy). ``gated_act`` ("silu", ...):
     ``weight`` is ``[2I, K]`` = [gate; up] and ``y = act(gate) * up`` ``[M, I]``.
+    ``config``: the tile (``gemv_config``'s form; default: ``gemv_config``'s answer).
     ``block_m``: token rows per program (default ``BLOCK_M``; a row's bits are the same for
     every M only at one block_m, so callers leave it alone but benchmarks). Never writes its
     inputs.

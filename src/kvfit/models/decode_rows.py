@@ -53,9 +53,6 @@ ROWS_GEMM = False
 # shapes: on par at M = 1, 20-30% slower per product at M = 64, 2x at 256; docs/benchmarks.md)
 MAX_ROWS = 16
 LM_HEAD = True
-# Bytes of the layer's next weights (all of o_proj, then the first rows of gate and of up) the
-# GEMV path asks L2 to prefetch while attention runs (kernels/l2_prefetch.py); 0: off.
-L2_PREFETCH_BYTES = 0
 # dtypes whose norms run inside the GEMMs (rows_gemm's norm prologue). None: on the H200 the
 # fused prologue made the QKV product 3.3x slower than the norm kernel + the plain product
 # (26 vs 7.8 us at M = 1); float16 could also overflow there (it rounds x * w_norm before
@@ -135,28 +132,12 @@ def _gemv_layer(layer, x, residual, positions, rotary, ctx):
     n_in, n_post = layer.input_layernorm, layer.post_attention_layernorm
     qkv, residual = gemv(x, attn.qkv_proj.weight, _bias(attn.qkv_proj),
                          norm=(n_in.weight, n_in.eps, n_in.offset), residual=residual)
-    if L2_PREFETCH_BYTES:
-        _prefetch_next_weights(attn.o_proj.weight, mlp.gate_up_proj.weight, L2_PREFETCH_BYTES)
     o = attn.attend(qkv, positions, rotary, ctx)  # [M, q_size]
     h = gemv(o, attn.o_proj.weight, _bias(attn.o_proj))
     a, residual = gemv(h, mlp.gate_up_proj.weight, _bias(mlp.gate_up_proj),
                        norm=(n_post.weight, n_post.eps, n_post.offset), residual=residual,
                        gated_act=mlp.act_name)
     return gemv(a, mlp.down_proj.weight, _bias(mlp.down_proj)), residual
-
-
-def _prefetch_next_weights(w_o: torch.Tensor, w_gate_up: torch.Tensor, budget: int) -> None:
-    """Ask L2 for up to ``budget`` bytes of what the GEMVs after attention read first: all of
-    ``w_o``, then the first rows of the gate and of the up half of ``w_gate_up`` ``[2I, K]``
-    (its first programs read both)."""
-    from kvfit.kernels import l2_prefetch
-
-    if not l2_prefetch.supports(w_o.device):
-        return
-    o_bytes = min(budget, w_o.numel() * w_o.element_size())
-    half = w_gate_up.numel() * w_gate_up.element_size() // 2
-    each = min(half, (budget - o_bytes) // 2)
-    l2_prefetch.prefetch_l2([(w_o, 0, o_bytes), (w_gate_up, 0, each), (w_gate_up, half, each)])
 
 
 def logits(hidden: torch.Tensor, weight: torch.Tensor, gemv: bool) -> Optional[torch.Tensor]:
