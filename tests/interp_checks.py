@@ -180,11 +180,15 @@ def check_attention():
                 if use_dot:  # K by int8 MMAs / biased, V biased / asm
                     cvts += ((2, "imma"), (1, "imma-bias"), (3, "kbias"), (2, "imma1"))
                 for splits, cvt in cvts:
-                    out = torch.full_like(q, float("nan"))
-                    c = dataclasses.replace(cfg, num_splits=splits, i8_cvt=cvt)
-                    paged_decode(q, caches[0], caches[1], meta.block_table, meta.kv_lens, out,
-                                 d ** -0.5, c, window=window, **scales)
-                    outs.append(out)
+                    # the tensor-core splits also with the merge fused into the split kernel
+                    for fused in ((False, True) if use_dot and splits > 1 else (False,)):
+                        out = torch.full_like(q, float("nan"))
+                        c = dataclasses.replace(cfg, num_splits=splits, i8_cvt=cvt)
+                        if fused:
+                            c = dataclasses.replace(c, fused_merge=True, heads=1, pack=1)
+                        paged_decode(q, caches[0], caches[1], meta.block_table, meta.kv_lens,
+                                     out, d ** -0.5, c, window=window, **scales)
+                        outs.append(out)
             # several KV heads per program (2: both heads; 4: two of them masked)
             for heads, splits, cvt in ((2, 1, "imma"), (4, 3, "asm"), (2, 2, "imma1")):
                 out = torch.full_like(q, float("nan"))

@@ -49,12 +49,15 @@ def test_triton_swa_fp8_read_path_interpreted(kv_dtype, page, v_layout):
                                                (True, torch.float16, False),
                                                (True, torch.float16, True)])
 @pytest.mark.parametrize("splits,min_split", [(3, 0), (8, 16)])
-def test_split_decode_shares_only_the_window_interpreted(use_dot, dtype, v_t, splits, min_split):
+@pytest.mark.parametrize("fused", [False, True])
+def test_split_decode_shares_only_the_window_interpreted(use_dot, dtype, v_t, splits, min_split,
+                                                         fused):
     """Split-K decode with a window: the splits cover only the window's tiles, pages behind the
     window are never read (they hold NaN here), and the merged result is the reference's. With
     a floor on the tokens per split (``min_split_tokens``, as a CUDA graph captured for long
     contexts runs short ones), the trailing splits are empty, write nothing, and the merge
-    skips them (their scratch rows hold poison)."""
+    skips them (their scratch rows hold poison). ``fused``: the last live split merges in the
+    split kernel (tensor-core path) and leaves its counts zero for the next call."""
     from kvfit.attention.torch_attend import attend
     from kvfit.kernels.decode import DecodeConfig, paged_decode
 
@@ -78,14 +81,16 @@ def test_split_decode_shares_only_the_window_interpreted(use_dot, dtype, v_t, sp
     q = torch.randn(len(kv_lens), hq, d, generator=g).to(dtype)
     out = torch.full_like(q, float("nan"))
     cfg = DecodeConfig(num_splits=splits, block_n=8, use_dot=use_dot, num_warps=4,
-                       num_stages=1, v_t=v_t, min_split_tokens=min_split)
+                       num_stages=1, v_t=v_t, min_split_tokens=min_split, fused_merge=fused)
     vcache = vc.transpose(2, 3).contiguous() if v_t else vc
     # split scratch poisoned: an empty split writes nothing, so a merge that read one would
     # take a huge log-sum-exp and NaN partials
     rows = len(kv_lens) * hq * splits
-    scratch = (torch.full((rows, d), float("nan")), torch.full((rows,), 1e4))
+    counts = torch.zeros(len(kv_lens) * hkv, dtype=torch.int32)
+    scratch = (torch.full((rows, d), float("nan")), torch.full((rows,), 1e4), counts)
     paged_decode(q, kc, vcache, bt, torch.tensor(kv_lens, dtype=torch.int32), out, d ** -0.5,
                  cfg, window=window, scratch=scratch)
+    assert not counts.any()  # every (request, KV head) count back to zero
     for i, (t, n) in enumerate(zip(tables, kv_lens)):
         k = kc[t].transpose(1, 2).reshape(-1, hkv, d)[:n]  # [n, Hkv, D]
         v = vc[t].transpose(1, 2).reshape(-1, hkv, d)[:n]

@@ -28,7 +28,7 @@ def sig(kv, q="bf16"):
             "v_scale": "fp32", "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32",
             "stride_oh": "i32", "stride_cp": "i32", "stride_ch": "i32", "stride_sp": "i32",
             "stride_sh": "i32", "stride_bt": "i32", "stride_qb": "i32", "num_splits": "i32",
-            "min_per": "i32"}
+            "min_per": "i32", "CNT": "*i32"}
 
 
 MERGE_SIG = {"OP": "*fp32", "LSE": "*fp32", "OUT": "*bf16", "KVLEN": "*i32", "v_scale": "fp32",
@@ -40,8 +40,9 @@ def _full(fn, runtime: dict, consts: dict) -> tuple[dict, dict]:
     """Triton >= 3.4 wants every argument in the signature (constexprs typed "constexpr"),
     defaults included: (signature, constexprs)."""
     consts = {**{n: False for n in ("PDL",) if n in fn.arg_names}, **consts}
-    if "K_CVT" in fn.arg_names and "K_CVT" not in consts:
-        consts["K_CVT"] = 0
+    for name, default in (("K_CVT", 0), ("FUSED", False), ("S_PAD", 1)):
+        if name in fn.arg_names and name not in consts:
+            consts[name] = default
     return {n: runtime.get(n, "constexpr") for n in fn.arg_names}, consts
 
 

@@ -73,7 +73,7 @@ class TritonBackend(AttentionBackend):
         self.extend_split = ExtendSplit()  # split-KV scratch of short prefill/extend steps
         self._split_step = False  # this step's full layers split their keys
         self._graph_max_len: Optional[int] = None
-        self._scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._scratch: Optional[tuple[torch.Tensor, ...]] = None  # op, lse, merge counts
         self._v_t = pool.v_layout == "HDN"
         self._k_means: dict[int, Optional[torch.Tensor]] = {}
         # MLA pools (latent slabs): the MLA kernels own prepare/forward_mla/graph hooks
@@ -293,7 +293,7 @@ class TritonBackend(AttentionBackend):
             scratch = None  # static split-K scratch when it is large enough, else allocated
             n = q.shape[0] * q.shape[1] * cfg.num_splits
             if self._scratch is not None and cfg.num_splits > 1 and n <= self._scratch[1].shape[0]:
-                scratch = (self._scratch[0][:n], self._scratch[1][:n])
+                scratch = (self._scratch[0][:n], self._scratch[1][:n], self._scratch[2])
             paged_decode(q, kc, vc, table, meta.kv_lens, out, self.sm_scale, cfg,
                          ks, vs, self.logit_softcap, window, scratch, ksc, vsc, q_bias)
         else:
@@ -331,7 +331,9 @@ class TritonBackend(AttentionBackend):
         hq_max = 16 * hkv  # up to 16 query heads per KV head (larger: allocated per call)
         dev = self.pool.device
         self._scratch = (torch.empty((most * hq_max, d), dtype=torch.float32, device=dev),
-                         torch.empty((most * hq_max,), dtype=torch.float32, device=dev))
+                         torch.empty((most * hq_max,), dtype=torch.float32, device=dev),
+                         # a fused merge's counts per (request, KV head): zero between calls
+                         torch.zeros((max_bs * hkv,), dtype=torch.int32, device=dev))
 
     def prepare_cuda_graph(self, meta: AttentionMetadata) -> None:
         """Same as ``prepare`` for a decode batch, but with the split count fixed by batch size."""

@@ -193,13 +193,16 @@ def time_ours_decode(kv: KVSet, hq, d, cfg, window=None) -> float:
     import torch
     import triton
 
-    from kvfit.kernels.decode import paged_decode
+    from kvfit.kernels.decode import paged_decode, split_scratch
 
     vcs = ours_v_caches(kv) if cfg.v_t else [c[1] for c in kv.caches]
     qs = [torch.randn(kv.batch, hq, d, device="cuda", dtype=torch.bfloat16) for _ in kv.caches]
     outs = [torch.empty_like(q) for q in qs]
+    # static scratch, as the engine's graphs have it (no allocation or zero fill per call)
+    scratch = split_scratch(kv.batch, hq, kv.caches[0][0].shape[1], d, cfg, "cuda")
     fns = [lambda i=i: paged_decode(qs[i], kv.caches[i][0], vcs[i], kv.block_table,
                                     kv.kv_lens, outs[i], d ** -0.5, cfg, window=window,
+                                    scratch=None if cfg.num_splits == 1 else scratch,
                                     **scale_kwargs(kv, i))
            for i in range(kv.reps)]
     return triton.testing.do_bench(rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3

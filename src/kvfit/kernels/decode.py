@@ -38,6 +38,10 @@ EIGHT_BIT = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 # on the H200 (1k: 6.9 / 7.4 / 9.3 us per layer against 6.9 with none; docs/benchmarks.md
 # "Decode splits at short contexts"): none by default, kept as a measured option.
 MIN_SPLIT_TOKENS = 0
+# DecodeConfig.fused_merge of choose_config: split launches merge in their last program (one
+# launch a layer instead of two). Off until measured and tested on the GPU (docs/benchmarks.md,
+# "The split merge fused into the split kernel"); the CPU interpreter tests run it.
+FUSED_MERGE = False
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,10 @@ class DecodeConfig:
     # the fewest tokens a split holds (rounded up to block_n): a CUDA graph's split count
     # comes from the longest context it may see, and a shorter one then fills fewer splits
     min_split_tokens: int = 0
+    # the last split of each (request, KV head) to finish merges the partials in the split
+    # kernel (an atomic count per (request, KV head)), no merge launch; the main split kernel
+    # only (not pack/heads/CUDA-core)
+    fused_merge: bool = False
 
 
 @functools.lru_cache(maxsize=1024)  # a pure function of hashable arguments, called every step
@@ -144,7 +152,7 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
     i8_cvt = "bias" if head_dim <= 64 and not v_t else "imma1"
     return DecodeConfig(splits, block_n, use_dot, num_warps or 4, num_stages, maxnreg or None,
                         v_t, i8_cvt=i8_cvt, pack=pack, heads=heads,
-                        min_split_tokens=MIN_SPLIT_TOKENS)
+                        min_split_tokens=MIN_SPLIT_TOKENS, fused_merge=FUSED_MERGE)
 
 
 def _min_per(cfg: DecodeConfig) -> int:
@@ -152,10 +160,17 @@ def _min_per(cfg: DecodeConfig) -> int:
     return -(-cfg.min_split_tokens // cfg.block_n) * cfg.block_n
 
 
+def fuses_merge(cfg: DecodeConfig) -> bool:
+    """True when a launch of ``cfg`` merges its splits inside the split kernel."""
+    return (cfg.fused_merge and cfg.num_splits > 1 and cfg.use_dot and cfg.pack == 1
+            and cfg.heads == 1)
+
+
 def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_scale: float,
                   cfg: DecodeConfig, k_scale: float, v_scale: float, softcap: float | None,
-                  window: int | None, scale_caches=None, q_bias=None):
-    """(jitted split kernel, grid, positional args, launch options) of one decode call."""
+                  window: int | None, scale_caches=None, q_bias=None, counters=None):
+    """(jitted split kernel, grid, positional args, launch options) of one decode call.
+    ``counters``: int32 ``[>= B * Hkv]``, zero, for a fused merge (``fuses_merge``)."""
     import triton
 
     split_k, _, split_fma = decode_kernels.build()
@@ -207,7 +222,13 @@ def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_sc
             del opts["G_PAD"]
             opts.update(HP=cfg.heads, HKV=hkv)
             return decode_heads.build(), (b, triton.cdiv(hkv, cfg.heads), s), args, opts
-        return split_k, (b, hkv, s), args, opts
+        if fuses_merge(cfg):
+            if counters is None or counters.numel() < b * hkv or counters.dtype != torch.int32:
+                raise ValueError(f"a fused merge needs zeroed int32 counters for {b * hkv} "
+                                 f"(request, KV head) pairs")
+            opts.update(FUSED=True, S_PAD=triton.next_power_of_2(s))
+            return split_k, (b, hkv, s), args + (counters,), opts
+        return split_k, (b, hkv, s), args + (kv_lens,), opts
     return split_fma, (b, hkv, s), args, opts
 
 
@@ -265,14 +286,32 @@ def scale_cache_args(k_cache: torch.Tensor, scale_caches):
     return ks, vs, ks.stride(0), ks.stride(1)
 
 
-def _scratch(q, cfg: DecodeConfig, scratch):
+def split_scratch(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                  cfg: DecodeConfig, device) -> tuple[torch.Tensor, ...]:
+    """Static split scratch for repeated ``paged_decode`` calls of ``cfg``: (op, lse, counts)
+    as its ``scratch`` argument takes them (counts zero; a fused merge leaves them zero)."""
+    rows = batch * num_q_heads * max(1, cfg.num_splits)
+    return (torch.empty((rows, head_dim), dtype=torch.float32, device=device),
+            torch.empty((rows,), dtype=torch.float32, device=device),
+            torch.zeros((batch * num_kv_heads,), dtype=torch.int32, device=device))
+
+
+def _scratch(q, k_cache, cfg: DecodeConfig, scratch):
+    """(op, lse, counters) of a split launch: the caller's, else allocated (counters only
+    for a fused merge: zeros, which the kernel leaves zero)."""
     b, hq, d = q.shape
     if cfg.num_splits == 1:
-        return None, None
+        return None, None, None
+    fused = fuses_merge(cfg)
     if scratch is not None:
-        return scratch
+        counters = scratch[2] if len(scratch) > 2 else None
+        if fused and (counters is None or counters.numel() < b * k_cache.shape[1]):
+            counters = torch.zeros(b * k_cache.shape[1], dtype=torch.int32, device=q.device)
+        return scratch[0], scratch[1], counters
     return (torch.empty((b * hq * cfg.num_splits, d), dtype=torch.float32, device=q.device),
-            torch.empty((b * hq * cfg.num_splits,), dtype=torch.float32, device=q.device))
+            torch.empty((b * hq * cfg.num_splits,), dtype=torch.float32, device=q.device),
+            torch.zeros(b * k_cache.shape[1], dtype=torch.int32, device=q.device)
+            if fused else None)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -291,18 +330,20 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     scale before P@V (``k_scale``/``v_scale`` are then unused). ``q_bias`` ``[B, Hq]`` float32
     (q . k_mean of a centered K cache) is added back to every logit before the soft-cap.
 
-    ``scratch`` = (op ``[>= B*Hq*S, D]`` f32, lse ``[>= B*Hq*S]`` f32) lets CUDA-graph callers pass
+    ``scratch`` = (op ``[>= B*Hq*S, D]`` f32, lse ``[>= B*Hq*S]`` f32[, counters ``[>= B*Hkv]``
+    int32, zero: a fused merge's, left zero]) lets CUDA-graph callers pass
     static buffers; otherwise they are allocated here when ``cfg.num_splits > 1``.
     """
-    op, lse = _scratch(q, cfg, scratch)
+    op, lse, counters = _scratch(q, k_cache, cfg, scratch)
     single = op is None
     if single:
         op = lse = out  # unused by the single-split kernel
     kern, grid, args, opts = _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op,
                                            lse, sm_scale, cfg, k_scale, v_scale, softcap, window,
-                                           _pair(k_scale_cache, v_scale_cache), q_bias)
+                                           _pair(k_scale_cache, v_scale_cache), q_bias,
+                                           counters)
     kern[grid](*args, **opts)
-    if not single:
+    if not single and not fuses_merge(cfg):
         v_out = 1.0 if k_cache.dtype == torch.int8 else float(v_scale)
         # decode_kernels' split kernels write nothing for an empty split: the merge counts the
         # live ones from the context (the packed and multi-head kernels write every split)
@@ -326,10 +367,10 @@ def compiled_split_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
     For kernel studies that read registers and shared memory per launch variant; writes nothing.
     """
-    op, lse = _scratch(q, cfg, None)
+    op, lse, counters = _scratch(q, k_cache, cfg, None)
     if op is None:
         op = lse = out
     kern, grid, args, opts = _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op,
                                            lse, sm_scale, cfg, 1.0, 1.0, softcap, window,
-                                           scale_caches)
+                                           scale_caches, counters=counters)
     return kern.warmup(*args, grid=grid, **opts)

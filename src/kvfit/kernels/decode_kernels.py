@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 
-from kvfit.kernels.interpret import expose_for_interpreter
+from kvfit.kernels.interpret import expose_for_interpreter, interpreting
 
 
 @functools.cache
@@ -138,12 +138,13 @@ def build():
                       qk_scale, softcap, window, v_scale,
                       stride_qt, stride_qh, stride_ot, stride_oh,
                       stride_cp, stride_ch, stride_sp, stride_sh, stride_bt, stride_qb,
-                      num_splits, min_per,
+                      num_splits, min_per, CNT,
                       G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                       BLOCK_N: tl.constexpr, F16: tl.constexpr, V_T: tl.constexpr,
                       HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, SINGLE: tl.constexpr,
                       ROWS: tl.constexpr, I8_CVT: tl.constexpr, HAS_QBIAS: tl.constexpr,
-                      K_CVT: tl.constexpr = 0, PDL: tl.constexpr = False):
+                      K_CVT: tl.constexpr = 0, PDL: tl.constexpr = False,
+                      FUSED: tl.constexpr = False, S_PAD: tl.constexpr = 1):
         if PDL:  # programmatic dependent launch (kernels/pdl.py)
             gdc_wait()
             gdc_launch_dependents()
@@ -209,6 +210,70 @@ def build():
                                           ROWS, I8_CVT, K_CVT)
         _store_split(OUT, OP, LSE, acc, m_i, l_i, b, h, s, num_splits, v_scale, stride_ot,
                      stride_oh, G, G_PAD, D, SINGLE)
+        if FUSED:  # the last live split of (b, h) to finish merges its G heads
+            _merge_if_last(OP, LSE, OUT, CNT, KVLEN, b, h, num_splits, min_per, window, v_scale,
+                           stride_ot, stride_oh, G, D, S_PAD, BLOCK_N, HAS_WINDOW)
+
+    @triton.jit
+    def _merge_row(OP, LSE, OUT, b, hq, HQ, n_live, num_splits, v_scale, stride_ot, stride_oh,
+                   D: tl.constexpr, S_PAD: tl.constexpr, CG: tl.constexpr):
+        # out[b, hq] = the lse-weighted mean of its first n_live split partials, times v_scale.
+        # CG: read through L2 only (partials another program just wrote; L1 may hold stale
+        # lines of an earlier call)
+        sp = tl.arange(0, S_PAD)
+        d = tl.arange(0, D)
+        row = (b * HQ + hq) * num_splits + sp
+        smask = sp < n_live
+        if CG:
+            lse = tl.load(LSE + row, mask=smask, other=float("-inf"), cache_modifier=".cg")
+        else:
+            lse = tl.load(LSE + row, mask=smask, other=float("-inf"))
+        mx = tl.max(lse, axis=0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        w = tl.exp2(lse - mx)
+        den = tl.sum(w, axis=0)
+        den = tl.where(den > 0, den, 1.0)
+        live = smask & (lse > float("-inf"))  # empty splits (weight 0) are not read
+        if CG:
+            o = tl.load(OP + row[:, None] * D + d[None, :], mask=live[:, None], other=0.0,
+                        cache_modifier=".cg")
+        else:
+            o = tl.load(OP + row[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+        o = tl.sum(o * w[:, None], axis=0) / den
+        tl.store(OUT + b * stride_ot + hq * stride_oh + d, (o * v_scale).to(OUT.dtype.element_ty))
+
+    if interpreting():  # programs run one after another there: nothing to order
+        @triton.jit
+        def _fence(x):
+            return x
+    else:
+        @triton.jit
+        def _fence(x):
+            # every thread: its earlier global writes are visible GPU-wide before its later
+            # ones (the store-then-count pattern of a last-block reduction)
+            return tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, $1;", "=r,r", [x],
+                                             dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _merge_if_last(OP, LSE, OUT, CNT, KVLEN, b, h, num_splits, min_per, window, v_scale,
+                       stride_ot, stride_oh, G: tl.constexpr, D: tl.constexpr,
+                       S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+        # count this split's partial in (CNT[b, h], zero between calls); the program that
+        # counts the last live split (as _split_span cuts the context: empty splits exited
+        # without counting) merges the group's heads and zeroes the count for the next call
+        hkv = tl.num_programs(1)
+        _fence(tl.arange(0, D))
+        tl.debug_barrier()
+        ticket = tl.atomic_add(CNT + b * hkv + h, 1, sem="acq_rel", scope="gpu")
+        kv_len, base, per = _split_span(KVLEN, b, num_splits, min_per, window, BLOCK_N,
+                                        HAS_WINDOW)
+        n_live = tl.cdiv(kv_len - base, tl.maximum(per, BLOCK_N))
+        if ticket == n_live - 1:
+            _fence(tl.arange(0, D))
+            for g in tl.static_range(G):
+                _merge_row(OP, LSE, OUT, b, h * G + g, hkv * G, n_live, num_splits, v_scale,
+                           stride_ot, stride_oh, D, S_PAD, True)
+            tl.atomic_xchg(CNT + b * hkv + h, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _decode_merge(OP, LSE, OUT, KVLEN, v_scale, stride_ot, stride_oh, num_splits, min_per,
@@ -219,26 +284,14 @@ def build():
             gdc_launch_dependents()
         b = tl.program_id(0)
         hq = tl.program_id(1)
-        sp = tl.arange(0, S_PAD)
-        d = tl.arange(0, D)
-        row = (b * HQ + hq) * num_splits + sp
         n_live = num_splits
         if LIVE:  # the splits with tokens, as _split_range cuts the context: empty ones wrote
             # nothing (their scratch rows hold another call's values)
             kv_len, base, per = _split_span(KVLEN, b, num_splits, min_per, window, BLOCK_N,
                                             HAS_WINDOW)
             n_live = tl.cdiv(kv_len - base, tl.maximum(per, BLOCK_N))
-        smask = sp < n_live
-        lse = tl.load(LSE + row, mask=smask, other=float("-inf"))
-        mx = tl.max(lse, axis=0)
-        mx = tl.where(mx == float("-inf"), 0.0, mx)
-        w = tl.exp2(lse - mx)
-        den = tl.sum(w, axis=0)
-        den = tl.where(den > 0, den, 1.0)
-        live = smask & (lse > float("-inf"))  # empty splits (weight 0) are not read
-        o = tl.load(OP + row[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
-        o = tl.sum(o * w[:, None], axis=0) / den
-        tl.store(OUT + b * stride_ot + hq * stride_oh + d, (o * v_scale).to(OUT.dtype.element_ty))
+        _merge_row(OP, LSE, OUT, b, hq, HQ, n_live, num_splits, v_scale, stride_ot, stride_oh,
+                   D, S_PAD, False)
 
     @triton.jit
     def _decode_split_fma(Q, KC, VC, KS, VS, QB, BT, KVLEN, OUT, OP, LSE,
