@@ -32,6 +32,9 @@ def _compile(fn: JITFunction, args, kwargs):
     names = fn.arg_names
     values = dict(zip(names, args))
     values.update({k: v for k, v in kwargs.items() if k not in OPTIONS})
+    for p in fn.params:  # constexprs the launch leaves at their defaults
+        if p.is_constexpr and p.name not in values and p.has_default:
+            values[p.name] = p.default
     consts = {p.name: values[p.name] for p in fn.params if p.is_constexpr and p.name in values}
     sig, attrs = {}, {}
     for i, name in enumerate(names):
@@ -123,9 +126,10 @@ def run_variants():
         out = torch.empty_like(dq)
         qb = torch.zeros(2, hq)
         base = choose_config(2, hkv, hq // hkv, d, 40, torch.int8, dq.dtype, v_t=vl == "HDN")
-        for cvt in ("asm", "bias", "cast", "kbias", "imma", "imma-bias"):
-            for splits in (1, 2):
-                cfg = dataclasses.replace(base, i8_cvt=cvt, num_splits=splits)
+        for cvt in ("asm", "bias", "cast", "kbias", "imma", "imma-bias", "imma1"):
+            for splits, fused in ((1, False), (2, False), (2, True)):  # fused: merge in-kernel
+                cfg = dataclasses.replace(base, i8_cvt=cvt, num_splits=splits,
+                                          fused_merge=fused)
                 paged_decode(dq, kc, vc, dmeta.block_table, dmeta.kv_lens, out, d ** -0.5, cfg,
                              **sc)
                 paged_decode(dq, kc, vc, dmeta.block_table, dmeta.kv_lens, out, d ** -0.5, cfg,
@@ -141,7 +145,7 @@ def run_variants():
                 kk = kc.view(dt) if dt != torch.bfloat16 else torch.zeros(num_pages, hkv, ps, d,
                                                                          dtype=dt)
                 cfgp = dataclasses.replace(choose_config(2, hkv, g, d, 40, dt, dq.dtype),
-                                           pack=pack, block_n=128)
+                                           pack=pack, block_n=128, i8_cvt="asm")
                 for cvt in (("asm", "bias", "cast") if dt == torch.int8 else ("asm",)):
                     paged_decode(dq, kk, kk, dmeta.block_table, dmeta.kv_lens, out, d ** -0.5,
                                  dataclasses.replace(cfgp, i8_cvt=cvt), **kw)

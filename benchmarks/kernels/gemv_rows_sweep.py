@@ -52,6 +52,27 @@ def call(kind, x, w, nw, r, cfg, bm):
     return gemv(x, w, config=cfg, block_m=bm)
 
 
+def product_inputs(n: int, k: int, copies: int, rows: int) -> tuple:
+    """(weight copies [N, K], norm weight [K], x [rows, K], residual [rows, K]), bf16 on the
+    GPU; fewer copies of weights too large to fit L2 twice anyway."""
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+          for _ in range(copies if n * k < 2 ** 28 else 2)]
+    nw = 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16)
+    xs = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    rs = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    return ws, nw, xs, rs
+
+
+def try_tile(label: str, fn, copies: int, reps: int):
+    """Seconds per call of fn(copy) (``gemv_bench.timed``), or None with a line when the tile
+    does not compile (resources)."""
+    try:
+        return timed(fn, copies, reps)
+    except Exception as e:
+        print(f"  {label}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        return None
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=MODEL)
@@ -68,11 +89,7 @@ def main() -> None:
     print("|---|---:|---|---:|---:|---:|---:|")
     with torch.inference_mode():
         for name, (n, k, kind) in products(cfg).items():
-            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-                  for _ in range(args.copies if n * k < 2 ** 28 else 2)]
-            nw = 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16)
-            xs = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
-            rs = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
+            ws, nw, xs, rs = product_inputs(n, k, args.copies, 8)
             nbytes = n * k * 2
             for bm in [int(v) for v in args.block_ms.split(",")]:
                 found = None
@@ -81,14 +98,13 @@ def main() -> None:
                     tile = tuple(int(v) for v in t.split(","))
                     if kind == "gated" and tile[0] * tile[1] * bm > 4096:
                         continue  # two float32 partial-sum tiles: registers spill beyond this
-                    try:
-                        t1 = timed(lambda c: call(kind, xs[:1], ws[c], nw, rs[:1], tile, bm),
-                                   len(ws), args.reps)
-                        tm = timed(lambda c: call(kind, xs[:bm], ws[c], nw, rs[:bm], tile, bm),
-                                   len(ws), args.reps)
-                    except Exception as e:  # a tile that does not compile (resources)
-                        print(f"  {name} bm={bm} tile={tile}: {type(e).__name__}: "
-                              f"{str(e)[:120]}", flush=True)
+                    label = f"{name} bm={bm} tile={tile}"
+                    t1 = try_tile(label, lambda c: call(kind, xs[:1], ws[c], nw, rs[:1], tile,
+                                                        bm), len(ws), args.reps)
+                    tm = t1 and try_tile(label, lambda c: call(kind, xs[:bm], ws[c], nw,
+                                                               rs[:bm], tile, bm),
+                                         len(ws), args.reps)
+                    if tm is None:
                         continue
                     tried += 1
                     if found is None or t1 + tm < found[1] + found[2]:

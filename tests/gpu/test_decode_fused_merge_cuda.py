@@ -26,7 +26,7 @@ pytestmark = pytest.mark.gpu
 ])
 def test_fused_merge_matches_the_merge_kernel(kv_dtype, d, heads, page_size, v_layout, kv_lens,
                                               splits):
-    from kvfit.kernels.decode import choose_config, fuses_merge, paged_decode
+    from kvfit.kernels.decode import choose_config, fuses_merge, paged_decode, split_scratch
 
     torch.manual_seed(3)
     hq, hkv = heads
@@ -43,9 +43,7 @@ def test_fused_merge_matches_the_merge_kernel(kv_dtype, d, heads, page_size, v_l
     fused = dataclasses.replace(base, num_splits=splits, fused_merge=True, heads=1, pack=1)
     plain = dataclasses.replace(fused, fused_merge=False)
     assert fuses_merge(fused) and not fuses_merge(plain)
-    rows = b * hq * splits
-    scratch = (torch.empty(rows, d, device=DEV), torch.empty(rows, device=DEV),
-               torch.zeros(b * hkv, dtype=torch.int32, device=DEV))
+    scratch = split_scratch(b, hq, hkv, d, fused, DEV)
     kc, vc = pool.k_caches[0], pool.v_caches[0]
 
     def run(cfg, q, out, scr):

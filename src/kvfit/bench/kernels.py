@@ -202,7 +202,7 @@ def time_ours_decode(kv: KVSet, hq, d, cfg, window=None) -> float:
     scratch = split_scratch(kv.batch, hq, kv.caches[0][0].shape[1], d, cfg, "cuda")
     fns = [lambda i=i: paged_decode(qs[i], kv.caches[i][0], vcs[i], kv.block_table,
                                     kv.kv_lens, outs[i], d ** -0.5, cfg, window=window,
-                                    scratch=None if cfg.num_splits == 1 else scratch,
+                                    scratch=scratch,
                                     **scale_kwargs(kv, i))
            for i in range(kv.reps)]
     return triton.testing.do_bench(rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3

@@ -222,10 +222,7 @@ def _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_sc
             del opts["G_PAD"]
             opts.update(HP=cfg.heads, HKV=hkv)
             return decode_heads.build(), (b, triton.cdiv(hkv, cfg.heads), s), args, opts
-        if fuses_merge(cfg):
-            if counters is None or counters.numel() < b * hkv or counters.dtype != torch.int32:
-                raise ValueError(f"a fused merge needs zeroed int32 counters for {b * hkv} "
-                                 f"(request, KV head) pairs")
+        if fuses_merge(cfg):  # counters: _scratch's, zero and large enough
             opts.update(FUSED=True, S_PAD=triton.next_power_of_2(s))
             return split_k, (b, hkv, s), args + (counters,), opts
         return split_k, (b, hkv, s), args + (kv_lens,), opts
@@ -287,31 +284,30 @@ def scale_cache_args(k_cache: torch.Tensor, scale_caches):
 
 
 def split_scratch(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                  cfg: DecodeConfig, device) -> tuple[torch.Tensor, ...]:
-    """Static split scratch for repeated ``paged_decode`` calls of ``cfg``: (op, lse, counts)
-    as its ``scratch`` argument takes them (counts zero; a fused merge leaves them zero)."""
+                  cfg: DecodeConfig, device) -> tuple:
+    """Split scratch for ``paged_decode`` calls of ``cfg``, as its ``scratch`` argument takes it:
+    (op, lse, counts), counts zero int32 for a fused merge (which leaves them zero), else None.
+    Static for repeated calls (CUDA graphs, benchmarks)."""
     rows = batch * num_q_heads * max(1, cfg.num_splits)
+    counts = (torch.zeros((batch * num_kv_heads,), dtype=torch.int32, device=device)
+              if fuses_merge(cfg) else None)
     return (torch.empty((rows, head_dim), dtype=torch.float32, device=device),
-            torch.empty((rows,), dtype=torch.float32, device=device),
-            torch.zeros((batch * num_kv_heads,), dtype=torch.int32, device=device))
+            torch.empty((rows,), dtype=torch.float32, device=device), counts)
 
 
 def _scratch(q, k_cache, cfg: DecodeConfig, scratch):
-    """(op, lse, counters) of a split launch: the caller's, else allocated (counters only
-    for a fused merge: zeros, which the kernel leaves zero)."""
+    """(op, lse, counts) of a split launch, (None, None, None) without splits: the caller's
+    scratch, else allocated; a fused merge's counts allocated when the caller has none large
+    enough."""
     b, hq, d = q.shape
     if cfg.num_splits == 1:
         return None, None, None
-    fused = fuses_merge(cfg)
-    if scratch is not None:
-        counters = scratch[2] if len(scratch) > 2 else None
-        if fused and (counters is None or counters.numel() < b * k_cache.shape[1]):
-            counters = torch.zeros(b * k_cache.shape[1], dtype=torch.int32, device=q.device)
-        return scratch[0], scratch[1], counters
-    return (torch.empty((b * hq * cfg.num_splits, d), dtype=torch.float32, device=q.device),
-            torch.empty((b * hq * cfg.num_splits,), dtype=torch.float32, device=q.device),
-            torch.zeros(b * k_cache.shape[1], dtype=torch.int32, device=q.device)
-            if fused else None)
+    if scratch is None:
+        return split_scratch(b, hq, k_cache.shape[1], d, cfg, q.device)
+    counts = scratch[2] if len(scratch) > 2 else None
+    if fuses_merge(cfg) and (counts is None or counts.numel() < b * k_cache.shape[1]):
+        counts = torch.zeros(b * k_cache.shape[1], dtype=torch.int32, device=q.device)
+    return scratch[0], scratch[1], counts
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -12,7 +12,8 @@ from kvfit.kernels.interpret import expose_for_interpreter
 @functools.cache
 def build() -> types.SimpleNamespace:
     """``to_mma``/``cvt_one`` (tile conversions), ``split_q_i8`` and ``raw_logits`` (Q.K^T of
-    stored keys), ``split_span``/``split_range`` (the decode splits' cut of a context) and
+    stored keys), ``split_span``/``split_range``/``live_splits`` (the decode splits' cut of a
+    context) and
     ``store_split``, built on first use."""
     import triton
     import triton.language as tl
@@ -101,6 +102,14 @@ def build() -> types.SimpleNamespace:
         return kv_len, base, per
 
     @triton.jit
+    def _live_splits(KVLEN, b, num_splits, min_per, window, BLOCK_N: tl.constexpr,
+                     HAS_WINDOW: tl.constexpr):
+        # how many of request b's splits hold tokens (the first ones, as _split_span cuts)
+        kv_len, base, per = _split_span(KVLEN, b, num_splits, min_per, window, BLOCK_N,
+                                        HAS_WINDOW)
+        return tl.cdiv(kv_len - base, tl.maximum(per, BLOCK_N))
+
+    @triton.jit
     def _split_range(KVLEN, b, s, num_splits, min_per, window, BLOCK_N: tl.constexpr,
                      HAS_WINDOW: tl.constexpr):
         # tokens [lo, hi) of split s of request b (_split_span's cut): a context shorter than
@@ -139,5 +148,5 @@ def build() -> types.SimpleNamespace:
     expose_for_interpreter(globals(), locals())
     return types.SimpleNamespace(to_mma=_to_mma, cvt_one=_cvt_one, split_q_i8=_split_q_i8,
                                  raw_logits=_raw_logits, split_span=_split_span,
-                                 split_range=_split_range,
+                                 live_splits=_live_splits, split_range=_split_range,
                                  store_split=_store_split)

@@ -43,7 +43,7 @@ def build():
 
     common = build_decode_common()
     _cvt_one, _split_range, _store_split = common.cvt_one, common.split_range, common.store_split
-    _split_span = common.split_span
+    _live_splits = common.live_splits
     _split_q_i8, _raw_logits = common.split_q_i8, common.raw_logits
     shared = build_tile_math()
     gdc_wait, gdc_launch_dependents = gdc()
@@ -265,9 +265,7 @@ def build():
         _fence(tl.arange(0, D))
         tl.debug_barrier()
         ticket = tl.atomic_add(CNT + b * hkv + h, 1, sem="acq_rel", scope="gpu")
-        kv_len, base, per = _split_span(KVLEN, b, num_splits, min_per, window, BLOCK_N,
-                                        HAS_WINDOW)
-        n_live = tl.cdiv(kv_len - base, tl.maximum(per, BLOCK_N))
+        n_live = _live_splits(KVLEN, b, num_splits, min_per, window, BLOCK_N, HAS_WINDOW)
         if ticket == n_live - 1:
             _fence(tl.arange(0, D))
             for g in tl.static_range(G):
@@ -287,9 +285,7 @@ def build():
         n_live = num_splits
         if LIVE:  # the splits with tokens, as _split_range cuts the context: empty ones wrote
             # nothing (their scratch rows hold another call's values)
-            kv_len, base, per = _split_span(KVLEN, b, num_splits, min_per, window, BLOCK_N,
-                                            HAS_WINDOW)
-            n_live = tl.cdiv(kv_len - base, tl.maximum(per, BLOCK_N))
+            n_live = _live_splits(KVLEN, b, num_splits, min_per, window, BLOCK_N, HAS_WINDOW)
         _merge_row(OP, LSE, OUT, b, hq, HQ, n_live, num_splits, v_scale, stride_ot, stride_oh,
                    D, S_PAD, False)
 

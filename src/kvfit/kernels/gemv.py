@@ -6,8 +6,9 @@ Owns nothing; returns new tensors. ``y = x @ W.T`` for M token rows (x ``[M, K]`
 row-major as ``nn.Linear`` stores it). One program computes ``BLOCK_N`` outputs of ``BLOCK_M``
 rows over the whole K (no split-K: no reduce kernel, and every output is summed in one fixed
 order); a tile with a fifth entry runs the persistent form, a grid of about one or two programs
-per SM each computing several such blocks in one pipelined loop, with the same bits. The tile depends on (N, K) only, M is a runtime argument that Triton never specializes,
-and a row's values come from element-wise ops and per-row reductions: a row's outputs have the
+per SM each computing several such blocks in one pipelined loop, with the same bits. The tile
+depends on (N, K) only, M is a runtime argument that Triton never specializes, and a row's
+values come from element-wise ops and per-row reductions: a row's outputs have the
 same bits whatever M is and wherever the row sits in the step (tests/gpu/test_gemv_cuda.py).
 They differ from a tensor-core GEMM's (other sums). The row blocks of one output block are
 adjacent in launch order, so the blocks after the first read its weights from L2: HBM traffic
@@ -39,6 +40,7 @@ from typing import Optional
 
 import torch
 
+from kvfit.kernels.interpret import expose_for_interpreter
 from kvfit.kernels.pdl import launch_options
 
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
@@ -51,9 +53,43 @@ def build():
     import triton
     import triton.language as tl
 
+    from kvfit.kernels.gemm_epilogue import build as build_epilogue
     from kvfit.kernels.pdl import gdc
 
     gdc_wait, gdc_launch_dependents = gdc()
+    _epilogue = build_epilogue()
+
+    @triton.jit
+    def _x_tile(X, R, RO, NW, x_off, k0, ks, mmask, write_res, K, offset, ssq, NORM: tl.constexpr,
+                ADD: tl.constexpr, HAS_OFFSET: tl.constexpr, EVEN_K: tl.constexpr):
+        # the input tile [BM, BK] at k0 in float32; with NORM times the norm weight (ssq gains
+        # its squares); with ADD x + residual rounded like torch's add: the new residual,
+        # written where write_res
+        if EVEN_K:
+            xmask = mmask[:, None]
+        else:
+            km = (k0 + ks) < K
+            xmask = mmask[:, None] & km[None, :]
+        xk = tl.load(X + x_off + k0, mask=xmask, other=0.0)  # [BM, BK]
+        if NORM:
+            if ADD:
+                rk = tl.load(R + x_off + k0, mask=xmask, other=0.0)
+                xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(X.dtype.element_ty)
+                if write_res:
+                    tl.store(RO + x_off + k0, xk, mask=xmask)
+            if EVEN_K:
+                nw = tl.load(NW + k0 + ks).to(tl.float32)
+            else:
+                nw = tl.load(NW + k0 + ks, mask=km, other=0.0).to(tl.float32)
+            sf = xk.to(tl.float32)
+            ssq += sf * sf
+            if HAS_OFFSET:
+                xf = sf * (offset + nw)[None, :]
+            else:
+                xf = sf * nw[None, :]
+        else:
+            xf = xk.to(tl.float32)
+        return xf, ssq
 
     # M is never specialized: every M runs the same binary, so a row's sums never depend on M
     @triton.jit(do_not_specialize=["M"])
@@ -74,7 +110,6 @@ def build():
         n_mb = tl.cdiv(M, BLOCK_M)
         mb = pid % n_mb
         nb = pid // n_mb
-        ty = X.dtype.element_ty
         ms = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] token rows
         mmask = ms < M
         rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output rows
@@ -89,63 +124,22 @@ def build():
         x_off = ms[:, None] * K + ks[None, :]  # [BM, BK]
         w_ptr = W + rows.to(tl.int64)[:, None] * stride_w + ks[None, :]  # [BN, BK]
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            if EVEN_K:
-                xmask = mmask[:, None]
-            else:
-                km = (k0 + ks) < K
-                xmask = mmask[:, None] & km[None, :]
-            xk = tl.load(X + x_off + k0, mask=xmask, other=0.0)  # [BM, BK]
-            if NORM:
-                if ADD:  # s = x + residual, rounded like torch's add: the new residual
-                    rk = tl.load(R + x_off + k0, mask=xmask, other=0.0)
-                    xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(ty)
-                    if nb == 0:  # the row block's first program writes its rows' residual
-                        tl.store(RO + x_off + k0, xk, mask=xmask)
-                if EVEN_K:
-                    nw = tl.load(NW + k0 + ks).to(tl.float32)
-                else:
-                    nw = tl.load(NW + k0 + ks, mask=km, other=0.0).to(tl.float32)
-                sf = xk.to(tl.float32)
-                ssq += sf * sf
-                if HAS_OFFSET:
-                    xf = sf * (offset + nw)[None, :]
-                else:
-                    xf = sf * nw[None, :]
-            else:
-                xf = xk.to(tl.float32)
+            # the row block's first program writes its rows' residual
+            xf, ssq = _x_tile(X, R, RO, NW, x_off, k0, ks, mmask, nb == 0, K, offset, ssq,
+                                  NORM, ADD, HAS_OFFSET, EVEN_K)
             if EVEN_K:
                 wmask = rmask[:, None]
             else:
-                wmask = rmask[:, None] & km[None, :]
+                wmask = rmask[:, None] & ((k0 + ks) < K)[None, :]
             w = tl.load(w_ptr + k0, mask=wmask, other=0.0)
             acc3 += w.to(tl.float32)[None, :, :] * xf[:, None, :]
             if GATED:
                 wu = tl.load(w_ptr + up_off * stride_w + k0, mask=wmask, other=0.0)
                 acc3_up += wu.to(tl.float32)[None, :, :] * xf[:, None, :]
-        acc = tl.sum(acc3, axis=2)  # [BM, BN]
-        acc_up = tl.sum(acc3_up, axis=2)
-        if NORM:  # RMSNorm's 1/rms, a scalar per row: applied to the finished sums
-            rstd = tl.rsqrt(tl.sum(ssq, axis=1) / K + eps)  # [BM]
-            acc = acc * rstd[:, None]
-            acc_up = acc_up * rstd[:, None]
-        if HAS_BIAS:
-            acc += tl.load(B + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
-            if GATED:
-                acc_up += tl.load(B + up_off + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
-        y = acc.to(ty)
-        if GATED:  # act(gate) * up, as kernels.fused_act rounds it
-            g = y.to(tl.float32)
-            u = acc_up.to(ty).to(tl.float32)
-            if ACT == 0:
-                a = g / (1.0 + tl.exp(-g))
-            elif ACT == 1:
-                z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-                a = g / (1.0 + tl.exp(-2.0 * z))
-            else:
-                a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
-            y = (a.to(ty).to(tl.float32) * u).to(ty)
-        out_ptr = OUT + ms[:, None] * N_OUT + rows[None, :]  # [BM, BN]
-        tl.store(out_ptr, y.to(OUT.dtype.element_ty), mask=mmask[:, None] & rmask[None, :])
+        # one reduction of the partial sums, then the shared epilogue (norm, bias, act, store)
+        _epilogue(tl.sum(acc3, axis=2), tl.sum(acc3_up, axis=2), tl.sum(ssq, axis=1), B, OUT,
+                  ms.to(tl.int64), rows, mmask, rmask, K, N_OUT, up_off, eps, NORM, GATED, ACT,
+                  HAS_BIAS, X.dtype.element_ty)
 
     # The same product as a persistent program: a grid of P programs (about one or two per SM),
     # program p computes the blocks p, p + P, p + 2P, ... in one flattened loop over (block, k
@@ -164,7 +158,6 @@ def build():
         n_blocks = tl.cdiv(N_OUT, BLOCK_N) * n_mb
         k_tiles = tl.cdiv(K, BLOCK_K)
         my_blocks = tl.cdiv(n_blocks - pid, n_prog)  # the grid never exceeds n_blocks
-        ty = X.dtype.element_ty
         ks = tl.arange(0, BLOCK_K)
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc3_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -181,33 +174,13 @@ def build():
             rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output rows
             rmask = rows < N_OUT
             k0 = kt * BLOCK_K
-            x_off = ms[:, None] * K + ks[None, :] + k0  # [BM, BK]
+            x_off = ms[:, None] * K + ks[None, :]  # [BM, BK]
+            xf, ssq = _x_tile(X, R, RO, NW, x_off, k0, ks, mmask, nb == 0, K, offset, ssq,
+                                  NORM, ADD, HAS_OFFSET, EVEN_K)
             if EVEN_K:
-                xmask = mmask[:, None]
                 wmask = rmask[:, None]
             else:
-                km = (k0 + ks) < K
-                xmask = mmask[:, None] & km[None, :]
-                wmask = rmask[:, None] & km[None, :]
-            xk = tl.load(X + x_off, mask=xmask, other=0.0)  # [BM, BK]
-            if NORM:
-                if ADD:  # s = x + residual, rounded like torch's add: the new residual
-                    rk = tl.load(R + x_off, mask=xmask, other=0.0)
-                    xk = (xk.to(tl.float32) + rk.to(tl.float32)).to(ty)
-                    if nb == 0:  # the row block's first output block writes its residual
-                        tl.store(RO + x_off, xk, mask=xmask)
-                if EVEN_K:
-                    nw = tl.load(NW + k0 + ks).to(tl.float32)
-                else:
-                    nw = tl.load(NW + k0 + ks, mask=km, other=0.0).to(tl.float32)
-                sf = xk.to(tl.float32)
-                ssq += sf * sf
-                if HAS_OFFSET:
-                    xf = sf * (offset + nw)[None, :]
-                else:
-                    xf = sf * nw[None, :]
-            else:
-                xf = xk.to(tl.float32)
+                wmask = rmask[:, None] & ((k0 + ks) < K)[None, :]
             w_ptr = W + rows.to(tl.int64)[:, None] * stride_w + (k0 + ks)[None, :]  # [BN, BK]
             w = tl.load(w_ptr, mask=wmask, other=0.0)
             acc3 += w.to(tl.float32)[None, :, :] * xf[:, None, :]
@@ -215,36 +188,14 @@ def build():
                 wu = tl.load(w_ptr + up_off * stride_w, mask=wmask, other=0.0)
                 acc3_up += wu.to(tl.float32)[None, :, :] * xf[:, None, :]
             if kt == k_tiles - 1:  # the block's last tile: finish and store it
-                acc = tl.sum(acc3, axis=2)  # [BM, BN]
-                acc_up = tl.sum(acc3_up, axis=2)
-                if NORM:
-                    rstd = tl.rsqrt(tl.sum(ssq, axis=1) / K + eps)  # [BM]
-                    acc = acc * rstd[:, None]
-                    acc_up = acc_up * rstd[:, None]
-                if HAS_BIAS:
-                    acc += tl.load(B + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
-                    if GATED:
-                        acc_up += tl.load(B + up_off + rows, mask=rmask,
-                                          other=0.0).to(tl.float32)[None, :]
-                y = acc.to(ty)
-                if GATED:
-                    g = y.to(tl.float32)
-                    u = acc_up.to(ty).to(tl.float32)
-                    if ACT == 0:
-                        a = g / (1.0 + tl.exp(-g))
-                    elif ACT == 1:
-                        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-                        a = g / (1.0 + tl.exp(-2.0 * z))
-                    else:
-                        a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
-                    y = (a.to(ty).to(tl.float32) * u).to(ty)
-                out_ptr = OUT + ms[:, None] * N_OUT + rows[None, :]  # [BM, BN]
-                tl.store(out_ptr, y.to(OUT.dtype.element_ty),
-                         mask=mmask[:, None] & rmask[None, :])
+                _epilogue(tl.sum(acc3, axis=2), tl.sum(acc3_up, axis=2), tl.sum(ssq, axis=1), B,
+                          OUT, ms.to(tl.int64), rows, mmask, rmask, K, N_OUT, up_off, eps, NORM,
+                          GATED, ACT, HAS_BIAS, X.dtype.element_ty)
                 acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
                 acc3_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
                 ssq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
 
+    expose_for_interpreter(globals(), locals())
     return _gemv_kernel, _gemv_persistent
 
 
@@ -353,24 +304,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     per_prog = tile[4] if len(tile) > 4 else 0
     bk = min(bk, triton.next_power_of_2(k))
     n_blocks = triton.cdiv(n_out, bn) * triton.cdiv(m, bm)
-    common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NORM=norm is not None, ADD=add,
+    args = (x, residual, res_out, nw, weight, weight if bias is None else bias, out, m, k, n_out,
+            weight.stride(0), n_out, float(eps), float(offset))
+    consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NORM=norm is not None, ADD=add,
                   HAS_OFFSET=bool(offset), GATED=gated, ACT=ACTIVATIONS.get(gated_act, 0),
                   HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, STAGES=stages,
                   num_warps=warps, num_stages=stages)
+    classic, persistent = build()
     if per_prog:  # persistent: ceil(blocks / per_prog) programs, each up to per_prog blocks
-        grid = (triton.cdiv(n_blocks, per_prog),)
-        build()[1][grid](x, residual, res_out, nw, weight, weight if bias is None else bias, out,
-                         m, k, n_out, weight.stride(0), n_out, float(eps), float(offset),
-                         **common)
-        return out if norm is None else (out, res_out)
-    grid = (n_blocks,)
-    build()[0][grid](x, residual, res_out, nw, weight, weight if bias is None else bias, out, m, k,
-                  n_out, weight.stride(0), n_out, float(eps), float(offset), BLOCK_M=bm,
-                  BLOCK_N=bn,
-                  BLOCK_K=bk, NORM=norm is not None, ADD=add, HAS_OFFSET=bool(offset),
-                  GATED=gated, ACT=ACTIVATIONS.get(gated_act, 0), HAS_BIAS=bias is not None,
-                  EVEN_K=k % bk == 0, STAGES=stages, num_warps=warps, num_stages=stages,
-                  **launch_options(x.device))
+        persistent[(triton.cdiv(n_blocks, per_prog),)](*args, **consts)
+    else:
+        classic[(n_blocks,)](*args, **consts, **launch_options(x.device))
     if norm is None:
         return out
     return out, res_out
