@@ -39,8 +39,9 @@ EIGHT_BIT = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 # "Decode splits at short contexts"): none by default, kept as a measured option.
 MIN_SPLIT_TOKENS = 0
 # DecodeConfig.fused_merge of choose_config: split launches merge in their last program (one
-# launch a layer instead of two). Off until measured and tested on the GPU (docs/benchmarks.md,
-# "The split merge fused into the split kernel"); the CPU interpreter tests run it.
+# launch a layer instead of two). Correct on the H200 and slower there (batch 1: 0.97x the
+# merge kernel's tok/s at 1k and 16k; docs/benchmarks.md "The split merge fused into the split
+# kernel"): off, kept as a measured option; the CPU interpreter and GPU tests run it.
 FUSED_MERGE = False
 
 
