@@ -78,18 +78,22 @@ def plan_capacity(config: EngineConfig, memory_bytes: int,
     """
     from kvfit.errors import UnsupportedCombinationError
 
+    from kvfit.models.gguf_readers import shared_gguf_readers
+
     rows: list[PlanRow] = []
-    for name in kv_dtypes:
-        try:
-            s = resolve_settings(dataclasses.replace(config, kv_dtype=name), plan_for=device)
-        except UnsupportedCombinationError:
-            if skip_unsupported:
-                continue
-            raise
-        sizing = s.pool_cls.solve_pages(s.layers, s.kv_format, s.page_size,
-                                        s.sizing_limits(memory_bytes))
-        first = rows[0].sizing.tokens if rows else sizing.tokens
-        rows.append(PlanRow(s, sizing, sizing.tokens / first if first else 0.0))
+    with shared_gguf_readers():  # one parse of a GGUF's metadata for every dtype
+        for name in kv_dtypes:
+            try:
+                s = resolve_settings(dataclasses.replace(config, kv_dtype=name),
+                                     plan_for=device)
+            except UnsupportedCombinationError:
+                if skip_unsupported:
+                    continue
+                raise
+            sizing = s.pool_cls.solve_pages(s.layers, s.kv_format, s.page_size,
+                                            s.sizing_limits(memory_bytes))
+            first = rows[0].sizing.tokens if rows else sizing.tokens
+            rows.append(PlanRow(s, sizing, sizing.tokens / first if first else 0.0))
     return rows
 
 

@@ -21,6 +21,7 @@ from kvfit.engine.settings import resolve_settings
 from kvfit.errors import RequestRejected
 from kvfit.kvcache.allocator import PageAllocator
 from kvfit.kvcache.prefix_cache import PrefixCachingAllocator, kv_identity
+from kvfit.models.gguf_readers import shared_gguf_readers
 from kvfit.models.registry import load_tokenizer
 from kvfit.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvfit.sampling_params import SamplingParams
@@ -35,17 +36,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         check_runs_here(config)  # device and named backend: no model read yet
-        self.settings = resolve_settings(config)  # checked before anything is loaded
-        check_memory(self.settings)  # weights vs memory, before the tokenizer and the weights
-        src = self.settings.source
-        try:
-            self.tokenizer = load_tokenizer(src, config.tokenizer)
-        except Exception as e:  # a bare config.json (dummy weights) may come without one
-            if src.kind != "config":
-                raise
-            log.info("no tokenizer for %s (%s): token-id prompts only", config.model, e)
-            self.tokenizer = None
-        self.runner = ModelRunner(self.settings, self.tokenizer)
+        with shared_gguf_readers():  # a GGUF's metadata parsed once for config, tokenizer, weights
+            self._load(config)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.hf_config.vocab_size
         self.config = config = self.settings.config  # page_size resolved
@@ -63,6 +55,20 @@ class LLMEngine:
         self.overlap = config.resolved_async_scheduling
         self._inflight: Optional[InFlightStep] = None  # launched, ids not yet read (overlap)
         self._structured = None  # StructuredOutputs, built on the first structured request
+
+    def _load(self, config: EngineConfig) -> None:
+        """Settings, tokenizer and runner (the model's weights), in that order."""
+        self.settings = resolve_settings(config)  # checked before anything is loaded
+        check_memory(self.settings)  # weights vs memory, before the tokenizer and the weights
+        src = self.settings.source
+        try:
+            self.tokenizer = load_tokenizer(src, config.tokenizer)
+        except Exception as e:  # a bare config.json (dummy weights) may come without one
+            if src.kind != "config":
+                raise
+            log.info("no tokenizer for %s (%s): token-id prompts only", config.model, e)
+            self.tokenizer = None
+        self.runner = ModelRunner(self.settings, self.tokenizer)
 
     def _make_allocator(self) -> PageAllocator:
         """A PrefixCachingAllocator when prefix caching is asked for and the pool can share full

@@ -27,8 +27,11 @@ def main() -> int:
     from kvfit.engine.runner import ModelRunner
     from kvfit.engine.settings import resolve_settings
 
-    runner = ModelRunner(resolve_settings(spec.config), tp_rank=spec.rank,
-                         init_method=spec.init_method)
+    from kvfit.models.gguf_readers import shared_gguf_readers
+
+    with shared_gguf_readers():  # a GGUF's metadata parsed once for config and weights
+        runner = ModelRunner(resolve_settings(spec.config), tp_rank=spec.rank,
+                             init_method=spec.init_method)
     runner.serve_steps()
     return 0
 
