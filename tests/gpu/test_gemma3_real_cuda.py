@@ -5,9 +5,10 @@ float32 compute and KV, over prompts longer than the window (chunked prefill acr
 sliding pages released). Issue 18's real-model check; the shape test with random weights (and
 fp8 KV with bf16 compute) is in test_swa_triton_cuda.py. fp8 KV is not compared here: on this
 model with random-token prompts, whose next-token distributions are flat, bf16 compute alone
-parts the torch backend from its float32 self at the first token, and the triton fp8 kernels'
-16-bit MMAs (q and P rounded to float16 even in float32 compute) swapped a 0.06-wide tie at the
-first token (docs/benchmarks.md, "The real Gemma-3-270M on the GPU").
+parts the torch backend from its float32 self at the first token, and in float32 compute with
+fp8 KV torch and triton swapped a 0.06-wide tie at the first token, not yet explained
+(docs/benchmarks.md, "The real Gemma-3-270M on the GPU"; benchmarks/engine/kv_bytes_diag.py
+is the next check).
 
 The GPU machine cannot download the model: ``KVFIT_GEMMA3_GGUF`` names the file there (staged in
 chunks and checked against ``SHA256`` first, as docs/benchmarks.md describes); elsewhere the
