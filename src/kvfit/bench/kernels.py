@@ -19,20 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 from dataclasses import dataclass
 
-from kvfit.bench.kernels_mla import MLA_LAYOUTS, run_mla_decode, run_mla_prefill
-
-LAYOUTS = {"qwen3-1.7b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128), "smollm2": (9, 3, 64),
-           "gemma3-270m": (4, 1, 256), "gemma3-4b": (8, 4, 256), "gemma3-12b": (16, 8, 256)}
-DEFAULT_LAYOUTS = ("qwen3-1.7b", "llama-3.1-8b", "smollm2", "deepseek-v2-lite")
-# sliding-window layers of a layout: each point also times our kernels with the window (the
-# same cache, read only over the last ``window`` tokens) against the full layer at that context
-WINDOWS = {"gemma3-270m": 512, "gemma3-4b": 1024, "gemma3-12b": 1024}
-L2_BYTES = 60 << 20
+from kvfit.bench.kernels_common import (  # noqa: F401 - re-exported for the benchmarks
+    DEFAULT_LAYOUTS, L2_BYTES, LAYOUTS, WINDOWS, KVSet, _torch_dtype, copy_bandwidth,
+    ours_v_caches, ours_v_layout, page_size, rank_heads, rotating, scale_kwargs)
+from kvfit.bench.kernels_mla import MLA_LAYOUTS, run_mla_decode
+from kvfit.bench.kernels_prefill import run_prefill
 
 
 @dataclass
@@ -70,14 +65,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def rank_heads(layout: str, tp_size: int) -> tuple[int, int, int]:
-    """(query heads, KV heads, head dim) one of ``tp_size`` ranks runs for ``layout``."""
-    from kvfit.parallel.layout import local_kv_heads
-
-    hq, hkv, d = LAYOUTS[layout]
-    return hq // tp_size, local_kv_heads(hkv, tp_size), d
-
-
 def tp_refusals(layouts: list[str], tp_size: int) -> list[str]:
     """Layouts whose heads do not split over ``tp_size`` ranks, with the reason."""
     from kvfit.parallel.layout import head_refusals
@@ -87,106 +74,6 @@ def tp_refusals(layouts: list[str], tp_size: int) -> list[str]:
         hq, hkv = (MLA_LAYOUTS[layout][0], 1) if layout in MLA_LAYOUTS else LAYOUTS[layout][:2]
         out += [f"{layout}: {r}" for r in head_refusals(hq, hkv, tp_size)] if tp_size > 1 else []
     return out
-
-
-def _torch_dtype(name):
-    import torch
-
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16,
-            "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
-            "int8": torch.int8}[name]
-
-
-def copy_bandwidth(device) -> float:
-    """Bytes/s of a 2 GiB device-to-device copy, counting bytes read plus written."""
-    import torch
-    import triton
-
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    return 2 * n / (ms * 1e-3)
-
-
-class KVSet:
-    """R copies of one paged KV problem: caches [pages, Hkv, P, D], a shared block table."""
-
-    def __init__(self, hkv, d, kv_dtype, batch, context, page_size, device, seed=0):
-        import torch
-
-        self.kv_dtype = kv_dtype
-        self.dtype = _torch_dtype(kv_dtype)
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        pages_per_req = -(-context // page_size)
-        self.num_pages = batch * pages_per_req + 1
-        # KV bytes one call must read (int8: the float16 scale of each token and head too)
-        scale_bytes = 2 if self.dtype == torch.int8 else 0
-        self.bytes = 2 * batch * context * hkv * (d * itemsize + scale_bytes)
-        copy_bytes = 2 * self.num_pages * hkv * page_size * d * itemsize
-        self.reps = max(1, min(16, math.ceil(4 * L2_BYTES / copy_bytes)))
-        g = torch.Generator(device=device)
-        g.manual_seed(seed)
-        self.caches = []
-        for _ in range(self.reps):
-            pair = []
-            for _kv in range(2):
-                t = torch.empty((self.num_pages, hkv, page_size, d), dtype=self.dtype, device=device)
-                step = max(1, (1 << 27) // (hkv * page_size * d))
-                for p0 in range(0, self.num_pages, step):
-                    chunk = torch.randn(t[p0:p0 + step].shape, generator=g, device=device)
-                    if self.dtype == torch.int8:
-                        chunk = chunk.mul_(40).round_().clamp_(-127, 127)
-                    t[p0:p0 + step] = chunk.clamp_(-400, 400).to(self.dtype)
-                pair.append(t)
-            self.caches.append(tuple(pair))
-        self.scales = None  # int8: (k, v) float16 scale caches [pages, Hkv, P] per copy
-        if self.dtype == torch.int8:
-            self.scales = [tuple(torch.rand((self.num_pages, hkv, page_size), generator=g,
-                                            device=device).add_(0.5).mul_(0.02).half()
-                                 for _ in range(2)) for _ in range(self.reps)]
-        perm = torch.randperm(self.num_pages - 1, generator=g, device=device).to(torch.int32) + 1
-        self.block_table = perm[: batch * pages_per_req].view(batch, pages_per_req).contiguous()
-        self.kv_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-        self.batch, self.context, self.page_size = batch, context, page_size
-        self.head_dim = d
-        self.pages_per_req = pages_per_req
-
-
-def rotating(fns):
-    """One callable that runs ``fns`` in turn (each call the next copy of the inputs, so timed
-    inputs never sit in L2)."""
-    state = [0]
-
-    def call():
-        fns[state[0] % len(fns)]()
-        state[0] += 1
-
-    return call
-
-
-def page_size(args, kv_dtype: str, head_dim: int) -> int:
-    """--page-size, else the page size the engine picks for this KV dtype and head size."""
-    from kvfit.attention.triton_backend import TritonBackend
-
-    return args.page_size or TritonBackend.default_page_size(kv_dtype, head_dim)
-
-
-def ours_v_layout(kv: KVSet) -> str:
-    """The V page layout the triton backend asks its pool for at this KV dtype."""
-    from kvfit.attention.triton_backend import TritonBackend
-
-    return TritonBackend.v_layout(kv.kv_dtype, kv.page_size, kv.head_dim)
-
-
-def ours_v_caches(kv: KVSet) -> list:
-    """V caches in our backend's layout: HND as filled, or token-minor copies [pages, H, D, P]
-    (same values, so both kernels see identical inputs)."""
-    if ours_v_layout(kv) == "HND":
-        return [c[1] for c in kv.caches]
-    if not hasattr(kv, "v_token_minor"):
-        kv.v_token_minor = [c[1].transpose(2, 3).contiguous() for c in kv.caches]
-    return kv.v_token_minor
 
 
 def time_ours_decode(kv: KVSet, hq, d, cfg, window=None) -> float:
@@ -220,13 +107,6 @@ def fi_decode_wrappers(kv: KVSet, hq, hkv, d, use_tc, q_dtype):
     w.plan(indptr, kv.block_table.flatten(), last, hq, hkv, d, kv.page_size,
            q_data_type=q_dtype, kv_data_type=kv.dtype, sm_scale=d ** -0.5)
     return w, ws
-
-
-def scale_kwargs(kv: KVSet, i: int) -> dict:
-    """The int8 scale-cache arguments of copy ``i`` (none for other dtypes)."""
-    if kv.scales is None:
-        return {}
-    return {"k_scale_cache": kv.scales[i][0], "v_scale_cache": kv.scales[i][1]}
 
 
 def time_fi_decode(kv: KVSet, hq, hkv, d, use_tc) -> float:
@@ -320,89 +200,6 @@ def _print_decode(r):
     if "swa_us" in r:
         s += f" | window {r['window']}: {r['swa_us']:9.1f} us, swa/full {r['swa_over_full']:.2f}"
     print(s, flush=True)
-
-
-def time_ours_prefill(kv: KVSet, hq, d, q_len, window=None):
-    import torch
-    import triton
-
-    from kvfit.kernels.prefill import order_prefill_blocks, paged_prefill, prefill_config
-
-    hkv = kv.caches[0][0].shape[1]
-    cfg = prefill_config(d, torch.bfloat16, kv.dtype)
-    blocks = order_prefill_blocks([q_len] * kv.batch, hq // hkv, cfg.block_m, "cuda")
-    cu = torch.arange(0, kv.batch + 1, dtype=torch.int32, device="cuda") * q_len
-    q = torch.randn(kv.batch * q_len, hq, d, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty_like(q)
-    vcs = ours_v_caches(kv)
-    v_t = ours_v_layout(kv) == "HDN"
-    fns = [lambda i=i: paged_prefill(q, kv.caches[i][0], vcs[i], kv.block_table, cu,
-                                     kv.kv_lens, blocks, cfg, out, d ** -0.5, window=window,
-                                     v_t=v_t, **scale_kwargs(kv, i))
-           for i in range(kv.reps)]
-    return triton.testing.do_bench(rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3
-
-
-def time_fi_prefill(kv: KVSet, hq, d, q_len):
-    import flashinfer
-    import torch
-    import triton
-
-    hkv = kv.caches[0][0].shape[1]
-    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "HND", backend="fa2")
-    qo = torch.arange(0, kv.batch + 1, dtype=torch.int32, device="cuda") * q_len
-    indptr = torch.arange(0, kv.batch + 1, dtype=torch.int32, device="cuda") * kv.pages_per_req
-    last = torch.full((kv.batch,), (kv.context - 1) % kv.page_size + 1, dtype=torch.int32,
-                      device="cuda")
-    w.plan(qo, indptr, kv.block_table.flatten(), last, hq, hkv, d, kv.page_size, causal=True,
-           sm_scale=d ** -0.5, q_data_type=torch.bfloat16, kv_data_type=kv.dtype)
-    q = torch.randn(kv.batch * q_len, hq, d, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty_like(q)
-    fns = [lambda i=i: w.run(q, kv.caches[i], out=out) for i in range(kv.reps)]
-    return triton.testing.do_bench(rotating(fns), warmup=25, rep=150, return_mode="median") * 1e3
-
-
-def run_prefill(args, device, results):
-    for layout in args.layouts.split(","):
-        if layout in MLA_LAYOUTS:
-            run_mla_prefill(args, layout, device, results)
-            continue
-        hq, hkv, d = rank_heads(layout, args.tensor_parallel_size)
-        for ctx in map(int, args.prefill_contexts.split(",")):
-            b = max(1, 16384 // ctx)
-            for kvd in args.kv_dtypes.split(","):
-                kv = KVSet(hkv, d, kvd, b, ctx, page_size(args, kvd, d), device)
-                flops = b * 4 * hq * d * ctx * (ctx + 1) / 2
-                rec = {"kind": "prefill", "layout": layout, "kv_dtype": kvd, "batch": b,
-                       "context": ctx, "flops": flops, "page_size": kv.page_size}
-                rec["ours_us"] = time_ours_prefill(kv, hq, d, ctx)
-                window = WINDOWS.get(layout)
-                if window:
-                    rec["window"] = window
-                    rec["swa_us"] = time_ours_prefill(kv, hq, d, ctx, window)
-                    rec["swa_over_full"] = rec["swa_us"] / rec["ours_us"]
-                if kvd == "int8":
-                    rec["fi_error"] = "FlashInfer reads no int8 KV pages"
-                elif not args.no_fi:
-                    try:
-                        rec["fi_us"] = time_fi_prefill(kv, hq, d, ctx)
-                    except Exception as e:
-                        rec["fi_error"] = f"{type(e).__name__}: {e}"[:300]
-                for who in ("ours", "fi"):
-                    if f"{who}_us" in rec:
-                        rec[f"{who}_tflops"] = flops / (rec[f"{who}_us"] * 1e-6) / 1e12
-                s = (f"prefill {layout:>13} {kvd:>9} b={b:<3} len={ctx:<6} ours "
-                     f"{rec['ours_us']:9.1f} us {rec['ours_tflops']:6.1f} TFLOP/s")
-                if "fi_us" in rec:
-                    s += (f" | fi {rec['fi_us']:9.1f} us {rec['fi_tflops']:6.1f} TFLOP/s"
-                          f" | ours/fi time {rec['ours_us'] / rec['fi_us']:.2f}")
-                if "swa_us" in rec:
-                    s += (f" | window {rec['window']}: {rec['swa_us']:9.1f} us, swa/full "
-                          f"{rec['swa_over_full']:.2f}")
-                print(s, flush=True)
-                results.append(rec)
-                del kv
 
 
 def plot(results, path):
