@@ -10,7 +10,8 @@ float32 KV). Usage (GPU machine, the GGUF staged):
     KVFIT_GEMMA3_GGUF=/tmp/stage/g.gguf PYTHONPATH=src python3 benchmarks/engine/kv_bytes_diag.py \
         [--kv-dtype fp8_e4m3] [--dtype float32] [--tokens 256] [--backends torch,triton]
 (``--device cpu --backends torch,torch`` checks the script itself on a CPU machine: no
-difference.)
+difference. ``--backends torch,torch --device cuda,cpu`` compares the reference backend on the
+GPU with itself on the CPU.)
 Prints one line per layer: kind, max |k_a - k_b| / max |k_a|, the fraction of differing
 elements, the same for v.
 """
@@ -57,16 +58,17 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--backends", default="torch,triton", help="a,b")
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default="cuda", help="one device, or a,b (e.g. cuda,cpu)")
     args = p.parse_args()
     path = os.environ["KVFIT_GEMMA3_GGUF"]
     be_a, be_b = args.backends.split(",")
+    dev_a, dev_b = (args.device.split(",") * 2)[:2]
     g = torch.Generator().manual_seed(7)
     prompt = torch.randint(5, 262000, (700,), generator=g).tolist()
-    a = _stored(path, be_a, args.kv_dtype, args.dtype, prompt, args.tokens, args.device)
-    b = _stored(path, be_b, args.kv_dtype, args.dtype, prompt, args.tokens, args.device)
+    a = _stored(path, be_a, args.kv_dtype, args.dtype, prompt, args.tokens, dev_a)
+    b = _stored(path, be_b, args.kv_dtype, args.dtype, prompt, args.tokens, dev_b)
     print(f"{args.kv_dtype} KV, {args.dtype} compute, the first {args.tokens} tokens' K/V, "
-          f"{be_a} (a) against {be_b} (b)")
+          f"{be_a} on {dev_a} (a) against {be_b} on {dev_b} (b)")
     for lid, ((kind, ka, va), (_, kb, vb)) in enumerate(zip(a, b)):
         cells = []
         for x, y in ((ka, kb), (va, vb)):
