@@ -73,3 +73,26 @@ def test_bad_flags_are_clear_errors(tmp_path, capsys):
               "100", "--num-iters-warmup", "0", "--num-iters", "1"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "exceeds the context of 512 tokens" in err
+
+
+def test_the_engine_is_built_for_the_batch(tmp_path, monkeypatch):
+    """max_num_seqs is capped at --batch-size (never more requests at once): at batch 1 the
+    engine resolves --decode-gemv auto as it does for `kvfit generate` with one prompt; an
+    explicit smaller --max-num-seqs is kept."""
+    from kvfit import llm as llm_mod
+
+    seen = []
+    real = llm_mod.LLM.__init__
+
+    def spy(self, *a, **kw):
+        seen.append(kw["max_num_seqs"])
+        real(self, *a, **kw)
+
+    monkeypatch.setattr(llm_mod.LLM, "__init__", spy)
+    base = ["--model", tiny_config(tmp_path), *TINY, "--input-len", "8", "--output-len", "3",
+            "--num-iters-warmup", "0", "--num-iters", "1", "--output-json",
+            str(tmp_path / "l.json")]
+    assert main([*base, "--batch-size", "1"]) == 0
+    assert main([*base, "--batch-size", "3", "--max-num-seqs", "2"]) == 0
+    assert seen == [1, 2]
+
