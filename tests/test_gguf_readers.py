@@ -70,3 +70,27 @@ def test_a_rewritten_file_is_parsed_again_and_a_damaged_one_is_not_cached(tmp_pa
         for _ in range(2):
             with pytest.raises(Exception):
                 gguf.GGUFReader(str(bad))
+
+
+def test_a_result_is_built_once_per_file_inside_and_handed_out_as_copies(tmp_path):
+    from kvfit.models.gguf_readers import shared_result
+
+    a = tmp_path / "a.gguf"
+    _write(a)
+    builds = []
+
+    def build():
+        builds.append(1)
+        return {"layers": [1, 2]}
+
+    first = shared_result(a, "cfg", build)  # outside: built every call
+    assert shared_result(a, "cfg", build) == first and len(builds) == 2
+    with shared_gguf_readers():
+        x = shared_result(str(a), "cfg", build)
+        x["layers"].append(3)  # a caller's change never reaches the next caller
+        y = shared_result(a, "cfg", build)
+        assert y == {"layers": [1, 2]} and y is not x and len(builds) == 3
+        shared_result(a, "other", build)  # another value of the same file: built
+        assert len(builds) == 4
+    shared_result(a, "cfg", build)  # dropped on leaving: built again
+    assert len(builds) == 5

@@ -8,21 +8,26 @@ the Gemma-3-270M GGUF's 124-s load (docs/benchmarks.md, "GGUF loading").
 
 Inside ``shared_gguf_readers()`` every ``gguf.GGUFReader(path)`` (ours and transformers', which
 imports the name from ``gguf`` when it runs) returns one reader per file (same real path, size
-and modification time), read-only; on leaving the outermost block the readers are dropped (their
-parsed fields are large) and ``gguf.GGUFReader`` is the library's class again. Re-entrant;
-owns the cache and the module attribute while inside, nothing after.
+and modification time), read-only, and ``shared_result(path, what, build)`` builds a value once
+per file (the HF config, which transformers converts from all the metadata, 262k tokens
+included, on every call: ``kvfit plan`` asks once per KV dtype) and hands out deep copies; on
+leaving the outermost block both are dropped (the parsed fields are large) and
+``gguf.GGUFReader`` is the library's class again. Re-entrant; owns the caches and the module
+attribute while inside, nothing after.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import threading
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 _lock = threading.Lock()
 _depth = 0
 _readers: dict = {}
+_results: dict = {}
 _original = None
 
 
@@ -69,6 +74,24 @@ def shared_gguf_readers() -> Iterator[None]:
             if _depth == 0:
                 gguf.GGUFReader = _original
                 _readers.clear()
+                _results.clear()
+
+
+def shared_result(path, what: str, build: Callable[[], Any]) -> Any:
+    """``build()`` for the GGUF file ``path``: inside ``shared_gguf_readers`` once per (file,
+    ``what``), each call returning a deep copy (callers may change what they get); outside, a
+    fresh ``build()`` every call."""
+    if _depth == 0:
+        return build()
+    key = (*_key(path), what)
+    with _lock:
+        hit = key in _results
+        value = _results.get(key)
+    if not hit:
+        value = build()  # may raise: nothing is cached
+        with _lock:
+            value = _results.setdefault(key, value)
+    return copy.deepcopy(value)
 
 
 def parses_shared() -> bool:

@@ -154,7 +154,10 @@ def load_hf_config(src: ModelSource):
         validate.check_raw_config(raw, where, sorted(MODEL_CLASSES))
     try:
         if src.kind == "gguf":
-            cfg = AutoConfig.from_pretrained(src.directory, gguf_file=os.path.basename(src.path))
+            from kvfit.models.gguf_readers import shared_result
+
+            cfg = shared_result(src.path, "hf_config", lambda: AutoConfig.from_pretrained(
+                src.directory, gguf_file=os.path.basename(src.path)))
         elif src.kind == "config":
             from transformers import CONFIG_MAPPING
 
