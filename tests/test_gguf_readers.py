@@ -10,7 +10,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from kvfit.models.gguf_readers import parses_shared, shared_gguf_readers  # noqa: E402
+from kvfit.models.gguf_readers import shared_gguf_readers  # noqa: E402
 
 
 def _write(path, n_tokens: int = 50, seed: int = 0):
@@ -39,18 +39,18 @@ def test_one_parse_per_file_inside_and_the_class_back_outside(tmp_path, monkeypa
 
     monkeypatch.setattr(gguf, "GGUFReader", Counting)
     with shared_gguf_readers():
-        assert parses_shared()
+        assert gguf.GGUFReader is not Counting
         from gguf import GGUFReader  # as transformers imports it, at call time
 
         r1 = GGUFReader(str(a))
         with shared_gguf_readers():  # nested: the same readers
             r2 = gguf.GGUFReader(a)  # a Path names the same file
         r3 = GGUFReader(str(b))
-        assert r1 is r2 and r3 is not r1 and parses_shared()
+        assert r1 is r2 and r3 is not r1 and gguf.GGUFReader is not Counting
         assert bytes(r1.fields["general.architecture"].parts[-1]).decode() == "llama"
         assert len(r1.tensors) == 1 and r1.tensors[0].name == "token_embd.weight"
         assert gguf.GGUFReader(str(a), "r+") is not r1  # a writable mode is never shared
-    assert gguf.GGUFReader is Counting and not parses_shared()
+    assert gguf.GGUFReader is Counting
     assert parses == [str(a), str(b), str(a)]
     with shared_gguf_readers():  # a new block parses again (the readers were dropped)
         assert gguf.GGUFReader(str(a)) is not r1

@@ -233,7 +233,7 @@ def main() -> None:
         from kvfit.bench import seed
 
         fill = getattr(seed, "fill_pool", None) or getattr(seed, "_fill_pool")
-    from kvfit.bench.kernels import copy_bandwidth
+    from kvfit.bench.kernels_common import copy_bandwidth
 
     points = [tuple(int(v) for v in s.split("x")) for s in args.points.split(",")]
     bw = copy_bandwidth(torch.device("cuda"))

@@ -2,6 +2,7 @@
 flags): ``python3 benchmarks/engine/with_knobs.py 'module:attr=value;...' TILES|- kvfit-args...``.
 TILES: a ``gemv_persistent_sweep.py --json`` file whose tiles go into ``gemv.GEMV_CONFIG``, or
 ``-``. Example: ``... 'kvfit.kernels.decode:FUSED_MERGE=True' - bench latency --model ...``."""
+import ast
 import importlib
 import json
 import sys
@@ -9,7 +10,7 @@ import sys
 for item in filter(None, sys.argv[1].split(";")):
     mod, rest = item.split(":")
     attr, val = rest.split("=")
-    setattr(importlib.import_module(mod), attr, eval(val))
+    setattr(importlib.import_module(mod), attr, ast.literal_eval(val))
     print("set", mod, attr, val, flush=True)
 if sys.argv[2] != "-":
     from kvfit.kernels import gemv

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from kvfit.bench.kernels import LAYOUTS, KVSet, scale_kwargs
+from kvfit.bench.kernels_common import LAYOUTS, KVSet, scale_kwargs
 from kvfit.kernels.decode import DecodeConfig, choose_config, paged_decode
 
 from graph_timing import graph_us  # benchmarks/kernels/, the script's own folder

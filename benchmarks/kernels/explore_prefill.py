@@ -14,8 +14,9 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "../../src"))
-from kvfit.bench.kernels import (LAYOUTS, KVSet, ours_v_caches, ours_v_layout,  # noqa: E402
-                                 time_fi_prefill)
+from kvfit.bench.kernels_common import (LAYOUTS, KVSet, ours_v_caches,  # noqa: E402
+                                        ours_v_layout)
+from kvfit.bench.kernels_prefill import time_fi_prefill  # noqa: E402
 from kvfit.attention.triton_backend import TritonBackend  # noqa: E402
 from kvfit.kernels.prefill import PrefillConfig, order_prefill_blocks, paged_prefill  # noqa: E402
 

@@ -17,7 +17,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "../../src"))
-from kvfit.bench.kernels import LAYOUTS, KVSet, rotating, copy_bandwidth  # noqa: E402
+from kvfit.bench.kernels_common import LAYOUTS, KVSet, rotating, copy_bandwidth  # noqa: E402
 from kvfit.kernels import decode  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,15 +1,16 @@
 """The batch-1 megakernel question, measured: a model's per-layer products (qkv, o, gate/up,
 down; plain GEMVs, no norms) as separate GEMV kernels in a CUDA graph, against one persistent
-launch that walks them with grid-wide counts (``gemv_chain_kernel.py`` beside this script), per layer and for the
-whole model in one launch, with and without an L2 prefetch of the next product's rows.
+launch that walks them with grid-wide counts (``gemv_chain_kernel.py`` beside this script), per
+layer and for the whole model in one launch, with and without an L2 prefetch of the next
+product's rows.
 
 Usage: python3 gemv_chain_bench.py [--model CONFIG.json] [--layers L] [--variants V,...]
-Variant: ``SCOPE:programs_per_sm:stages:[e]prefetch_blocks:warps[:tiles]`` (``e``: the next
-product's blocks asked of L2 at the start of the current one, else before its wait) with SCOPE ``model`` (one
-launch of all layers) or ``layer`` (one launch per layer), tiles ``a`` (8x512 everywhere, down
-4x512) or ``b`` (16x256 / 4x512). Prints one table: us per step (the layers' products), TB/s
-on the weight bytes, ratio to the separate kernels; checks every variant's output against the
-separate kernels' and that no wait timed out.
+Variant: ``SCOPE:programs_per_sm:stages:[e]prefetch_blocks:warps[:tiles]``; SCOPE ``model``
+(one launch of all layers) or ``layer`` (one launch per layer); ``e``: the next product's
+blocks asked of L2 at the start of the current one, else just before its wait; tiles one of
+``TILES`` (BN x BK per product, default ``a``). Prints one table: us per step (the layers'
+products), TB/s on the weight bytes, ratio to the separate kernels; checks every variant's
+output against the separate kernels' and that no wait timed out.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ import os
 
 import torch
 
+from kvfit.bench.configs import config_path
+
 from kvfit.kernels.gemv import gemv
 
 from gemv_bench import timed  # benchmarks/kernels/, the script's own folder
 from gemv_chain_kernel import resident_programs, run_chain
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-MODEL = os.path.join(HERE, "..", "..", "src", "kvfit", "bench", "configs", "qwen3-1.7b.json")
+MODEL = config_path("qwen3-1.7b")
 TILES = {"a": [(8, 512), (8, 256), (8, 512), (4, 512)],
          "b": [(16, 256), (16, 256), (16, 256), (4, 512)],
          "c": [(4, 512), (4, 512), (4, 512), (2, 1024)]}

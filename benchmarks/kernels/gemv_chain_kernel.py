@@ -28,17 +28,17 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton.language as tl
 
 from kvfit.kernels.interpret import expose_for_interpreter, interpreting
 
-SPIN_LIMIT = 1 << 18  # polls before a wait gives up and flags the launch (never a hang)
+SPIN_LIMIT = tl.constexpr(1 << 18)  # polls before a wait gives up and flags the launch
 
 
 @functools.cache
 def build():
     """The jitted chain kernel, built once per process on first use."""
     import triton
-    import triton.language as tl
 
     if interpreting():
         @triton.jit
@@ -66,7 +66,7 @@ def build():
         # spin until CNT[idx] >= target (acquire); a bounded spin flags ERR instead of hanging
         c = tl.atomic_add(CNT + idx, 0, sem="acquire", scope="gpu")
         n = 0
-        while (c < target) & (n < 262144):  # SPIN_LIMIT
+        while (c < target) & (n < SPIN_LIMIT):
             c = tl.load(CNT + idx, volatile=True)
             n += 1
         if c < target:

@@ -14,7 +14,8 @@ import torch
 import triton
 
 from kvfit.attention.triton_backend import TritonBackend
-from kvfit.bench.kernels import LAYOUTS, KVSet, rotating, ours_v_caches, ours_v_layout
+from kvfit.bench.kernels_common import (LAYOUTS, KVSet, ours_v_caches, ours_v_layout,
+                                        rotating)
 from kvfit.kernels.decode import choose_config, paged_decode
 
 POINTS = [("smollm2", 8, 16384), ("smollm2", 32, 16384), ("smollm2", 128, 4096),

@@ -16,7 +16,8 @@ import sys
 import torch
 
 from kvfit.attention.triton_backend import TritonBackend
-from kvfit.bench.kernels import LAYOUTS, KVSet, ours_v_caches, ours_v_layout, scale_kwargs
+from kvfit.bench.kernels_common import (LAYOUTS, KVSet, ours_v_caches, ours_v_layout,
+                                        scale_kwargs)
 from kvfit.kernels.decode import choose_config, paged_decode
 
 from graph_timing import graph_us  # benchmarks/kernels/, the script's own folder

@@ -39,7 +39,7 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
-    from kvfit.bench.kernels import copy_bandwidth
+    from kvfit.bench.kernels_common import copy_bandwidth
     from kvfit.bench.kernels_mla import (LatentSet, time_mla_decode, time_mla_prefill,
                                          warm_mla_decode)
     from kvfit.kernels.mla import MLAConfig, decode_config, prefill_config

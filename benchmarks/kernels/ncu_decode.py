@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from kvfit.bench.kernels import LAYOUTS, KVSet
+from kvfit.bench.kernels_common import LAYOUTS, KVSet
 from kvfit.kernels.decode import choose_config, paged_decode
 
 which = sys.argv[1]

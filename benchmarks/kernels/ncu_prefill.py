@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from kvfit.bench.kernels import KVSet, ours_v_caches, ours_v_layout
+from kvfit.bench.kernels_common import KVSet, ours_v_caches, ours_v_layout
 from kvfit.kernels.prefill import (PrefillConfig, order_prefill_blocks, paged_prefill,
                                    prefill_config)
 

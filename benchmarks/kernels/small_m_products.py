@@ -20,12 +20,13 @@ import json
 import os
 
 import torch
+
+from kvfit.bench.configs import config_path
 import torch.nn.functional as F
 
 from gemv_bench import timed  # benchmarks/kernels/, the script's own folder
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-MODEL = os.path.join(HERE, "..", "..", "src", "kvfit", "bench", "configs", "qwen3-1.7b.json")
+MODEL = config_path("qwen3-1.7b")
 
 
 def main() -> None:

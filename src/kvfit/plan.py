@@ -77,7 +77,6 @@ def plan_capacity(config: EngineConfig, memory_bytes: int,
     on a model whose pool does not store int4) instead of raising.
     """
     from kvfit.errors import UnsupportedCombinationError
-
     from kvfit.models.gguf_readers import shared_gguf_readers
 
     rows: list[PlanRow] = []

@@ -21,10 +21,9 @@ import os
 import sys
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_swa_triton_cuda import _generate, _prompts  # noqa: E402
+from test_swa_triton_cuda import check_triton_equals_torch  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -53,37 +52,8 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _llm(path, backend, kv_dtype, eager, dtype):
-    from kvfit.attention.registry import unavailable_reason
-    from kvfit.llm import LLM
-
-    why = unavailable_reason(backend, "cuda")
-    if why:
-        pytest.skip(why)
-    return LLM(path, attention_backend=backend, kv_dtype=kv_dtype, dtype=dtype, device="cuda",
-               enforce_eager=eager, num_pages=160, max_model_len=1200,
-               max_num_batched_tokens=256, max_num_seqs=8, cuda_graph_max_bs=4, seed=3)
-
-
 @pytest.mark.parametrize("kv_dtype,dtype,gap", [("float32", "float32", 1e-4)])
 def test_real_gemma3_270m_greedy_triton_equals_torch(kv_dtype, dtype, gap):
     path = _gguf()
     assert _sha256(path) == SHA256, "the staged GGUF is not the Gemma-3-270M file"
-    prompts = _prompts()
-    llm = _llm(path, "torch", kv_dtype, True, dtype)
-    ref = _generate(llm, prompts, 40)
-    del llm
-    torch.cuda.empty_cache()
-    for eager in (True, False):
-        llm = _llm(path, "triton", kv_dtype, eager, dtype)
-        assert (llm.engine.runner.graphs is None) == eager
-        got = _generate(llm, prompts, 40)
-        del llm
-        torch.cuda.empty_cache()
-        for (rt, rlp), (gt, glp) in zip(ref, got):
-            i = next((j for j, (a, b) in enumerate(zip(rt, gt)) if a != b), None)
-            for j in range(len(rt) if i is None else i):
-                assert abs(rlp[j][rt[j]] - glp[j][gt[j]]) < 10 * gap, (eager, j)
-            if i is not None:
-                top = sorted(rlp[i].values(), reverse=True)
-                assert top[0] - top[1] < gap, (eager, i, rt, gt, rlp[i], glp[i])
+    check_triton_equals_torch(kv_dtype, dtype, gap, model=path)

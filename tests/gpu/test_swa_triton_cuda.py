@@ -62,7 +62,9 @@ def test_triton_swa_long_context_split_decode(kv_dtype):
     assert max(errs) < 2e-2, errs
 
 
-def _gemma_llm(backend, kv_dtype, eager, dtype):
+def gemma_llm(backend, kv_dtype, eager, dtype, model=None):
+    """An engine of Gemma-3-270M on the GPU: ``model`` (a GGUF path, the real weights), else the
+    shipped config with random weights."""
     from kvfit.attention.registry import unavailable_reason
     from kvfit.bench.configs import config_path
     from kvfit.llm import LLM
@@ -70,7 +72,8 @@ def _gemma_llm(backend, kv_dtype, eager, dtype):
     why = unavailable_reason(backend, "cuda")
     if why:
         pytest.skip(why)
-    return LLM(config_path("gemma3-270m"), load_format="dummy", attention_backend=backend,
+    weights = {"load_format": "dummy"} if model is None else {}
+    return LLM(model or config_path("gemma3-270m"), **weights, attention_backend=backend,
                kv_dtype=kv_dtype, dtype=dtype, device="cuda", enforce_eager=eager,
                num_pages=160, max_model_len=1200, max_num_batched_tokens=256, max_num_seqs=8,
                cuda_graph_max_bs=4, seed=3)
@@ -96,13 +99,21 @@ def test_gemma3_270m_shape_greedy_triton_equals_torch(kv_dtype, dtype, gap):
     """float32: the same greedy tokens (the engine's whole path: chunked prefill across the
     window, sliding pages released, CUDA-graph decode with the sliding tables). bf16 + fp8:
     tokens may differ only after a near tie of the reference (rounding of the attention)."""
+    check_triton_equals_torch(kv_dtype, dtype, gap)
+
+
+def check_triton_equals_torch(kv_dtype, dtype, gap, model=None):
+    """``gemma_llm(model=model)``'s 40 greedy tokens of ``_prompts()`` on the triton backend,
+    eager and with CUDA graphs, against the torch backend's: the chosen tokens' logprobs within
+    10 x ``gap`` up to the first different token, which must follow a near tie (top-2 gap of
+    the reference < ``gap``)."""
     prompts = _prompts()
-    llm = _gemma_llm("torch", kv_dtype, True, dtype)
+    llm = gemma_llm("torch", kv_dtype, True, dtype, model)
     ref = _generate(llm, prompts, 40)
     del llm
     torch.cuda.empty_cache()
     for eager in (True, False):
-        llm = _gemma_llm("triton", kv_dtype, eager, dtype)
+        llm = gemma_llm("triton", kv_dtype, eager, dtype, model)
         assert (llm.engine.runner.graphs is None) == eager
         got = _generate(llm, prompts, 40)
         del llm

@@ -23,9 +23,9 @@ import os
 import time
 from dataclasses import dataclass
 
-from kvfit.bench.kernels_common import (  # noqa: F401 - re-exported for the benchmarks
-    DEFAULT_LAYOUTS, L2_BYTES, LAYOUTS, WINDOWS, KVSet, _torch_dtype, copy_bandwidth,
-    ours_v_caches, ours_v_layout, page_size, rank_heads, rotating, scale_kwargs)
+from kvfit.bench.kernels_common import (DEFAULT_LAYOUTS, LAYOUTS, WINDOWS, KVSet, _torch_dtype,
+                                        copy_bandwidth, ours_v_caches, ours_v_layout, page_size,
+                                        rank_heads, rotating, scale_kwargs)
 from kvfit.bench.kernels_mla import MLA_LAYOUTS, run_mla_decode
 from kvfit.bench.kernels_prefill import run_prefill
 

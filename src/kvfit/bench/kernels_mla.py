@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 
+from kvfit.bench.kernels_common import L2_BYTES
+
 # heads, kv_lora_rank, qk_rope_head_dim (config.json of DeepSeek-V2-Lite / DeepSeek-V2)
 MLA_LAYOUTS = {"deepseek-v2-lite": (16, 512, 64), "deepseek-v2": (128, 512, 64)}
-L2_BYTES = 60 << 20
 
 
 class LatentSet:

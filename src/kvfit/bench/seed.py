@@ -272,7 +272,7 @@ def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     import torch
 
-    from kvfit.bench.kernels import copy_bandwidth
+    from kvfit.bench.kernels_common import copy_bandwidth
 
     if not torch.cuda.is_available():
         print("kvfit bench seed needs a CUDA GPU")

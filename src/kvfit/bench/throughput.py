@@ -77,7 +77,7 @@ def measure_ceilings(device) -> dict:
     import torch
     import triton
 
-    from kvfit.bench.kernels import copy_bandwidth
+    from kvfit.bench.kernels_common import copy_bandwidth
 
     bw = copy_bandwidth(device)
     n = 8192

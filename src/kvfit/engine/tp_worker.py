@@ -26,7 +26,6 @@ def main() -> int:
                         format=f"%(asctime)s %(levelname)s kvfit[tp rank {spec.rank}]: %(message)s")
     from kvfit.engine.runner import ModelRunner
     from kvfit.engine.settings import resolve_settings
-
     from kvfit.models.gguf_readers import shared_gguf_readers
 
     with shared_gguf_readers():  # a GGUF's metadata parsed once for config and weights

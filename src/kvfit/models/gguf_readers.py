@@ -4,7 +4,7 @@ Loading a GGUF model reads its header four times: kvfit's file check (``validate
 config and the tokenizer (transformers' ``load_gguf_checkpoint``, twice) and the weights
 (``weights.iter_gguf``). ``gguf.GGUFReader`` parses every metadata field at construction, and a
 262k-token vocabulary (Gemma 3) is ~3 million numpy views: ~23 s per parse on a 2-core CPU, 92 of
-the Gemma-3-270M GGUF's 124-s load (docs/benchmarks.md, "GGUF loading").
+the Gemma-3-270M GGUF's 124-s load under cProfile (docs/benchmarks.md, "Loading a GGUF").
 
 Inside ``shared_gguf_readers()`` every ``gguf.GGUFReader(path)`` (ours and transformers', which
 imports the name from ``gguf`` when it runs) returns one reader per file (same real path, size
@@ -93,7 +93,3 @@ def shared_result(path, what: str, build: Callable[[], Any]) -> Any:
             value = _results.setdefault(key, value)
     return copy.deepcopy(value)
 
-
-def parses_shared() -> bool:
-    """True inside ``shared_gguf_readers`` (tests)."""
-    return _depth > 0
