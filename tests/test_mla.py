@@ -15,7 +15,7 @@ from kvfit.kvcache.allocator import PageAllocator
 from kvfit.kvcache.dtypes import kv_format
 from kvfit.kvcache.mla import MLAKVCache
 from kvfit.kvcache.registry import resolve_pool_class
-from kvfit.kvcache.spec import spec_kv_bytes_per_token
+from kvfit.kvcache.spec import KVLayerSpec, spec_kv_bytes_per_token
 from kvfit.models.deepseek_v2 import DeepseekV2ForCausalLM
 from kvfit.models.weights import WeightSink
 
@@ -25,6 +25,8 @@ PAGE = 4
 
 
 def _tiny_cfg(variant: str):
+    """A tiny DeepSeek-V2 config: "lite" (V2-Lite's features), "v2" (V2's), "slab576" (lite
+    with DeepSeek's real 512 + 64 latent slab and 16 heads, the only slab FlashInfer's MLA reads)."""
     import transformers
 
     common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -32,6 +34,9 @@ def _tiny_cfg(variant: str):
                   v_head_dim=16, moe_intermediate_size=24, n_routed_experts=8,
                   num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=1,
                   max_position_embeddings=256, rms_norm_eps=1e-6)
+    if variant == "slab576":
+        common.update(num_attention_heads=16, kv_lora_rank=512, qk_rope_head_dim=64)
+        variant = "lite"
     if variant == "lite":  # V2-Lite: no q LoRA, greedy routing, YaRN
         cfg = transformers.DeepseekV2Config(
             q_lora_rank=None, topk_method="greedy",
@@ -198,10 +203,65 @@ def test_guard_refuses_mla_on_backends_without_it():
         for page in (16, 32):
             check_combination("triton", MLAKVCache, kv_format(name), page, "cuda", layers,
                               assume_installed=True)
+    # FlashInfer's MLA kernels read only DeepSeek's 512 + 64 slabs: the tiny model's are refused
     with pytest.raises(UnsupportedCombinationError) as e:
         check_combination("fi", MLAKVCache, fmt, PAGE, "cuda", layers, assume_installed=True)
-    assert "fi does not support the MLAKVCache pool" in str(e.value)
+    assert f"fi does not support head_dim [{layers[0].head_dim}]" in str(e.value)
+    assert "(supports 576)" in str(e.value)
     assert "triton" in str(e.value)  # named as the backend that works
+
+
+def test_guard_and_auto_take_flashinfer_mla_for_deepseek_slabs():
+    """V2-Lite's slabs (512 + 64): fi reads 16-bit and e4m3 latents and refuses e5m2 naming
+    triton; ``auto`` keeps triton for every MLA pool (fi measured faster only for batched
+    16-bit decode, slower at batch 1 and for fp8: docs/benchmarks.md)."""
+    from kvfit.attention.registry import select_backend
+    from kvfit.engine.guard import check_combination
+    from kvfit.errors import UnsupportedCombinationError
+
+    layers = [KVLayerSpec("mla", 1, 576) for _ in range(3)]
+    for name in ("bfloat16", "float16", "fp8_e4m3"):
+        for page in (16, 32, 64):
+            check_combination("fi", MLAKVCache, kv_format(name), page, "cuda", layers,
+                              assume_installed=True)
+    with pytest.raises(UnsupportedCombinationError) as e:
+        check_combination("fi", MLAKVCache, kv_format("fp8_e5m2"), 16, "cuda", layers,
+                          assume_installed=True)
+    msg = str(e.value)
+    assert "fi does not read fp8_e5m2 KV in the MLAKVCache pool" in msg
+    assert "--attention-backend triton" in msg and "these backends support it: torch, triton" in msg
+
+    def auto(kvd, slab=576):
+        return select_backend("auto", "cuda", "MLAKVCache", kvd, slab, assume_installed=True)
+
+    assert auto("bfloat16") == "triton" and auto("float16") == "triton"
+    assert auto("fp8_e4m3") == "triton" and auto("fp8_e5m2") == "triton"
+    assert auto("bfloat16", slab=80) == "triton"
+    # MHA pools keep their choices
+    assert select_backend("auto", "cuda", "MHAKVCache", "bfloat16", 64,
+                          assume_installed=True) == "fi"
+    assert select_backend("auto", "cuda", "MHAKVCache", "fp8_e4m3", 128,
+                          assume_installed=True) == "triton"
+
+
+def engine_greedy(tmp_path, variant, seed, device, **llm_kw):
+    """A tiny DeepSeek-V2 (``_hf_and_ours(variant, seed)``) saved to ``tmp_path`` and run by
+    ``kvfit.LLM`` (``llm_kw``: backend, dtype, graphs): three random prompts, 12 greedy tokens
+    each. Returns (cfg, the HF model on ``device``, prompts, token lists, the LLM)."""
+    from test_gemma3 import tiny_tokenizer_dir
+
+    from kvfit import LLM, SamplingParams
+
+    cfg, hf, _ = _hf_and_ours(variant, seed=seed)
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    tiny_tokenizer_dir(tmp_path, cfg.vocab_size)
+    llm = LLM(str(tmp_path), device=device, num_tokens=512, max_model_len=128, page_size=16,
+              max_num_batched_tokens=8, **llm_kw)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (13, 7, 21)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)
+    return cfg, hf.to(device), prompts, [list(o.outputs[0].token_ids) for o in outs], llm
 
 
 def test_engine_tiny_mla_matches_hf(tmp_path):

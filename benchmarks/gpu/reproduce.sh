@@ -28,6 +28,9 @@
 #                      offline at concurrency 64                                            ~8
 #   prefix-probe       issue 15's cached-4k probe: linked prefill graphs per growth, the
 #                      probe's host split, trace and cProfile, extend-split launch shapes    ~4
+#   mla-fi             issue 18's MLA through FlashInfer (fifteenth session): the MLA decode
+#                      kernels, ours vs FlashInfer's, the plan's host cost, bf16 end to end on
+#                      8 V2-Lite layers with each backend, the fi MLA GPU tests             ~6
 #   tests              the GPU tests (tests/gpu)                                            ~4
 # Groups: seed = the four seed-*; kernels = decode-page16 decode-page32 decode-page-size prefill.
 set -uo pipefail
@@ -142,6 +145,21 @@ target() {
       grep -E "^probe|cached probe" "$OUT/probe_profile.log"
       run extend_split python3 benchmarks/kernels/extend_split_bench.py --kv-dtypes fp8_e4m3 \
         --q-lens 128 --ctxs 4224 --variants plain "s8 t8" "s8 t8 m128 w8" "s16 t4" "s16 t4 st3" ;;
+    mla-fi) gpu_env
+      run mla_fi_check python3 benchmarks/kernels/mla_fi_bench.py
+      run mla_kernels kvfit bench kernels --layouts deepseek-v2-lite --kv-dtypes bfloat16,fp8_e4m3 \
+        --batches 4,32,64 --contexts 4096,16384,32768 --no-prefill --max-gib 8 \
+        --out "$OUT/mla_kernels"
+      grep -E "^decode|speedup" "$OUT/mla_kernels.log"
+      run mla_plan_cost python3 benchmarks/kernels/fi_mla_plan_cost.py
+      for i in 1 2; do for be in triton fi; do  # alternating, twice (host noise)
+        run "mla_seed_${be}_$i" kvfit bench seed \
+          --model benchmarks/gpu/deepseek-v2-lite-8layers.json --kv-dtypes bfloat16 \
+          --contexts 16384 --batches 1,8,64 --steps 10 --prefill-len 1024 \
+          --attention-backend $be --out "$OUT/mla_seed_${be}_$i"
+      done; done
+      run mla_fi_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_mla_fi_cuda.py
+      tail -3 "$OUT/mla_fi_tests.log" ;;
     tests) gpu_env
       run gpu_tests python3 -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/gpu
       tail -3 "$OUT/gpu_tests.log" ;;

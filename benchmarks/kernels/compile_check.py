@@ -37,6 +37,7 @@ def _compile(fn: JITFunction, args, kwargs):
             values[p.name] = p.default
     consts = {p.name: values[p.name] for p in fn.params if p.is_constexpr and p.name in values}
     sig, attrs = {}, {}
+    nospec = {names[i] if isinstance(i, int) else i for i in (fn.do_not_specialize or ())}
     for i, name in enumerate(names):
         if name in consts:
             sig[name] = "constexpr"
@@ -48,7 +49,15 @@ def _compile(fn: JITFunction, args, kwargs):
         elif isinstance(v, bool):
             sig[name] = "i1"
         elif isinstance(v, int):
+            # as the JIT specialises an int argument: 1 becomes a constant, a multiple of 16
+            # carries that divisibility (which decides vectorised and asynchronous loads)
+            if name not in nospec and v == 1:
+                consts[name] = 1
+                sig[name] = "constexpr"
+                continue
             sig[name] = "i64" if abs(v) >= 2 ** 31 else "i32"
+            if name not in nospec and v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "fp32"
     opts = {k: kwargs[k] for k in OPTIONS if k in kwargs}

@@ -14,38 +14,13 @@ import torch
 import triton
 
 from kvfit.attention.triton_backend import TritonBackend
-from kvfit.bench.kernels_common import (LAYOUTS, KVSet, ours_v_caches, ours_v_layout,
-                                        rotating)
+from kvfit.bench.kernels_common import (LAYOUTS, KVSet, graph_us, ours_v_caches,
+                                        ours_v_layout, rotating)
 from kvfit.kernels.decode import choose_config, paged_decode
 
 POINTS = [("smollm2", 8, 16384), ("smollm2", 32, 16384), ("smollm2", 128, 4096),
           ("smollm2", 128, 16384), ("llama-3.1-8b", 8, 16384), ("qwen3-1.7b", 8, 16384),
           ("qwen3-1.7b", 32, 16384)]
-
-
-def graph_us(fns, iters=10):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (iters * len(fns)))
-    return sorted(times)[len(times) // 2]
 
 
 def main():

@@ -51,7 +51,9 @@ def compile_one(fn, kv, consts, num_warps=4, num_stages=3, maxnreg=None):
         s, c = _full(fn, MERGE_SIG, consts)
         return triton.compile(ASTSource(fn, s, constexprs=c), target=TARGET,
                               options={"num_warps": num_warps})
-    attrs = {(i,): [["tt.divisibility", 16]] for i in list(range(11))}
+    # pointers, and the q/out/cache/scale strides the JIT marks divisible by 16 in every launch
+    # (multiples of the head and page sizes): the hint decides vectorised and async loads
+    attrs = {(i,): [["tt.divisibility", 16]] for i in list(range(11)) + list(range(15, 23))}
     s, c = _full(fn, sig(kv), consts)
     src = ASTSource(fn, s, constexprs=c, attrs=attrs)
     opts = {"num_warps": num_warps, "num_stages": num_stages}

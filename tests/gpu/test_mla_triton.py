@@ -189,24 +189,12 @@ def test_engine_tiny_deepseek_triton_graphs_match_hf(tmp_path):
     """kvfit.LLM on CUDA with the triton backend and decode CUDA graphs (float32: the exact
     kernel path, MoE captured as every expert masked): every greedy token is HF's argmax."""
     import test_mla as tm
-    from test_gemma3 import tiny_tokenizer_dir
 
-    from kvfit import LLM, SamplingParams
-
-    cfg, hf, _ = tm._hf_and_ours("lite", seed=4)
-    hf.save_pretrained(str(tmp_path), safe_serialization=True)
-    tiny_tokenizer_dir(tmp_path, cfg.vocab_size)
-    llm = LLM(str(tmp_path), device="cuda", dtype="float32", attention_backend="triton",
-              num_tokens=512, max_model_len=128, page_size=16, max_num_batched_tokens=8,
-              cuda_graph_max_bs=4)
+    _, hf, prompts, outs, llm = tm.engine_greedy(tmp_path, "lite", 4, DEV, dtype="float32",
+                                                 attention_backend="triton",
+                                                 cuda_graph_max_bs=4)
     assert llm.engine.runner.graphs is not None and llm.engine.runner.pool.name == "MLAKVCache"
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (13, 7, 21)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                        use_tqdm=False)
-    hf = hf.to(DEV)
-    for p, o in zip(prompts, outs):
-        toks = list(o.outputs[0].token_ids)
+    for p, toks in zip(prompts, outs):
         with torch.no_grad():
             ref = hf(torch.tensor([p + toks], device=DEV)).logits[0].float()
         assert ref[len(p) - 1:-1].argmax(-1).tolist() == toks

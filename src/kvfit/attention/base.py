@@ -155,6 +155,17 @@ class AttentionBackend:
         return cls.head_dims
 
     @classmethod
+    def kv_dtypes_for(cls, pool_name: str) -> frozenset[str]:
+        """The KV dtypes this backend reads in the pool ``pool_name``. Default: ``kv_dtypes``."""
+        return cls.kv_dtypes
+
+    @classmethod
+    def kv_dtype_refusals_for(cls, pool_name: str) -> dict[str, str]:
+        """Why a KV dtype is left out of ``kv_dtypes_for(pool_name)``, and what to use instead.
+        Default: ``kv_dtype_refusals``."""
+        return cls.kv_dtype_refusals
+
+    @classmethod
     def default_page_size(cls, kv_dtype: str, head_dim: int) -> int:
         """Tokens per page when the user sets none (vLLM's 16 unless a backend measured better)."""
         return 16

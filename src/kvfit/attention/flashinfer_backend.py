@@ -1,4 +1,5 @@
-"""The ``fi`` attention backend: FlashInfer's paged kernels over the MHAKVCache pool (HND pages).
+"""The ``fi`` attention backend: FlashInfer's paged kernels over the MHAKVCache pool (HND pages)
+and, through ``attention/flashinfer_mla.py``, its MLA kernels over the MLAKVCache latent pool.
 
 Per step ``prepare`` translates ``AttentionMetadata`` into FlashInfer's page lists (indptr, indices,
 last page lengths, built from the host lists plus one device gather of the block table: no host
@@ -25,6 +26,8 @@ from typing import Optional
 import torch
 
 from kvfit.attention.base import AttentionBackend, AttentionMetadata, KVStoreTarget
+from kvfit.attention.fi_pages import page_lists
+from kvfit.attention.flashinfer_mla import SLAB_DIM, FlashInferMLA
 
 WORKSPACE_BYTES = 256 << 20
 
@@ -32,7 +35,7 @@ WORKSPACE_BYTES = 256 << 20
 class FlashInferBackend(AttentionBackend):
     name = "fi"
     devices = frozenset({"cuda"})
-    pools = frozenset({"MHAKVCache"})
+    pools = frozenset({"MHAKVCache", "MLAKVCache"})
     kv_dtypes = frozenset({"bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"})
     kv_dtype_refusals = {"int8": "FlashInfer reads only 16-bit and fp8 KV; int8 KV (one scale "
                                  "per token and head) runs on --attention-backend triton",
@@ -42,6 +45,25 @@ class FlashInferBackend(AttentionBackend):
     page_sizes = None
     head_dims = frozenset({64, 128, 256})
     supports_cuda_graph = True
+    # FlashInfer's MLA kernels read 16-bit and e4m3 latents (FA3's fp8 path takes e4m3 only)
+    _MLA_KV_DTYPES = frozenset({"bfloat16", "float16", "fp8_e4m3"})
+
+    @classmethod
+    def head_dims_for(cls, pool_name: str):
+        """MLA pools: DeepSeek's 512 + 64 latent slabs, the only shape FlashInfer's MLA reads."""
+        return frozenset({SLAB_DIM}) if pool_name == "MLAKVCache" else cls.head_dims
+
+    @classmethod
+    def kv_dtypes_for(cls, pool_name: str) -> frozenset[str]:
+        return cls._MLA_KV_DTYPES if pool_name == "MLAKVCache" else cls.kv_dtypes
+
+    @classmethod
+    def kv_dtype_refusals_for(cls, pool_name: str) -> dict[str, str]:
+        if pool_name != "MLAKVCache":
+            return cls.kv_dtype_refusals
+        return {**cls.kv_dtype_refusals,
+                "fp8_e5m2": "FlashInfer's MLA kernels read 16-bit and fp8_e4m3 latents; "
+                            "fp8_e5m2 latents run on --attention-backend triton"}
 
     def __init__(self, pool, compute_dtype: torch.dtype, sm_scale: float,
                  logit_softcap: Optional[float] = None):
@@ -60,6 +82,9 @@ class FlashInferBackend(AttentionBackend):
         self._active = None
         self._pending: Optional[AttentionMetadata] = None
         self._in_graph = False
+        # MLA pools (latent slabs): FlashInfer's MLA wrapper owns prepare/forward_mla/graphs
+        self._mla = (FlashInferMLA(pool, compute_dtype, sm_scale, logit_softcap, self._ws)
+                     if "mla" in pool.layer_kinds else None)
 
     @classmethod
     def is_available(cls) -> Optional[str]:
@@ -75,25 +100,10 @@ class FlashInferBackend(AttentionBackend):
     def _use_tc(self) -> bool:
         return self.num_q_heads // self.pool.layers[0].num_kv_heads >= 4
 
-    def _page_lists(self, meta: AttentionMetadata):
-        """(indptr cpu, indices device, last_page_len cpu) from the metadata, no device sync."""
-        ps = self.pool.page_size
-        n = meta.num_pages_cpu
-        width = meta.block_table.shape[1]
-        indptr = torch.zeros(len(n) + 1, dtype=torch.int32)
-        indptr[1:] = torch.cumsum(torch.tensor(n, dtype=torch.int32), 0)
-        used = torch.arange(width)[None, :] < torch.tensor(n)[:, None]  # [B, width] host
-        gather = used.reshape(-1).nonzero().squeeze(1).to(meta.block_table.device,
-                                                          non_blocking=True)
-        indices = meta.block_table.reshape(-1)[gather]
-        last = torch.tensor([kv - (k - 1) * ps if k else 0 for kv, k in zip(meta.kv_lens_cpu, n)],
-                            dtype=torch.int32)
-        return indptr, indices, last
-
     def _prepare_now(self, meta: AttentionMetadata, wrapper=None) -> None:
         spec = self.pool.layers[0]
         hkv, d, ps = spec.num_kv_heads, spec.head_dim, self.pool.page_size
-        indptr, indices, last = self._page_lists(meta)
+        indptr, indices, last, _, qo = page_lists(meta, ps)
         common = dict(q_data_type=self.compute_dtype, kv_data_type=self.pool.dtype,
                       sm_scale=self.sm_scale, logits_soft_cap=self.logit_softcap)
         if meta.is_decode:
@@ -105,9 +115,8 @@ class FlashInferBackend(AttentionBackend):
                 wrapper = self._decode[tc]
             wrapper.plan(indptr, indices, last, self.num_q_heads, hkv, d, ps, **common)
         else:
-            qo = torch.tensor([0] + list(meta.q_lens_cpu), dtype=torch.int32).cumsum(0)
             wrapper = self._prefill
-            wrapper.plan(qo.to(torch.int32), indptr, indices, last, self.num_q_heads, hkv, d, ps,
+            wrapper.plan(qo, indptr, indices, last, self.num_q_heads, hkv, d, ps,
                          causal=True, **common)
         self._active = wrapper
 
@@ -116,6 +125,11 @@ class FlashInferBackend(AttentionBackend):
         until the query head count is known)."""
         self.meta = meta
         self._in_graph = False
+        if self._mla is not None:
+            if self.num_q_heads is not None:
+                self._mla.num_heads = self.num_q_heads
+            self._mla.prepare(meta)
+            return
         if self.num_q_heads is None:
             self._pending = meta
             return
@@ -124,11 +138,23 @@ class FlashInferBackend(AttentionBackend):
 
     # -- per layer ----------------------------------------------------------------------------
     def kv_store_target(self, layer_id: int) -> Optional[KVStoreTarget]:
-        """Every step stores by slot (HND pages): the caller may fuse it into its RoPE."""
+        """Every step stores by slot (HND pages): the caller may fuse it into its RoPE. MLA
+        pools store their slabs in ``forward_mla``."""
+        if self._mla is not None:
+            return None
         pool = self.pool
         return KVStoreTarget(pool.k_caches[layer_id], pool.v_caches[layer_id],
                              self.meta.slot_mapping, pool.fmt, pool.k_scales[layer_id],
                              pool.v_scales[layer_id], "HND")
+
+    def forward_mla(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int,
+                    v_dim: int) -> torch.Tensor:
+        """MLA pools: store the slabs and attend (attention/flashinfer_mla.py). Mutates the
+        pool."""
+        if self._mla is None:
+            raise RuntimeError(f"forward_mla needs a pool of MLA layers (MLAKVCache), got the "
+                               f"{self.pool.name} pool")
+        return self._mla.forward_mla(q, kv, layer_id, v_dim, self.meta.slot_mapping)
 
     def forward(self, q, k, v, layer_id, kv_stored: bool = False):
         from kvfit.kernels.store import store_kv
@@ -156,6 +182,9 @@ class FlashInferBackend(AttentionBackend):
             raise RuntimeError("set backend.num_q_heads before init_cuda_graph (FlashInfer plans "
                                "with the query head count)")
         self._graph_max_pages = max_pages_per_req
+        if self._mla is not None:
+            self._mla.num_heads = self.num_q_heads
+            self._mla.init_cuda_graph(max_bs, max_pages_per_req)
 
     def _graph_wrapper(self, bs: int):
         w = self._graph_wrappers.get(bs)
@@ -176,4 +205,7 @@ class FlashInferBackend(AttentionBackend):
             raise ValueError("CUDA graphs are captured for decode steps only")
         self.meta = meta
         self._pending = None
+        if self._mla is not None:
+            self._mla.prepare_cuda_graph(meta)
+            return
         self._prepare_now(meta, self._graph_wrapper(meta.batch_size))

@@ -41,7 +41,10 @@ def select_backend(requested: str, device_type: str, pool_name: str | None = Non
     """``auto`` on CUDA: triton for fp8 KV with heads of >= 128 (its fp8 decode measured 1.2-2.2x
     FlashInfer's, docs/benchmarks.md) and for 16-bit KV with heads of 128 (decode 1.05-1.13x
     FlashInfer's, prefill graphs FlashInfer does not have: docs/benchmarks.md "bf16 KV on the
-    triton backend"), else fi when FlashInfer imports, else triton; each only
+    triton backend"), and for MLA latent pools (FlashInfer's MLA decode kernel is 1.2-1.5x
+    faster at 16-bit latents, but end to end fi was faster only at batch 64, slower at batch 1
+    and 8; its fp8 path is slower than ours: docs/benchmarks.md "MLA through FlashInfer"),
+    else fi when FlashInfer imports, else triton; each only
     if it holds ``pool_name``'s pool, heads of ``head_dim`` and reads ``kv_dtype``. torch
     otherwise. Explicit names are kept (the guard then checks them). ``assume_installed``: as on
     a machine where FlashInfer and Triton import."""
@@ -53,14 +56,16 @@ def select_backend(requested: str, device_type: str, pool_name: str | None = Non
             return False
         cls = backend_class(name)
         dims = cls.head_dims if pool_name is None else cls.head_dims_for(pool_name)
+        reads = cls.kv_dtypes if pool_name is None else cls.kv_dtypes_for(pool_name)
         return ((pool_name is None or pool_name in cls.pools)
                 and (head_dim is None or dims is None or head_dim in dims)
-                and (kv_dtype is None or kv_dtype in cls.kv_dtypes))
+                and (kv_dtype is None or kv_dtype in reads))
 
     if device_type == "cuda":
         fp8_wide = (kv_dtype or "").startswith("fp8") and (head_dim or 0) >= 128
         wide16 = kv_dtype in ("bfloat16", "float16") and head_dim == 128
-        order = ("triton", "fi") if fp8_wide or wide16 else ("fi", "triton")
+        mla = pool_name == "MLAKVCache"
+        order = ("triton", "fi") if fp8_wide or wide16 or mla else ("fi", "triton")
         for name in order:
             if usable(name):
                 return name

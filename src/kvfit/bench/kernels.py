@@ -10,7 +10,8 @@ Gemma 3 layouts (``--layouts gemma3-270m,gemma3-4b,gemma3-12b``) have sliding-wi
 of their points also times our kernels over the window (``swa_us``) and prints its time against
 the full layer's at the same context (``swa/full``: ~1 inside the window, < 1 beyond it).
 MLA layouts (``deepseek-v2-lite``, ``deepseek-v2``: a latent cache, bench/kernels_mla.py) time
-our MLA kernels only.
+our MLA kernels and FlashInfer's (the fi backend's MLA path; 16-bit and e4m3 latents), decode
+as CUDA-graph replays.
 ``--tensor-parallel-size N`` times the shapes one rank of an N-GPU group runs (its query heads,
 its KV heads: ``parallel/layout.py``; MLA: its query heads over the whole latent).
 """

@@ -101,6 +101,36 @@ def rotating(fns):
     return call
 
 
+def graph_us(fns, iters: int = 10) -> float:
+    """Median microseconds per call of ``fns`` (each one call, e.g. one per rotating input copy)
+    captured in one CUDA graph and replayed ``iters`` times, median of 5: GPU time without the
+    host's launch work, the way the engine runs decode steps."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / (iters * len(fns)))
+    return sorted(times)[len(times) // 2]
+
+
 def page_size(args, kv_dtype: str, head_dim: int) -> int:
     """--page-size, else the page size the engine picks for this KV dtype and head size."""
     from kvfit.attention.triton_backend import TritonBackend

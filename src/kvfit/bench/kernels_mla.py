@@ -2,15 +2,18 @@
 a paged latent cache in the DeepSeek-V2(-Lite) shape, random latents, pages of a request
 scattered over the pool, several copies of the cache rotated so the timed inputs never sit in
 L2. Decode reports latent bytes read / time against the copy bandwidth (the physical limit of
-the weight-absorbed form: every latent byte is read once per (request, split), for all heads);
-prefill reports TFLOP/s of the absorbed form (QK over rank + rope, PV over rank).
+the weight-absorbed form: every latent byte is read once per (request, split), for all heads),
+ours and, where FlashInfer imports and reads the slab (512 + 64, 16-bit or e4m3 latents), its
+MLA kernel (``BatchMLAPagedAttentionWrapper``, FA3 on Hopper: the fi backend's MLA path), both
+timed as CUDA-graph replays (the engine's decode; FlashInfer's Python ``run`` would otherwise
+be timed too); prefill reports TFLOP/s of the absorbed form (QK over rank + rope, PV over rank).
 """
 
 from __future__ import annotations
 
 import math
 
-from kvfit.bench.kernels_common import L2_BYTES
+from kvfit.bench.kernels_common import L2_BYTES, graph_us
 
 # heads, kv_lora_rank, qk_rope_head_dim (config.json of DeepSeek-V2-Lite / DeepSeek-V2)
 MLA_LAYOUTS = {"deepseek-v2-lite": (16, 512, 64), "deepseek-v2": (128, 512, 64)}
@@ -72,12 +75,62 @@ def warm_mla_decode(ls: LatentSet, heads: int, cfg) -> None:
     torch.cuda.synchronize()
 
 
-def time_mla_decode(ls: LatentSet, heads: int, cfg, rep: int = 150) -> float:
-    """Median µs of one ``mla_decode`` call (the merge included)."""
+def time_mla_decode(ls: LatentSet, heads: int, cfg, rep: int = 150,
+                    graphs: bool = False) -> float:
+    """Median µs of one ``mla_decode`` call (the merge included): ``do_bench`` over ``rep`` ms,
+    or with ``graphs`` CUDA-graph replays (no host launch time)."""
     import triton
 
     fns = [_decode_call(ls, heads, cfg, i) for i in range(ls.reps)]
+    if graphs:
+        return graph_us(fns)
     return triton.testing.do_bench(rotating(fns), warmup=25, rep=rep, return_mode="median") * 1e3
+
+
+def fi_mla_reason(ls: LatentSet, heads: int) -> str | None:
+    """None when FlashInfer's MLA wrapper can read this latent set here, else why not."""
+    from kvfit.attention.flashinfer_mla import SLAB_DIM
+
+    try:
+        import flashinfer.mla  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - not installed or broken
+        return f"FlashInfer does not import ({type(e).__name__})"
+    if ls.slab != SLAB_DIM:
+        return f"FlashInfer's MLA reads 512 + 64 slabs, not {ls.slab}"
+    if ls.kv_dtype not in ("bfloat16", "float16", "fp8_e4m3"):
+        return f"FlashInfer's MLA reads 16-bit and e4m3 latents, not {ls.kv_dtype}"
+    return None
+
+
+def fi_mla_decode_calls(ls: LatentSet, heads: int, q, outs, sm_scale: float = 0.1):
+    """Callables running FlashInfer's MLA decode (the fi backend's kernel, planned once for the
+    whole batch) over copy i of the cache into ``outs[i]``, q ``[batch, heads, slab]`` bf16."""
+    import torch
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
+
+    major, _ = torch.cuda.get_device_capability()
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    w = BatchMLAPagedAttentionWrapper(ws, backend="fa3" if major == 9 else "fa2")
+    cu = torch.arange(ls.batch + 1, dtype=torch.int32)
+    w.plan(metadata=MLAPlanMetadata.csr(cu, cu * ls.pages_per_req,
+                                        ls.block_table.reshape(-1).contiguous(),
+                                        ls.kv_lens.cpu()),
+           num_heads=heads, head_dim_ckv=ls.rank, head_dim_kpe=ls.slab - ls.rank,
+           page_size=ls.page_size, causal=False, sm_scale=sm_scale,
+           q_data_type=torch.bfloat16, kv_data_type=ls.dtype)
+    scales = {} if ls.caches[0].element_size() == 2 else dict(ckv_scale=1.0, kpe_scale=1.0)
+    return [lambda i=i: w.run(query=q, kv_cache=ls.caches[i], out=outs[i], **scales)
+            for i in range(ls.reps)]
+
+
+def time_fi_mla_decode(ls: LatentSet, heads: int) -> float:
+    """Median µs of one FlashInfer MLA decode over the same pages, CUDA-graph replays."""
+    import torch
+
+    q = torch.randn(ls.batch, heads, ls.slab, device="cuda", dtype=torch.bfloat16)
+    outs = [torch.empty(ls.batch, heads, ls.rank, device="cuda", dtype=torch.bfloat16)
+            for _ in range(ls.reps)]
+    return graph_us(fi_mla_decode_calls(ls, heads, q, outs))
 
 
 def time_mla_prefill(ls: LatentSet, heads: int, q_len: int, cfg=None) -> float:
@@ -132,7 +185,7 @@ def run_mla_decode(args, layout: str, device, copy_bw, results) -> None:
                 if ls.bytes > args.max_gib * (1 << 30):
                     continue
                 cfg = decode_config(b, heads, rank, ctx, ls.dtype, torch.bfloat16)
-                us = time_mla_decode(ls, heads, cfg)
+                us = time_mla_decode(ls, heads, cfg, graphs=True)
                 rec = {"kind": "decode", "layout": layout, "kv_dtype": kvd, "batch": b,
                        "context": ctx, "kv_bytes": ls.bytes, "page_size": ls.page_size,
                        "ours_us": us, "ours_cfg": str(cfg),
@@ -141,15 +194,34 @@ def run_mla_decode(args, layout: str, device, copy_bw, results) -> None:
                        "ours_elem_per_s": ls.bytes / ls.caches[0].element_size() / (us * 1e-6)}
                 row[kvd] = rec
                 results.append(rec)
-                print(f"decode {layout:>16} {kvd:>9} b={b:<4} ctx={ctx:<6} ours {us:9.1f} us "
-                      f"{rec['ours_tbps']:5.2f} TB/s ({rec['ours_pct_copy']:4.0f}% of copy) "
-                      f"splits={cfg.num_splits}", flush=True)
+                line = (f"decode {layout:>16} {kvd:>9} b={b:<4} ctx={ctx:<6} ours {us:9.1f} us "
+                        f"{rec['ours_tbps']:5.2f} TB/s ({rec['ours_pct_copy']:4.0f}% of copy) "
+                        f"splits={cfg.num_splits}")
+                why = "--no-fi" if args.no_fi else fi_mla_reason(ls, heads)
+                if why is None:
+                    try:
+                        fi_us = time_fi_mla_decode(ls, heads)
+                        rec.update(fi_us=fi_us, fi_tbps=ls.bytes / (fi_us * 1e-6) / 1e12,
+                                   fi_pct_copy=100 * ls.bytes / (fi_us * 1e-6) / copy_bw)
+                        line += (f" | fi {fi_us:9.1f} us {rec['fi_tbps']:5.2f} TB/s "
+                                 f"({rec['fi_pct_copy']:4.0f}% of copy)")
+                    except Exception as e:  # noqa: BLE001 - reported in the row
+                        rec["fi_error"] = f"{type(e).__name__}: {e}"[:300]
+                else:
+                    rec["fi_error"] = why
+                print(line, flush=True)
                 del ls
                 torch.cuda.empty_cache()
             if "bfloat16" in row and "fp8_e4m3" in row:
                 sp = row["bfloat16"]["ours_us"] / row["fp8_e4m3"]["ours_us"]
                 row["fp8_e4m3"]["ours_fp8_speedup"] = sp
-                print(f"    fp8/bf16 speedup: ours {sp:.2f}x")
+                line = f"    fp8/bf16 speedup: ours {sp:.2f}x"
+                if "fi_us" in row["bfloat16"]:
+                    best16 = min(row["bfloat16"]["ours_us"], row["bfloat16"]["fi_us"])
+                    sp = best16 / row["fp8_e4m3"]["ours_us"]
+                    row["fp8_e4m3"]["fp8_speedup_vs_best_bf16"] = sp
+                    line += f", ours fp8 against the faster bf16 kernel {sp:.2f}x"
+                print(line)
 
 
 def run_mla_prefill(args, layout: str, device, results) -> None:

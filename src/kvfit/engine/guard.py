@@ -33,12 +33,14 @@ def _reasons(backend_name: str, pool_cls, fmt: KVFormat, page_size: int, device_
     if pool_cls.name not in cls.pools:
         out.append(f"{backend_name} does not support the {pool_cls.name} pool "
                    f"(supports {', '.join(sorted(cls.pools))})")
-    if fmt.name not in cls.kv_dtypes:
-        why = cls.kv_dtype_refusals.get(fmt.name)
+    reads = cls.kv_dtypes_for(pool_cls.name)
+    if fmt.name not in reads:
+        why = cls.kv_dtype_refusals_for(pool_cls.name).get(fmt.name)
         out.append(f"{backend_name} does not read {fmt.name} KV "
-                   f"(reads {', '.join(sorted(cls.kv_dtypes))})" + (f": {why}" if why else ""))
+                   + (f"in the {pool_cls.name} pool " if reads != cls.kv_dtypes else "")
+                   + f"(reads {', '.join(sorted(reads))})" + (f": {why}" if why else ""))
     missing = required_transforms(fmt) - cls.kv_transforms
-    if fmt.name in cls.kv_dtypes and missing:
+    if fmt.name in reads and missing:
         out.append(f"{backend_name} does not apply the {', '.join(sorted(missing))} transform "
                    f"{fmt.name} KV needs (kvcache/kv_transform.py)")
     if cls.page_sizes is not None and page_size not in cls.page_sizes:
