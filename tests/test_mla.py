@@ -26,7 +26,8 @@ PAGE = 4
 
 def _tiny_cfg(variant: str):
     """A tiny DeepSeek-V2 config: "lite" (V2-Lite's features), "v2" (V2's), "slab576" (lite
-    with DeepSeek's real 512 + 64 latent slab and 16 heads, the only slab FlashInfer's MLA reads)."""
+    with DeepSeek's real 512 + 64 latent slab and 16 heads, the only slab FlashInfer's MLA
+    reads)."""
     import transformers
 
     common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_attention_heads=4,

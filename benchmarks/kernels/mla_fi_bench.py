@@ -1,5 +1,5 @@
 """FlashInfer's MLA decode against ours on the DeepSeek-V2-Lite shape (16 heads, rank 512 + rope
-64), bf16 and fp8_e4m3 latents: is FlashInfer's Hopper MLA kernel (``BatchMLAPagedAttentionWrapper``,
+64), bf16 and fp8_e4m3 latents: is FlashInfer's MLA kernel (``BatchMLAPagedAttentionWrapper``,
 FA3 on Hopper) a faster decode path for the ``fi`` backend over ``MLAKVCache``?
 
     PYTHONPATH=src python3 benchmarks/kernels/mla_fi_bench.py \
