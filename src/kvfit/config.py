@@ -63,7 +63,8 @@ class EngineConfig:
                                        "at start on shipped text")
     device: Device = _f("auto", "cuda when available, else cpu")
     attention_backend: Backend = _f("auto", "attention backend; auto on CUDA = triton for fp8 KV "
-                                    "with heads of >= 128, else fi when FlashInfer imports, "
+                                    "with heads of >= 128, 16-bit KV with heads of 128 and "
+                                    "MLA (DeepSeek) pools, else fi when FlashInfer imports, "
                                     "else triton; torch on CPU")
     page_size: Optional[int] = _f(None, "tokens per KV page; default 32 for fp8 KV on the "
                                   "triton backend (fastest decode), else 16",

@@ -207,6 +207,7 @@ def run_mla_decode(args, layout: str, device, copy_bw, results) -> None:
                                  f"({rec['fi_pct_copy']:4.0f}% of copy)")
                     except Exception as e:  # noqa: BLE001 - reported in the row
                         rec["fi_error"] = f"{type(e).__name__}: {e}"[:300]
+                        line += f" | fi failed: {rec['fi_error'][:120]}"
                 else:
                     rec["fi_error"] = why
                 print(line, flush=True)
