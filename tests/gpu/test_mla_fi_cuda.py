@@ -14,6 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from kvhelpers import random_tables  # noqa: E402
 from mla_kernel_ref import mla_reference  # noqa: E402
 from modelhelpers import chunked_schedule, random_sequences  # noqa: E402
 
@@ -43,17 +44,6 @@ def _backend(fmt, page, num_pages=160, scale=1.0):
     return pool, FlashInferBackend(pool, torch.bfloat16, SM)
 
 
-def _tables(kv_lens, page, num_pages, seed):
-    g = torch.Generator().manual_seed(seed)
-    perm = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
-    out, i = [], 0
-    for n in kv_lens:
-        k = -(-n // page)
-        out.append(perm[i:i + k])
-        i += k
-    return out
-
-
 def _rel(got, ref):
     return ((got.double().cpu() - ref).abs().max() / ref.abs().max()).item()
 
@@ -65,7 +55,7 @@ def test_fi_mla_steps_match_reference(fmt, page, scale):
 
     pool, be = _backend(fmt, page, scale=scale)
     final = [341, 79, 7]
-    tables = _tables([n + page for n in final], page, pool.num_pages, seed=page)
+    tables = random_tables([n + page for n in final], page, pool.num_pages, seed=page)
     g = torch.Generator().manual_seed(3)
     steps = [([300, 77, 5], [300, 77, 5]),  # prompts
              ([40, 1, 1], [340, 78, 6]),  # an extension and two decodes (mixed)
@@ -93,7 +83,7 @@ def test_fi_mla_graph_decode_matches_eager(fmt):
 
     page, steps = 16, 4
     prompt = [50, 20, 33]
-    tables = _tables([n + steps for n in prompt], page, 160, seed=7)
+    tables = random_tables([n + steps for n in prompt], page, 160, seed=7)
     g = torch.Generator().manual_seed(5)
     pre_q = torch.randn(sum(prompt), HEADS, 576, generator=g).to(torch.bfloat16).to(DEV)
     pre_kv = (torch.randn(sum(prompt), 576, generator=g) * 2).to(torch.bfloat16).to(DEV)

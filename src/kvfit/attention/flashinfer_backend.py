@@ -75,16 +75,18 @@ class FlashInferBackend(AttentionBackend):
         self._fi = flashinfer
         self._ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)
         self._decode = {}  # use_tensor_cores -> eager decode wrapper
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._ws, "HND",
-                                                                       backend="fa2")
         self._graph_wrappers: dict[int, object] = {}
         self._graph_max_pages = 0
         self._active = None
         self._pending: Optional[AttentionMetadata] = None
         self._in_graph = False
-        # MLA pools (latent slabs): FlashInfer's MLA wrapper owns prepare/forward_mla/graphs
+        # MLA pools (latent slabs): FlashInfer's MLA wrapper owns prepare/forward_mla/graphs,
+        # and no MHA wrapper is made
         self._mla = (FlashInferMLA(pool, compute_dtype, sm_scale, logit_softcap, self._ws)
                      if "mla" in pool.layer_kinds else None)
+        self._prefill = (None if self._mla is not None else
+                         flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._ws, "HND",
+                                                                        backend="fa2"))
 
     @classmethod
     def is_available(cls) -> Optional[str]:

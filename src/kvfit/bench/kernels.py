@@ -18,6 +18,8 @@ its KV heads: ``parallel/layout.py``; MLA: its query heads over the whole latent
 
 from __future__ import annotations
 
+from functools import partial
+
 import argparse
 import json
 import os
@@ -25,8 +27,9 @@ import time
 from dataclasses import dataclass
 
 from kvfit.bench.kernels_common import (DEFAULT_LAYOUTS, LAYOUTS, WINDOWS, KVSet, _torch_dtype,
-                                        copy_bandwidth, ours_v_caches, ours_v_layout, page_size,
-                                        rank_heads, rotating, scale_kwargs)
+                                        NO_FI_INT8, copy_bandwidth, ours_v_caches, ours_v_layout,
+                                        page_size, rank_heads, rotating, scale_kwargs,
+                                        time_fi_into)
 from kvfit.bench.kernels_mla import MLA_LAYOUTS, run_mla_decode
 from kvfit.bench.kernels_prefill import run_prefill
 
@@ -158,15 +161,11 @@ def run_decode(args, device, copy_bw, results):
                         rec["window"] = window
                         rec["swa_us"] = time_ours_decode(kv, hq, d, cfg_w, window)
                         rec["swa_over_full"] = rec["swa_us"] / rec["ours_us"]
-                    if kvd == "int8":
-                        rec["fi_error"] = "FlashInfer reads no int8 KV pages"
-                    elif not args.no_fi:
-                        use_tc = hq // hkv >= 4
-                        try:
-                            rec["fi_us"] = time_fi_decode(kv, hq, hkv, d, use_tc)
-                            rec["fi_tc"] = use_tc
-                        except Exception as e:
-                            rec["fi_error"] = f"{type(e).__name__}: {e}"[:300]
+                    use_tc = hq // hkv >= 4
+                    time_fi_into(rec, args, NO_FI_INT8 if kvd == "int8" else None,
+                                 partial(time_fi_decode, kv, hq, hkv, d, use_tc))
+                    if "fi_us" in rec:
+                        rec["fi_tc"] = use_tc
                     for who in ("ours", "fi"):
                         if f"{who}_us" in rec:
                             t = rec[f"{who}_us"] * 1e-6

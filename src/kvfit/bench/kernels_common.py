@@ -131,6 +131,24 @@ def graph_us(fns, iters: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
+NO_FI_INT8 = "FlashInfer reads no int8 KV pages"  # why an int8 point has no FlashInfer row
+
+
+def time_fi_into(rec: dict, args, why, time_fi) -> None:
+    """FlashInfer's side of a kernel point: nothing with ``--no-fi``; ``rec["fi_error"] = why``
+    when FlashInfer cannot run the point (``why`` a reason, else None); otherwise
+    ``rec["fi_us"] = time_fi()``, or the error it raised in ``rec["fi_error"]``."""
+    if args.no_fi:
+        return
+    if why is not None:
+        rec["fi_error"] = why
+        return
+    try:
+        rec["fi_us"] = time_fi()
+    except Exception as e:  # noqa: BLE001 - a FlashInfer failure is reported in the row
+        rec["fi_error"] = f"{type(e).__name__}: {e}"[:300]
+
+
 def page_size(args, kv_dtype: str, head_dim: int) -> int:
     """--page-size, else the page size the engine picks for this KV dtype and head size."""
     from kvfit.attention.triton_backend import TritonBackend

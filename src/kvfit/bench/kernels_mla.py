@@ -11,9 +11,11 @@ be timed too); prefill reports TFLOP/s of the absorbed form (QK over rank + rope
 
 from __future__ import annotations
 
+from functools import partial
+
 import math
 
-from kvfit.bench.kernels_common import L2_BYTES, graph_us
+from kvfit.bench.kernels_common import L2_BYTES, graph_us, time_fi_into
 
 # heads, kv_lora_rank, qk_rope_head_dim (config.json of DeepSeek-V2-Lite / DeepSeek-V2)
 MLA_LAYOUTS = {"deepseek-v2-lite": (16, 512, 64), "deepseek-v2": (128, 512, 64)}
@@ -197,19 +199,16 @@ def run_mla_decode(args, layout: str, device, copy_bw, results) -> None:
                 line = (f"decode {layout:>16} {kvd:>9} b={b:<4} ctx={ctx:<6} ours {us:9.1f} us "
                         f"{rec['ours_tbps']:5.2f} TB/s ({rec['ours_pct_copy']:4.0f}% of copy) "
                         f"splits={cfg.num_splits}")
-                why = "--no-fi" if args.no_fi else fi_mla_reason(ls, heads)
-                if why is None:
-                    try:
-                        fi_us = time_fi_mla_decode(ls, heads)
-                        rec.update(fi_us=fi_us, fi_tbps=ls.bytes / (fi_us * 1e-6) / 1e12,
-                                   fi_pct_copy=100 * ls.bytes / (fi_us * 1e-6) / copy_bw)
-                        line += (f" | fi {fi_us:9.1f} us {rec['fi_tbps']:5.2f} TB/s "
-                                 f"({rec['fi_pct_copy']:4.0f}% of copy)")
-                    except Exception as e:  # noqa: BLE001 - reported in the row
-                        rec["fi_error"] = f"{type(e).__name__}: {e}"[:300]
-                        line += f" | fi failed: {rec['fi_error'][:120]}"
-                else:
-                    rec["fi_error"] = why
+                why = fi_mla_reason(ls, heads)
+                time_fi_into(rec, args, why, partial(time_fi_mla_decode, ls, heads))
+                if "fi_us" in rec:
+                    t = rec["fi_us"] * 1e-6
+                    rec.update(fi_tbps=ls.bytes / t / 1e12,
+                               fi_pct_copy=100 * ls.bytes / t / copy_bw)
+                    line += (f" | fi {rec['fi_us']:9.1f} us {rec['fi_tbps']:5.2f} TB/s "
+                             f"({rec['fi_pct_copy']:4.0f}% of copy)")
+                elif why is None and "fi_error" in rec:  # tried and failed: say why
+                    line += f" | fi failed: {rec['fi_error'][:120]}"
                 print(line, flush=True)
                 del ls
                 torch.cuda.empty_cache()

@@ -4,8 +4,11 @@ layouts also over their sliding window; MLA layouts through bench/kernels_mla.py
 
 from __future__ import annotations
 
-from kvfit.bench.kernels_common import (WINDOWS, KVSet, ours_v_caches, ours_v_layout, page_size,
-                                        rank_heads, rotating, scale_kwargs)
+from functools import partial
+
+from kvfit.bench.kernels_common import (NO_FI_INT8, WINDOWS, KVSet, ours_v_caches, ours_v_layout,
+                                        page_size, rank_heads, rotating, scale_kwargs,
+                                        time_fi_into)
 from kvfit.bench.kernels_mla import MLA_LAYOUTS, run_mla_prefill
 
 
@@ -69,13 +72,8 @@ def run_prefill(args, device, results):
                     rec["window"] = window
                     rec["swa_us"] = time_ours_prefill(kv, hq, d, ctx, window)
                     rec["swa_over_full"] = rec["swa_us"] / rec["ours_us"]
-                if kvd == "int8":
-                    rec["fi_error"] = "FlashInfer reads no int8 KV pages"
-                elif not args.no_fi:
-                    try:
-                        rec["fi_us"] = time_fi_prefill(kv, hq, d, ctx)
-                    except Exception as e:
-                        rec["fi_error"] = f"{type(e).__name__}: {e}"[:300]
+                time_fi_into(rec, args, NO_FI_INT8 if kvd == "int8" else None,
+                             partial(time_fi_prefill, kv, hq, d, ctx))
                 for who in ("ours", "fi"):
                     if f"{who}_us" in rec:
                         rec[f"{who}_tflops"] = flops / (rec[f"{who}_us"] * 1e-6) / 1e12
