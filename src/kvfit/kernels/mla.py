@@ -14,17 +14,21 @@ Owns nothing; writes ``out`` (and split scratch) or the cache.
 
 from __future__ import annotations
 
+import functools
 import math
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvfit.kernels import decode_kernels, mla_decode_kernels, mla_kernels
+from kvfit.kernels import decode_kernels, mla_decode_gluon, mla_decode_kernels, mla_kernels
 
 LOG2E = 1.4426950408889634
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 DEFAULT_HOIST_TOKENS = 1024  # tokens per chunk of hoisted page ids (swapped decode)
+# latent types whose default decode is the Gluon kernel where it runs (decode_config)
+GLUON_DTYPES = (torch.bfloat16, torch.float16) + FP8
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class MLAConfig:
     qfp8: bool = False  # swapped e4m3 decode: logits by fp8 MMAs (query split in two fp8 parts)
     prefetch: bool = False  # swapped decode: next tile loaded into registers before this one
     hoist: int = 0  # swapped decode: page ids of this many tiles loaded before their loop
+    gluon: bool = False  # decode: the Gluon kernel of mla_decode_gluon (Hopper warp-group MMAs)
 
 
 def _pow2(x: int) -> int:
@@ -58,27 +63,72 @@ def _exact(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     return q_dtype == torch.float32 or cache_dtype == torch.float32
 
 
+def gluon_fits(rank: int, rope: int, cache_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:
+    """The shapes and types the Gluon decode kernel takes: DeepSeek's 512 + 64 slab, 16-bit
+    queries, 16- or 8-bit latents."""
+    return (rank == 512 and rope == 64 and q_dtype in (torch.bfloat16, torch.float16)
+            and cache_dtype in (torch.bfloat16, torch.float16) + FP8)
+
+
+@functools.cache
+def gluon_available(device_index: int = 0) -> bool:
+    """Whether the Gluon decode kernel can run here: a Hopper GPU (sm_90: ``wgmma``) and a
+    Triton with Gluon's Hopper module. Cached per device."""
+    if _interpreting() or not torch.cuda.is_available():
+        return False
+    if torch.cuda.get_device_capability(device_index)[0] != 9:
+        return False
+    try:
+        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
                   cache_dtype: torch.dtype, q_dtype: torch.dtype, num_sms: int = 132,
                   block_n: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, num_splits: int | None = None,
                   swap: bool | None = None, qfp8: bool | None = None,
                   prefetch: bool | None = None, hoist: int | None = None,
-                  programs_per_sm: int | None = None) -> MLAConfig:
+                  programs_per_sm: int | None = None, gluon: bool | None = None,
+                  rope: int = 64) -> MLAConfig:
     """Rows: every head of a request (at least 16 for the MMA, at most 32 per program: a
     [64, 512] float32 accumulator spills; larger head counts take several programs per request,
     adjacent in the grid so their shared latent tiles come from L2). ``swap``: the kernel with
     the heads as the MMAs' N (``mla_decode_kernels``; 16- and 8-bit latents), ``qfp8`` its
     e4m3 logits by fp8 MMAs, ``prefetch`` its next tile loaded into registers while this one is
     attended (no Triton pipelining), ``hoist`` the page ids of that many tiles loaded before
-    their loop (so Triton's pipelining runs the tile loads num_stages - 1 ahead). Default
-    (``swap`` None), from the H200 sweep: 16-bit latents at <= 16 heads take the swapped kernel
+    their loop (so Triton's pipelining runs the tile loads num_stages - 1 ahead). ``gluon``:
+    the Gluon kernel (``mla_decode_gluon``: 64-token tiles, one warp group, 16 heads a
+    program, ``num_stages`` tiles of copies in flight; 512 + 64 slabs, 16-bit queries, sm_90).
+    Default (``swap`` and ``gluon`` None), from the H200 sweeps: the Gluon kernel where it fits
+    and runs (``GLUON_DTYPES``); else 16-bit latents at <= 16 heads take the swapped kernel
     with hoisted page ids (32-token tiles, 4 warps, 4 stages); fp8, float32 and more heads the
     row kernel. Splits: the fewest waves per unit of work over ``num_sms`` SMs at the programs
     per SM each tile allows (``programs_per_sm`` overrides it), splits of >= 256 tokens, 1%
     merge cost per split. Ranks that are not a power of two keep one split (the merge kernel
     reads whole rows)."""
     exact = _exact(q_dtype, cache_dtype)
+    fits = gluon_fits(rank, rope, cache_dtype, q_dtype)
+    if gluon is None:
+        gluon = (swap is None and fits and cache_dtype in GLUON_DTYPES
+                 and gluon_available(torch.cuda.current_device()
+                                     if torch.cuda.is_available() else 0))
+    if gluon:
+        if not fits:
+            raise ValueError(f"the Gluon MLA decode takes 512 + 64 slabs of 16- or 8-bit latents "
+                             f"and 16-bit queries, got rank {rank} + rope {rope}, {cache_dtype}, "
+                             f"{q_dtype}: use gluon=False")
+        # shared memory: STAGES copies of a tile (36.9 KB at 8 bits, 73.7 KB at 16), the
+        # converted tile (73.7 KB, 8-bit only), the query (18.4 KB): 3 / 2 stages at most
+        most = 3 if cache_dtype in FP8 else 2
+        stages = num_stages or most
+        if not 2 <= stages <= most:
+            raise ValueError(f"the Gluon MLA decode takes 2..{most} stages for {cache_dtype} "
+                             f"latents (shared memory), got {stages}")
+        return _with_splits(MLAConfig(16, 64, 4, stages, gluon=True), batch, num_heads, rank,
+                            max_kv_len, num_sms, programs_per_sm or 1, num_splits)
     block_m = 16 if exact else min(32, max(16, _pow2(num_heads)))
     hblk = math.ceil(num_heads / block_m)
     auto = swap is None
@@ -110,20 +160,29 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
         tile = (block_n, tile[1], tile[2], 1 if block_n >= 64 else 2)
     if programs_per_sm is not None:
         tile = tile[:3] + (programs_per_sm,)
+    cfg = MLAConfig(block_m, block_n or tile[0], num_warps or tile[1], num_stages or tile[2],
+                    swap=swap, qfp8=qfp8, prefetch=prefetch, hoist=hoist)
+    return _with_splits(cfg, batch, num_heads, rank, max_kv_len, num_sms, tile[3], num_splits)
+
+
+def _with_splits(cfg: MLAConfig, batch: int, num_heads: int, rank: int, max_kv_len: int,
+                 num_sms: int, per_sm: int, num_splits: int | None) -> MLAConfig:
+    """``cfg`` with its split count: the fewest waves per unit of work over ``num_sms`` SMs at
+    ``per_sm`` programs each, splits of >= 256 tokens, 1% merge cost per split (one split for
+    ranks that are not a power of two); ``num_splits`` given wins."""
     max_splits = int(min(64, max(1, math.ceil(max(1, max_kv_len) / 256))))
     if num_splits is None:
         num_splits = 1
         if rank == _pow2(rank):
-            slots = num_sms * tile[3]
-            programs = max(1, batch * hblk)
+            slots = num_sms * per_sm
+            programs = max(1, batch * math.ceil(num_heads / cfg.block_m))
             best = (float("inf"), 1)
             for sp in range(1, max_splits + 1):
                 cost = math.ceil(programs * sp / slots) / sp * (1 + 0.01 * sp)
                 if cost < best[0] - 1e-12:
                     best = (cost, sp)
             num_splits = best[1]
-    return MLAConfig(block_m, block_n or tile[0], num_warps or tile[1], num_stages or tile[2],
-                     num_splits, swap=swap, qfp8=qfp8, prefetch=prefetch, hoist=hoist)
+    return dataclasses.replace(cfg, num_splits=num_splits)
 
 
 def prefill_config(num_heads: int, cache_dtype: torch.dtype, q_dtype: torch.dtype) -> MLAConfig:
@@ -208,6 +267,26 @@ def _launch_swap(q, cache, block_table, kv_lens, out, op, lse, rank: int, sm_sca
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
+def _launch_gluon(q, cache, block_table, kv_lens, out, op, lse, rank: int, sm_scale: float,
+                  scale: float, cfg: MLAConfig):
+    """The Gluon decode kernel (``mla_decode_gluon``), one query per request."""
+    b, h, slab = q.shape
+    if not gluon_fits(rank, slab - rank, cache.dtype, q.dtype):
+        raise ValueError(f"the Gluon MLA decode takes 512 + 64 slabs of 16- or 8-bit latents and "
+                         f"16-bit queries, got {rank} + {slab - rank}, {cache.dtype}, {q.dtype}: "
+                         f"use decode_config(gluon=False)")
+    single = cfg.num_splits == 1
+    hblk = math.ceil(h / cfg.block_m)
+    mla_decode_gluon.build()[(b * hblk, cfg.num_splits)](
+        q, cache, block_table, kv_lens, out, out if single else op, out if single else lse,
+        float(sm_scale * scale * LOG2E), float(scale),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), cache.stride(0),
+        block_table.stride(0), cfg.num_splits,
+        H=h, RANK=rank, ROPE=slab - rank, SLAB=slab, PAGE=cache.shape[1], BLOCK_H=cfg.block_m,
+        BLOCK_N=cfg.block_n, HBLK=hblk, STAGES=cfg.num_stages, CHUNK=16, SINGLE=single,
+        CONVERT=cache.dtype in FP8, num_warps=cfg.num_warps)
+
+
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, out: torch.Tensor, rank: int,
                sm_scale: float, cfg: MLAConfig, scale: float = 1.0,
@@ -229,7 +308,9 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
             scratch = (torch.empty((b * h * s, rank), dtype=torch.float32, device=q.device),
                        torch.empty((b * h * s,), dtype=torch.float32, device=q.device))
         op, lse = scratch
-    if cfg.swap:
+    if cfg.gluon:
+        _launch_gluon(q, cache, block_table, kv_lens, out, op, lse, rank, sm_scale, scale, cfg)
+    elif cfg.swap:
         _launch_swap(q, cache, block_table, kv_lens, out, op, lse, rank, sm_scale, scale, cfg)
     else:
         _launch(q, cache, block_table, cu_seqlens_q, kv_lens, kv_lens, out, op, lse, rank,

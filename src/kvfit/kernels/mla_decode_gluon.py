@@ -1,0 +1,214 @@
+"""The MLA decode kernel written in Gluon (Triton's explicit-layout language), for Hopper.
+
+Why Gluon. In Triton's ``tl.dot`` an 8-bit latent tile is converted to 16 bits after each
+shared-memory load of each MMA operand (docs/benchmarks.md, MLA section: ~6x the one
+conversion a tile needs), so the fp8 swapped kernel of ``mla_decode_kernels`` reads its
+latents at ~20% of the copy bandwidth and is slower than the bf16 one. Here the tile's path is
+written out, once per element:
+
+    global --cp.async--> stage[i % STAGES] (the bytes as stored, STAGES - 1 tiles in flight)
+           --ld.shared, cvt (fp8 -> f16), st.shared--> lat [BLOCK_N, 512 | 64] (NVMMA layout)
+    s^T [BLOCK_N, H]  = lat_c . q_c^T + lat_r . q_r^T    (warp-group MMAs from shared memory)
+    o^T [512, H]     += lat_c^T . p^T                      (the same buffer, a transposed view)
+
+Heads are the MMAs' N (16 at DeepSeek-V2-Lite), the latent tile their M (64 tokens), as in the
+swapped Triton kernel. 16-bit latents skip the conversion: the MMAs read the stage buffer.
+The query, in the MMA's 16-bit type (float16 for fp8 latents, whose values it holds exactly),
+sits in shared memory for the whole program; p^T passes through a small shared buffer.
+
+Grid ``(batch * HBLK, splits)``, program (request, block of BLOCK_H heads, split); one split
+writes ``OUT`` (times the latent scale), several write float32 partials ``OP`` (rows
+``(req * H + h) * splits + s``) and base-2 log-sum-exp ``LSE`` for ``decode_kernels``' merge,
+as the Triton kernels do. Page ids of the next tile are loaded one iteration before their
+copies are issued. Owns nothing; writes ``OUT`` or ``OP``/``LSE``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.cache
+def build():
+    """The jitted Gluon kernel, built once per process on first use (CUDA, sm_90+)."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    # cp.async of a pointer tile into shared memory: ``async_load`` from Triton 3.7 on (the
+    # old name raises there), ``async_copy_global_to_shared`` before; the kernels look it up
+    # in this module's globals, as Triton's JIT resolves names
+    globals()["_cp_async"] = getattr(async_copy, "async_load", None) or \
+        async_copy.async_copy_global_to_shared
+    # the CTA barrier: ``gl.barrier`` from Triton 3.7 on, ``gl.thread_barrier`` before
+    globals()["_cta_barrier"] = getattr(gl, "barrier", None) or gl.thread_barrier
+    globals().update(gl=gl, async_copy=async_copy, fence_async_shared=fence_async_shared,
+                     warpgroup_mma=warpgroup_mma, warpgroup_mma_wait=warpgroup_mma_wait)
+
+    @gluon.jit
+    def _page_ids(bt_row, n0, hi, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, L: gl.constexpr):
+        # page id of each token of [n0, n0 + BLOCK_N) in the row layout of L (0 past hi)
+        n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L))
+        return gl.load(bt_row + n // PAGE, mask=n < hi, other=0)
+
+    @gluon.jit
+    def _issue(dst, C, pages, n0, hi, col0, stride_cp, WIDTH: gl.constexpr, SLAB: gl.constexpr,
+               PAGE: gl.constexpr, BLOCK_N: gl.constexpr, L: gl.constexpr):
+        # cp.async of columns [col0, col0 + WIDTH) of tokens [n0, n0 + BLOCK_N) into dst
+        # [BLOCK_N, WIDTH]; tokens >= hi are zero-filled (never read from memory)
+        n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L))
+        d = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, L))
+        row = pages.to(gl.int64) * stride_cp + (n % PAGE) * SLAB + col0  # [BLOCK_N]
+        ptr = C + row[:, None] + d[None, :]
+        _cp_async(dst, ptr, mask=(n < hi)[:, None])  # noqa: F821
+
+    @gluon.jit
+    def _mla_decode_gluon(Q, C, BT, KVLEN, OUT, OP, LSE, qk_scale, out_scale,
+                          stride_qt, stride_qh, stride_ot, stride_oh, stride_cp, stride_bt,
+                          num_splits,
+                          H: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr,
+                          SLAB: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
+                          BLOCK_N: gl.constexpr, HBLK: gl.constexpr, STAGES: gl.constexpr,
+                          CHUNK: gl.constexpr, SINGLE: gl.constexpr, CONVERT: gl.constexpr,
+                          num_warps: gl.constexpr):
+        gl.static_assert(num_warps == 4, "one warp group")
+        pid = gl.program_id(0)
+        s = gl.program_id(1)
+        req = pid // HBLK
+        h0 = (pid % HBLK) * BLOCK_H
+        MMA_T: gl.constexpr = gl.float16 if CONVERT else C.dtype.element_ty
+        # layouts: the MMAs' accumulators ([rows, BLOCK_H], rows over the 4 warps); the
+        # copies and conversions move 16 bytes a thread along a slab row
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_H, 16])
+        VEC: gl.constexpr = 128 // C.dtype.element_ty.primitive_bitwidth  # 16 bytes
+        LC: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [4, 1], [1, 0])
+        LR: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // ROPE, ROPE // VEC],
+                                            [4, 1], [1, 0])
+        LQ: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        LO: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
+        RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        if CONVERT:
+            stage_c = gl.allocate_shared_memory(C.dtype.element_ty, [STAGES, BLOCK_N, RANK], RAW)
+            stage_r = gl.allocate_shared_memory(C.dtype.element_ty, [STAGES, BLOCK_N, ROPE], RAW)
+            lat_c = gl.allocate_shared_memory(
+                MMA_T, [BLOCK_N, RANK], gl.NVMMASharedLayout.get_default_for([BLOCK_N, RANK], MMA_T))
+            lat_r = gl.allocate_shared_memory(
+                MMA_T, [BLOCK_N, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], MMA_T))
+        else:
+            stage_c = gl.allocate_shared_memory(
+                MMA_T, [STAGES, BLOCK_N, RANK],
+                gl.NVMMASharedLayout.get_default_for([BLOCK_N, RANK], MMA_T))
+            stage_r = gl.allocate_shared_memory(
+                MMA_T, [STAGES, BLOCK_N, ROPE],
+                gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], MMA_T))
+        q_c = gl.allocate_shared_memory(
+            MMA_T, [BLOCK_H, RANK], gl.NVMMASharedLayout.get_default_for([BLOCK_H, RANK], MMA_T))
+        q_r = gl.allocate_shared_memory(
+            MMA_T, [BLOCK_H, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], MMA_T))
+        p_s = gl.allocate_shared_memory(
+            MMA_T, [BLOCK_N, BLOCK_H], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H],
+                                                                             MMA_T))
+
+        # the query block [BLOCK_H, RANK | ROPE] into shared memory, in the MMAs' type
+        hq = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LQ))
+        q_row = Q + req.to(gl.int64) * stride_qt + hq * stride_qh
+        dq = gl.arange(0, RANK, layout=gl.SliceLayout(0, LQ))
+        q_c.store(gl.load(q_row[:, None] + dq[None, :], mask=(hq < H)[:, None],
+                          other=0.0).to(MMA_T))
+        dqr = gl.arange(0, ROPE, layout=gl.SliceLayout(0, LQ))
+        q_r.store(gl.load(q_row[:, None] + RANK + dqr[None, :], mask=(hq < H)[:, None],
+                          other=0.0).to(MMA_T))
+
+        kv_len = gl.load(KVLEN + req)
+        per = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = s * per
+        hi = gl.minimum(lo + per, kv_len)
+        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        bt_row = BT + req.to(gl.int64) * stride_bt
+
+        # prologue: STAGES - 1 tiles in flight (tiles past hi copy nothing)
+        for t in gl.static_range(STAGES - 1):
+            n0 = lo + t * BLOCK_N
+            _issue(stage_c.index(t), C, _page_ids(bt_row, n0, hi, BLOCK_N, PAGE, LC), n0, hi, 0,
+                   stride_cp, RANK, SLAB, PAGE, BLOCK_N, LC)
+            _issue(stage_r.index(t), C, _page_ids(bt_row, n0, hi, BLOCK_N, PAGE, LR), n0, hi,
+                   RANK, stride_cp, ROPE, SLAB, PAGE, BLOCK_N, LR)
+            async_copy.commit_group()
+        nxt = lo + (STAGES - 1) * BLOCK_N
+        pg_c = _page_ids(bt_row, nxt, hi, BLOCK_N, PAGE, LC)
+        pg_r = _page_ids(bt_row, nxt, hi, BLOCK_N, PAGE, LR)
+
+        fence_async_shared()
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, MMA))
+        acc = gl.zeros([RANK, BLOCK_H], gl.float32, layout=MMA)
+        s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=MMA)
+        for i in range(n_tiles):
+            # the copies of tile i + STAGES - 1 (page ids loaded an iteration ago) go in flight
+            j = i + STAGES - 1
+            nj = lo + j * BLOCK_N
+            _cta_barrier()  # noqa: F821 -- every thread is done with the stage these copies overwrite
+            _issue(stage_c.index(j % STAGES), C, pg_c, nj, hi, 0, stride_cp, RANK, SLAB, PAGE,
+                   BLOCK_N, LC)
+            _issue(stage_r.index(j % STAGES), C, pg_r, nj, hi, RANK, stride_cp, ROPE, SLAB, PAGE,
+                   BLOCK_N, LR)
+            async_copy.commit_group()
+            pg_c = _page_ids(bt_row, nj + BLOCK_N, hi, BLOCK_N, PAGE, LC)
+            pg_r = _page_ids(bt_row, nj + BLOCK_N, hi, BLOCK_N, PAGE, LR)
+            async_copy.wait_group(STAGES - 1)  # this thread's copies of tile i have landed
+            fence_async_shared()  # (the MMAs read them through the async proxy)
+            _cta_barrier()  # noqa: F821 -- and every thread's
+            cur = i % STAGES
+            if CONVERT:
+                # the 8-bit tile becomes float16 once, in shared memory, for both products
+                for r in gl.static_range(BLOCK_N // CHUNK):
+                    x = stage_c.index(cur).slice(r * CHUNK, CHUNK, 0).load(LC)
+                    lat_c.slice(r * CHUNK, CHUNK, 0).store(x.to(MMA_T))
+                lat_r.store(stage_r.index(cur).load(LR).to(MMA_T))
+                fence_async_shared()
+                _cta_barrier()  # noqa: F821
+                a_c = lat_c
+                a_r = lat_r
+            else:
+                a_c = stage_c.index(cur)
+                a_r = stage_r.index(cur)
+            s_t = warpgroup_mma(a_c, q_c.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s_t = warpgroup_mma(a_r, q_r.permute((1, 0)), s_t, is_async=True)
+            s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
+            # the online softmax down the token axis (axis 0), base 2
+            n = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+            s_t = gl.where((n < hi)[:, None], s_t * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s_t, axis=0))
+            alpha = gl.exp2(m_i - m_new)
+            p_t = gl.exp2(s_t - m_new[None, :])
+            l_i = l_i * alpha + gl.sum(p_t, axis=0)
+            m_i = m_new
+            p_s.store(p_t.to(MMA_T))
+            fence_async_shared()
+            _cta_barrier()  # noqa: F821
+            acc = warpgroup_mma(a_c.permute((1, 0)), p_s, acc * alpha[None, :], is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        async_copy.wait_group(0)
+
+        safe_l = gl.where(l_i > 0, l_i, 1.0)
+        o_t = gl.convert_layout(acc / safe_l[None, :], LO)  # [RANK, BLOCK_H]
+        d = gl.arange(0, RANK, layout=gl.SliceLayout(1, LO))
+        ho = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, LO))
+        omask = (ho < H)[None, :] & (d < RANK)[:, None]
+        if SINGLE:
+            dst = OUT + req.to(gl.int64) * stride_ot + ho[None, :] * stride_oh + d[:, None]
+            gl.store(dst, (o_t * out_scale).to(OUT.dtype.element_ty), mask=omask)
+        else:
+            row = (req.to(gl.int64) * H + ho) * num_splits + s  # [BLOCK_H] scratch rows
+            gl.store(OP + row[None, :] * RANK + d[:, None], o_t, mask=omask)
+            lse = gl.where(l_i > 0, m_i + gl.log2(safe_l), float("-inf"))
+            hl = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, MMA))
+            gl.store(LSE + (req.to(gl.int64) * H + hl) * num_splits + s, lse, mask=hl < H)
+
+    return _mla_decode_gluon

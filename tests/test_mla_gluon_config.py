@@ -1,0 +1,102 @@
+"""The Gluon MLA decode kernel's choices on the CPU: ``decode_config(gluon=True)`` (tile,
+stages, splits by the wave rule), the shapes and stage counts it refuses with a clear error,
+the default off where no Hopper GPU runs; and the kernel's source compiled for sm_90 by the
+installed Triton (nothing executes: the GPU tests in tests/gpu/test_mla_decode_gluon.py prove
+it against the float64 reference)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfit.kernels import mla
+from kvfit.kernels.mla import decode_config, gluon_fits
+
+E4M3, BF16 = torch.float8_e4m3fn, torch.bfloat16
+
+
+def test_gluon_config_tiles_stages_and_splits():
+    cfg = decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True)
+    assert cfg.gluon and (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == \
+        (16, 64, 4, 3)
+    assert cfg.num_splits == 33  # 4 programs: 33 splits fill 132 SMs once (1% per split)
+    cfg16 = decode_config(32, 16, 512, 16384, BF16, BF16, gluon=True)
+    assert cfg16.num_stages == 2 and cfg16.num_splits == 4
+    # V2's 128 heads: eight programs of 16 heads a request, the splits count them
+    v2 = decode_config(16, 128, 512, 16384, E4M3, BF16, gluon=True)
+    assert v2.num_splits == 1
+    assert decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, num_splits=5).num_splits == 5
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(rank=48), "512 \\+ 64"), (dict(rope=32), "512 \\+ 64"),
+    (dict(q_dtype=torch.float32), "16-bit queries"), (dict(cache_dtype=torch.float32), "512"),
+    (dict(num_stages=4), "2..3 stages"), (dict(cache_dtype=BF16, num_stages=3), "2..2 stages"),
+    (dict(num_stages=1), "2..3 stages")])
+def test_gluon_config_refusals_name_the_problem(kw, match):
+    args = dict(batch=4, num_heads=16, rank=512, max_kv_len=4096, cache_dtype=E4M3,
+                q_dtype=BF16)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        decode_config(**args, gluon=True)
+
+
+def test_gluon_default_off_without_hopper():
+    assert gluon_fits(512, 64, E4M3, BF16) and gluon_fits(512, 64, BF16, torch.float16)
+    assert not gluon_fits(512, 64, torch.float32, BF16) and not gluon_fits(256, 64, BF16, BF16)
+    if not torch.cuda.is_available():
+        assert not mla.gluon_available(0)
+        assert not decode_config(4, 16, 512, 32768, E4M3, BF16).gluon
+    # an explicit kernel choice keeps the Triton kernels
+    assert not decode_config(4, 16, 512, 32768, BF16, BF16, swap=True).gluon
+
+
+_COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from kvfit.kernels import mla_decode_gluon
+
+cdt, stages, single = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+fn = mla_decode_gluon.build()
+sig = dict(Q="*bf16", C="*" + cdt, BT="*i32", KVLEN="*i32", OUT="*bf16", OP="*fp32",
+           LSE="*fp32", qk_scale="fp32", out_scale="fp32", stride_qt="i32", stride_qh="i32",
+           stride_ot="i32", stride_oh="i32", stride_cp="i32", stride_bt="i32", num_splits="i32")
+consts = dict(H=16, RANK=512, ROPE=64, SLAB=576, PAGE=32, BLOCK_H=16, BLOCK_N=64, HBLK=1,
+              STAGES=stages, CHUNK=16, SINGLE=single, CONVERT=cdt.startswith("fp8"),
+              num_warps=4)
+sig.update({k: "constexpr" for k in consts})
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+         if sig[n].startswith("*") or n.startswith("stride")}
+k = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+print(json.dumps(dict(ptx=k.asm["ptx"], shared=k.metadata.shared)))
+"""
+
+
+@pytest.mark.parametrize("cdt,stages,single", [("fp8e4nv", 3, False), ("bf16", 2, True)])
+def test_gluon_kernel_compiles_for_sm90(cdt, stages, single):
+    """The installed Triton compiles the kernel for Hopper (in a process of its own: the CPU
+    suite runs Triton's interpreter, which Gluon has not): 68 warp-group MMAs of m64n16k16 per
+    tile (36 for the logits over 512 + 64 columns, 32 for P . latent), and for 8-bit latents
+    one packed conversion per two latent values of the tile, in at most 227 KB of shared
+    memory."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", _COMPILE, cdt, str(stages), str(int(single))],
+                       env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0 and "ptxas" in r.stderr.lower() and "not found" in r.stderr.lower():
+        pytest.skip("no ptxas for sm_90 on this machine")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    mma = "m64n16k16.f32.f16.f16" if cdt.startswith("fp8") else "m64n16k16.f32.bf16.bf16"
+    assert got["ptx"].count("wgmma.mma_async.sync.aligned." + mma) == 68
+    assert got["ptx"].count("cvt.rn.f16x2.e4m3x2") == \
+        (64 * 576 // 128 // 2 if cdt == "fp8e4nv" else 0)
+    assert got["shared"] <= 227 * 1024
