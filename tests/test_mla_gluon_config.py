@@ -26,6 +26,11 @@ def test_gluon_config_tiles_stages_and_splits():
     v2 = decode_config(16, 128, 512, 16384, E4M3, BF16, gluon=True)
     assert v2.num_splits == 1
     assert decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, num_splits=5).num_splits == 5
+    # fp8 logits: e4m3 latents only
+    assert decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, qfp8=True).qfp8
+    assert not decode_config(4, 16, 512, 32768, torch.float8_e5m2, BF16, gluon=True,
+                             qfp8=True).qfp8
+    assert not decode_config(4, 16, 512, 32768, BF16, BF16, gluon=True, qfp8=True).qfp8
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -58,14 +63,14 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from kvfit.kernels import mla_decode_gluon
 
-cdt, stages, single = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+cdt, stages, single, qfp8 = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
 fn = mla_decode_gluon.build()
 sig = dict(Q="*bf16", C="*" + cdt, BT="*i32", KVLEN="*i32", OUT="*bf16", OP="*fp32",
            LSE="*fp32", qk_scale="fp32", out_scale="fp32", stride_qt="i32", stride_qh="i32",
            stride_ot="i32", stride_oh="i32", stride_cp="i32", stride_bt="i32", num_splits="i32")
 consts = dict(H=16, RANK=512, ROPE=64, SLAB=576, PAGE=32, BLOCK_H=16, BLOCK_N=64, HBLK=1,
               STAGES=stages, CHUNK=16, SINGLE=single, CONVERT=cdt.startswith("fp8"),
-              num_warps=4)
+              QFP8=qfp8, num_warps=4)
 sig.update({k: "constexpr" for k in consts})
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
          if sig[n].startswith("*") or n.startswith("stride")}
@@ -75,13 +80,15 @@ print(json.dumps(dict(ptx=k.asm["ptx"], shared=k.metadata.shared)))
 """
 
 
-@pytest.mark.parametrize("cdt,stages,single", [("fp8e4nv", 3, False), ("bf16", 2, True)])
-def test_gluon_kernel_compiles_for_sm90(cdt, stages, single):
+@pytest.mark.parametrize("cdt,stages,single,qfp8", [
+    ("fp8e4nv", 3, False, False), ("bf16", 2, True, False), ("fp8e4nv", 3, True, True)])
+def test_gluon_kernel_compiles_for_sm90(cdt, stages, single, qfp8):
     """The installed Triton compiles the kernel for Hopper (in a process of its own: the CPU
     suite runs Triton's interpreter, which Gluon has not): 68 warp-group MMAs of m64n16k16 per
     tile (36 for the logits over 512 + 64 columns, 32 for P . latent), and for 8-bit latents
     one packed conversion per two latent values of the tile, in at most 227 KB of shared
-    memory."""
+    memory. With fp8 logits (``qfp8``): 36 fp8 MMAs m64n16k32 (the query's two e4m3 parts
+    over 512 + 64 columns) and the conversion of the 512 latent columns only."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     import json
     import os
@@ -89,14 +96,22 @@ def test_gluon_kernel_compiles_for_sm90(cdt, stages, single):
     import sys
 
     env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", _COMPILE, cdt, str(stages), str(int(single))],
+    r = subprocess.run([sys.executable, "-c", _COMPILE, cdt, str(stages), str(int(single)),
+                        str(int(qfp8))],
                        env=env, capture_output=True, text=True, timeout=600)
     if r.returncode != 0 and "ptxas" in r.stderr.lower() and "not found" in r.stderr.lower():
         pytest.skip("no ptxas for sm_90 on this machine")
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
+    ptx = got["ptx"]
     mma = "m64n16k16.f32.f16.f16" if cdt.startswith("fp8") else "m64n16k16.f32.bf16.bf16"
-    assert got["ptx"].count("wgmma.mma_async.sync.aligned." + mma) == 68
-    assert got["ptx"].count("cvt.rn.f16x2.e4m3x2") == \
-        (64 * 576 // 128 // 2 if cdt == "fp8e4nv" else 0)
+    if qfp8:
+        assert ptx.count("wgmma.mma_async.sync.aligned." + mma) == 32
+        assert ptx.count("wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3") == 36
+        # the loop's 512 columns (64 x 512 / 128 threads / 2 a cvt), the query's parts more
+        assert ptx.count("cvt.rn.f16x2.e4m3x2") >= 64 * 512 // 128 // 2
+    else:
+        assert ptx.count("wgmma.mma_async.sync.aligned." + mma) == 68
+        assert ptx.count("cvt.rn.f16x2.e4m3x2") == \
+            (64 * 576 // 128 // 2 if cdt == "fp8e4nv" else 0)
     assert got["shared"] <= 227 * 1024

@@ -31,6 +31,9 @@
 #   mla-fi             issue 18's MLA through FlashInfer (fifteenth session): the MLA decode
 #                      kernels, ours vs FlashInfer's, the plan's host cost, bf16 end to end on
 #                      8 V2-Lite layers with each backend, the fi MLA GPU tests             ~6
+#   mla-gluon          issue 18's Gluon MLA decode (sixteenth session): its GPU tests, the
+#                      sweep against the Triton kernels, ours vs FlashInfer's MLA, end to end
+#                      on 8 V2-Lite layers with the Gluon kernel on and off                 ~6
 #   tests              the GPU tests (tests/gpu)                                            ~4
 # Groups: seed = the four seed-*; kernels = decode-page16 decode-page32 decode-page-size prefill.
 set -uo pipefail
@@ -160,6 +163,23 @@ target() {
       done; done
       run mla_fi_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_mla_fi_cuda.py
       tail -3 "$OUT/mla_fi_tests.log" ;;
+    mla-gluon) gpu_env
+      run mla_gluon_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_mla_decode_gluon.py
+      tail -3 "$OUT/mla_gluon_tests.log"
+      run mla_gluon_sweep python3 benchmarks/kernels/mla_sweep.py \
+        --points fp8_e4m3:4:32768,fp8_e4m3:32:16384,fp8_e4m3:64:4096,bfloat16:4:32768,bfloat16:32:16384,bfloat16:64:4096 \
+        --variants g:64:4:2,sh:32:4:4 --fp8-variants g:64:4:3,gq:64:4:3,r:64:8:3 --rep 60 \
+        --json "$OUT/mla_gluon_sweep.json"
+      run mla_kernels kvfit bench kernels --layouts deepseek-v2-lite --kv-dtypes bfloat16,fp8_e4m3 \
+        --batches 4,32,64 --contexts 4096,16384,32768 --no-prefill --max-gib 8 \
+        --out "$OUT/mla_kernels"
+      grep -E "^decode|speedup" "$OUT/mla_kernels.log"
+      for v in on off; do  # the Gluon default, then the Triton kernels (GLUON_DTYPES=())
+        K=""; [ $v = off ] && K="kvfit.kernels.mla:GLUON_DTYPES=()"
+        run "mla_seed_gluon_$v" python3 benchmarks/engine/with_knobs.py "$K" - bench seed \
+          --model benchmarks/gpu/deepseek-v2-lite-8layers.json --kv-dtypes bfloat16,fp8_e4m3 \
+          --contexts 16384 --batches 1,32 --steps 10 --prefill-len 1024
+      done ;;
     tests) gpu_env
       run gpu_tests python3 -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/gpu
       tail -3 "$OUT/gpu_tests.log" ;;

@@ -1,5 +1,6 @@
 """The Gluon MLA decode kernel (kernels/mla_decode_gluon.py, Hopper) on the GPU against the
-float64 reference: every latent format (bf16, fp16, e4m3, e5m2), pages of 16 and 32, V2-Lite's
+float64 reference: every latent format (bf16, fp16, e4m3, e5m2; e4m3 also with the logits by
+fp8 MMAs, ``qfp8``), pages of 16 and 32, V2-Lite's
 16 heads and V2's 128 (eight programs per request), single-split and split decode (the merge
 kernel), 2 and 3 stages, requests shorter than a tile and of one token, NaN in unused pages
 and unused slots, NaN-poisoned output; and its CUDA-graph replay equal to eager after the
@@ -32,11 +33,14 @@ def _rel(got, ref):
     return ((got.double().cpu() - ref).abs().max() / ref.abs().max()).item()
 
 
-@pytest.mark.parametrize("fmt,page,heads,stages,splits", [
-    ("bfloat16", 16, 16, 2, None), ("bfloat16", 32, 128, 2, 1), ("float16", 16, 16, 2, None),
-    ("fp8_e4m3", 32, 16, 3, None), ("fp8_e4m3", 16, 16, 2, 1), ("fp8_e4m3", 32, 128, 3, None),
-    ("fp8_e5m2", 16, 16, 3, None), ("fp8_e5m2", 32, 16, 3, 1)])
-def test_mla_gluon_decode_kernel(fmt, page, heads, stages, splits):
+@pytest.mark.parametrize("fmt,page,heads,stages,splits,qfp8", [
+    ("bfloat16", 16, 16, 2, None, False), ("bfloat16", 32, 128, 2, 1, False),
+    ("float16", 16, 16, 2, None, False), ("fp8_e4m3", 32, 16, 3, None, False),
+    ("fp8_e4m3", 16, 16, 2, 1, False), ("fp8_e4m3", 32, 128, 3, None, False),
+    ("fp8_e5m2", 16, 16, 3, None, False), ("fp8_e5m2", 32, 16, 3, 1, False),
+    ("fp8_e4m3", 32, 16, 3, None, True), ("fp8_e4m3", 16, 128, 3, 1, True),
+    ("fp8_e4m3", 32, 16, 2, 1, True)])
+def test_mla_gluon_decode_kernel(fmt, page, heads, stages, splits, qfp8):
     _skip_unless_hopper()
     from kvfit.kernels.mla import decode_config, mla_decode
 
@@ -47,8 +51,8 @@ def test_mla_gluon_decode_kernel(fmt, page, heads, stages, splits):
                                                           scale=0.5)
     sm = 192 ** -0.5
     cfg = decode_config(b, heads, 512, max(kv_lens), cache.dtype, q.dtype, gluon=True,
-                        num_stages=stages, num_splits=splits)
-    assert cfg.gluon and cfg.num_stages == stages
+                        num_stages=stages, num_splits=splits, qfp8=qfp8)
+    assert cfg.gluon and cfg.num_stages == stages and cfg.qfp8 == qfp8
     assert (cfg.num_splits > 1) == (splits is None)
     out = torch.full((b, heads, 512), float("nan"), dtype=q.dtype, device=DEV)
     mla_decode(q, cache, table, cu, kv, out, 512, sm, cfg, scale=0.5)
@@ -63,8 +67,9 @@ def test_mla_gluon_decode_kernel(fmt, page, heads, stages, splits):
     assert _rel(out, tri.double().cpu()) < TOL[fmt]
 
 
-@pytest.mark.parametrize("fmt", ["bfloat16", "fp8_e4m3"])
-def test_mla_gluon_decode_graph_replay(fmt):
+@pytest.mark.parametrize("fmt,qfp8", [("bfloat16", False), ("fp8_e4m3", False),
+                                      ("fp8_e4m3", True)])
+def test_mla_gluon_decode_graph_replay(fmt, qfp8):
     """Captured once, replayed after the cache, lengths and query change: equals eager."""
     _skip_unless_hopper()
     from kvfit.kernels.mla import decode_config, mla_decode
@@ -73,7 +78,7 @@ def test_mla_gluon_decode_graph_replay(fmt):
     kv_lens = [900, 40, 2100]
     q, cache, table, cu, kv, _ = random_latent_batch([1] * 3, kv_lens, heads, 512, 64, page,
                                                      fmt, DEV, seed=5)
-    cfg = decode_config(3, heads, 512, 2304, cache.dtype, q.dtype, gluon=True)
+    cfg = decode_config(3, heads, 512, 2304, cache.dtype, q.dtype, gluon=True, qfp8=qfp8)
     s = cfg.num_splits
     assert cfg.gluon and s > 1
     scratch = (torch.empty((3 * heads * s, 512), dtype=torch.float32, device=DEV),

@@ -58,8 +58,9 @@ class TritonMLA:
         self._max_len = self._graph_max_len
 
     @functools.cache
-    def _decode_cfg(self, batch: int, max_len: int, heads: int, rank: int):
-        return decode_config(batch, heads, rank, max_len, self.pool.dtype, self.compute_dtype)
+    def _decode_cfg(self, batch: int, max_len: int, heads: int, rank: int, rope: int):
+        return decode_config(batch, heads, rank, max_len, self.pool.dtype, self.compute_dtype,
+                             rope=rope)
 
     def forward_mla(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int,
                     v_dim: int) -> torch.Tensor:
@@ -69,10 +70,10 @@ class TritonMLA:
         store_latent(kv, cache, meta.slot_mapping, pool.fmt, scale)
         if q.stride(-1) != 1:
             q = q.contiguous()
-        t, h, _ = q.shape
+        t, h, slab = q.shape
         out = q.new_empty(t, h, v_dim)
         if meta.is_decode:
-            cfg = self._decode_cfg(t, self._max_len, h, v_dim)
+            cfg = self._decode_cfg(t, self._max_len, h, v_dim, slab - v_dim)
             return mla_decode(q, cache, meta.block_table, meta.cu_seqlens_q, meta.kv_lens, out,
                               v_dim, self.sm_scale, cfg, scale)
         cfg = prefill_config(h, pool.dtype, self.compute_dtype)

@@ -186,7 +186,7 @@ def run_mla_decode(args, layout: str, device, copy_bw, results) -> None:
                 ls = LatentSet(rank, rope, kvd, b, ctx, _page(args, kvd, rank + rope), device)
                 if ls.bytes > args.max_gib * (1 << 30):
                     continue
-                cfg = decode_config(b, heads, rank, ctx, ls.dtype, torch.bfloat16)
+                cfg = decode_config(b, heads, rank, ctx, ls.dtype, torch.bfloat16, rope=rope)
                 us = time_mla_decode(ls, heads, cfg, graphs=True)
                 rec = {"kind": "decode", "layout": layout, "kv_dtype": kvd, "batch": b,
                        "context": ctx, "kv_bytes": ls.bytes, "page_size": ls.page_size,

@@ -29,6 +29,8 @@ FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 DEFAULT_HOIST_TOKENS = 1024  # tokens per chunk of hoisted page ids (swapped decode)
 # latent types whose default decode is the Gluon kernel where it runs (decode_config)
 GLUON_DTYPES = (torch.bfloat16, torch.float16) + FP8
+# e4m3 latents: the Gluon kernel's logits by fp8 MMAs over the stored bytes (decode_config)
+GLUON_QFP8 = False
 
 
 @dataclass(frozen=True)
@@ -127,8 +129,10 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
         if not 2 <= stages <= most:
             raise ValueError(f"the Gluon MLA decode takes 2..{most} stages for {cache_dtype} "
                              f"latents (shared memory), got {stages}")
-        return _with_splits(MLAConfig(16, 64, 4, stages, gluon=True), batch, num_heads, rank,
-                            max_kv_len, num_sms, programs_per_sm or 1, num_splits)
+        qfp8 = cache_dtype == torch.float8_e4m3fn and bool(GLUON_QFP8 if qfp8 is None else qfp8)
+        return _with_splits(MLAConfig(16, 64, 4, stages, gluon=True, qfp8=qfp8), batch,
+                            num_heads, rank, max_kv_len, num_sms, programs_per_sm or 1,
+                            num_splits)
     block_m = 16 if exact else min(32, max(16, _pow2(num_heads)))
     hblk = math.ceil(num_heads / block_m)
     auto = swap is None
@@ -284,7 +288,8 @@ def _launch_gluon(q, cache, block_table, kv_lens, out, op, lse, rank: int, sm_sc
         block_table.stride(0), cfg.num_splits,
         H=h, RANK=rank, ROPE=slab - rank, SLAB=slab, PAGE=cache.shape[1], BLOCK_H=cfg.block_m,
         BLOCK_N=cfg.block_n, HBLK=hblk, STAGES=cfg.num_stages, CHUNK=16, SINGLE=single,
-        CONVERT=cache.dtype in FP8, num_warps=cfg.num_warps)
+        CONVERT=cache.dtype in FP8, QFP8=cfg.qfp8 and cache.dtype == torch.float8_e4m3fn,
+        num_warps=cfg.num_warps)
 
 
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,

@@ -75,42 +75,53 @@ def build():
                           SLAB: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
                           BLOCK_N: gl.constexpr, HBLK: gl.constexpr, STAGES: gl.constexpr,
                           CHUNK: gl.constexpr, SINGLE: gl.constexpr, CONVERT: gl.constexpr,
-                          num_warps: gl.constexpr):
+                          QFP8: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 4, "one warp group")
+        gl.static_assert(CONVERT or not QFP8, "fp8 logits read an 8-bit cache")
         pid = gl.program_id(0)
         s = gl.program_id(1)
         req = pid // HBLK
         h0 = (pid % HBLK) * BLOCK_H
-        MMA_T: gl.constexpr = gl.float16 if CONVERT else C.dtype.element_ty
-        # layouts: the MMAs' accumulators ([rows, BLOCK_H], rows over the 4 warps); the
-        # copies and conversions move 16 bytes a thread along a slab row
+        KV_T: gl.constexpr = C.dtype.element_ty
+        MMA_T: gl.constexpr = gl.float16 if CONVERT else KV_T
+        # layouts: the MMAs' accumulators ([rows, BLOCK_H], rows over the 4 warps; MMA8 for
+        # the fp8 logits, k = 32); the copies and conversions move 16 bytes a thread along a
+        # slab row
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_H, 16])
-        VEC: gl.constexpr = 128 // C.dtype.element_ty.primitive_bitwidth  # 16 bytes
+        MMA8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_H, 32])
+        SM: gl.constexpr = MMA8 if QFP8 else MMA  # the logits' and softmax's layout
+        VEC: gl.constexpr = 128 // KV_T.primitive_bitwidth  # 16 bytes
         LC: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [4, 1], [1, 0])
         LR: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // ROPE, ROPE // VEC],
                                             [4, 1], [1, 0])
         LQ: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
         LO: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
         RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        # the stages hold the tile as stored: in the MMAs' layout when an MMA reads them
+        # (16-bit latents; fp8 logits), else plain rows for the conversion
+        Q_T: gl.constexpr = KV_T if QFP8 else MMA_T
+        if QFP8 or not CONVERT:
+            stage_c = gl.allocate_shared_memory(
+                KV_T, [STAGES, BLOCK_N, RANK],
+                gl.NVMMASharedLayout.get_default_for([BLOCK_N, RANK], KV_T))
+            stage_r = gl.allocate_shared_memory(
+                KV_T, [STAGES, BLOCK_N, ROPE],
+                gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], KV_T))
+        else:
+            stage_c = gl.allocate_shared_memory(KV_T, [STAGES, BLOCK_N, RANK], RAW)
+            stage_r = gl.allocate_shared_memory(KV_T, [STAGES, BLOCK_N, ROPE], RAW)
         if CONVERT:
-            stage_c = gl.allocate_shared_memory(C.dtype.element_ty, [STAGES, BLOCK_N, RANK], RAW)
-            stage_r = gl.allocate_shared_memory(C.dtype.element_ty, [STAGES, BLOCK_N, ROPE], RAW)
             lat_c = gl.allocate_shared_memory(
                 MMA_T, [BLOCK_N, RANK], gl.NVMMASharedLayout.get_default_for([BLOCK_N, RANK], MMA_T))
+        if CONVERT and not QFP8:
             lat_r = gl.allocate_shared_memory(
                 MMA_T, [BLOCK_N, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], MMA_T))
-        else:
-            stage_c = gl.allocate_shared_memory(
-                MMA_T, [STAGES, BLOCK_N, RANK],
-                gl.NVMMASharedLayout.get_default_for([BLOCK_N, RANK], MMA_T))
-            stage_r = gl.allocate_shared_memory(
-                MMA_T, [STAGES, BLOCK_N, ROPE],
-                gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], MMA_T))
         q_c = gl.allocate_shared_memory(
-            MMA_T, [BLOCK_H, RANK], gl.NVMMASharedLayout.get_default_for([BLOCK_H, RANK], MMA_T))
+            Q_T, [BLOCK_H, RANK], gl.NVMMASharedLayout.get_default_for([BLOCK_H, RANK], Q_T))
         q_r = gl.allocate_shared_memory(
-            MMA_T, [BLOCK_H, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], MMA_T))
+            Q_T, [BLOCK_H, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], Q_T))
         p_s = gl.allocate_shared_memory(
             MMA_T, [BLOCK_N, BLOCK_H], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H],
                                                                              MMA_T))
@@ -119,11 +130,32 @@ def build():
         hq = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LQ))
         q_row = Q + req.to(gl.int64) * stride_qt + hq * stride_qh
         dq = gl.arange(0, RANK, layout=gl.SliceLayout(0, LQ))
-        q_c.store(gl.load(q_row[:, None] + dq[None, :], mask=(hq < H)[:, None],
-                          other=0.0).to(MMA_T))
         dqr = gl.arange(0, ROPE, layout=gl.SliceLayout(0, LQ))
-        q_r.store(gl.load(q_row[:, None] + RANK + dqr[None, :], mask=(hq < H)[:, None],
-                          other=0.0).to(MMA_T))
+        qc = gl.load(q_row[:, None] + dq[None, :], mask=(hq < H)[:, None], other=0.0)
+        qr = gl.load(q_row[:, None] + RANK + dqr[None, :], mask=(hq < H)[:, None], other=0.0)
+        if QFP8:
+            # per head: q / q_sc = hi + lo / 16 in e4m3 (~8 significant bits, as bfloat16),
+            # q_sc = amax / 448 (max(., 1e-30) keeps an all-zero head finite); the logits
+            # are (hi . c + (lo . c) / 16) * q_sc, two fp8 MMAs over the stored bytes
+            qc = qc.to(gl.float32)
+            qr = qr.to(gl.float32)
+            amax = gl.maximum(gl.max(gl.abs(qc), axis=1), gl.max(gl.abs(qr), axis=1))
+            q_sc = gl.maximum(amax, 1e-30) / 448.0  # [BLOCK_H]
+            qc = qc / q_sc[:, None]
+            qr = qr / q_sc[:, None]
+            hc = qc.to(KV_T)
+            hr = qr.to(KV_T)
+            q_c.store(hc)
+            q_r.store(hr)
+            ql_c = gl.allocate_shared_memory(KV_T, [BLOCK_H, RANK], q_c.layout)
+            ql_r = gl.allocate_shared_memory(KV_T, [BLOCK_H, ROPE], q_r.layout)
+            ql_c.store(((qc - hc.to(gl.float32)) * 16.0).to(KV_T))
+            ql_r.store(((qr - hr.to(gl.float32)) * 16.0).to(KV_T))
+            s_scale = gl.convert_layout(q_sc, gl.SliceLayout(0, SM)) * qk_scale
+        else:
+            q_c.store(qc.to(MMA_T))
+            q_r.store(qr.to(MMA_T))
+            s_scale = gl.full([BLOCK_H], 1.0, gl.float32, layout=gl.SliceLayout(0, SM)) * qk_scale
 
         kv_len = gl.load(KVLEN + req)
         per = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
@@ -145,15 +177,15 @@ def build():
         pg_r = _page_ids(bt_row, nxt, hi, BLOCK_N, PAGE, LR)
 
         fence_async_shared()
-        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
-        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, MMA))
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, SM))
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, SM))
         acc = gl.zeros([RANK, BLOCK_H], gl.float32, layout=MMA)
-        s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=MMA)
+        s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=SM)
         for i in range(n_tiles):
             # the copies of tile i + STAGES - 1 (page ids loaded an iteration ago) go in flight
             j = i + STAGES - 1
             nj = lo + j * BLOCK_N
-            _cta_barrier()  # noqa: F821 -- every thread is done with the stage these copies overwrite
+            _cta_barrier()  # noqa: F821 -- every thread is done with the stage overwritten
             _issue(stage_c.index(j % STAGES), C, pg_c, nj, hi, 0, stride_cp, RANK, SLAB, PAGE,
                    BLOCK_N, LC)
             _issue(stage_r.index(j % STAGES), C, pg_r, nj, hi, RANK, stride_cp, ROPE, SLAB, PAGE,
@@ -165,25 +197,45 @@ def build():
             fence_async_shared()  # (the MMAs read them through the async proxy)
             _cta_barrier()  # noqa: F821 -- and every thread's
             cur = i % STAGES
-            if CONVERT:
-                # the 8-bit tile becomes float16 once, in shared memory, for both products
+            if QFP8:
+                # the logits from the stored bytes (fp8 MMAs, in flight) while the tile's
+                # 512 latent columns become float16 in shared memory for P . latent
+                a_c = lat_c
+                s_hi = warpgroup_mma(stage_c.index(cur), q_c.permute((1, 0)), s_zero,
+                                     use_acc=False, is_async=True)
+                s_hi = warpgroup_mma(stage_r.index(cur), q_r.permute((1, 0)), s_hi,
+                                     is_async=True)
+                s_lo = warpgroup_mma(stage_c.index(cur), ql_c.permute((1, 0)), s_zero,
+                                     use_acc=False, is_async=True)
+                s_lo = warpgroup_mma(stage_r.index(cur), ql_r.permute((1, 0)), s_lo,
+                                     is_async=True)
                 for r in gl.static_range(BLOCK_N // CHUNK):
                     x = stage_c.index(cur).slice(r * CHUNK, CHUNK, 0).load(LC)
                     lat_c.slice(r * CHUNK, CHUNK, 0).store(x.to(MMA_T))
-                lat_r.store(stage_r.index(cur).load(LR).to(MMA_T))
                 fence_async_shared()
-                _cta_barrier()  # noqa: F821
-                a_c = lat_c
-                a_r = lat_r
+                s_hi, s_lo = warpgroup_mma_wait(num_outstanding=0, deps=(s_hi, s_lo))
+                s_t = s_hi + s_lo * 0.0625
             else:
-                a_c = stage_c.index(cur)
-                a_r = stage_r.index(cur)
-            s_t = warpgroup_mma(a_c, q_c.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s_t = warpgroup_mma(a_r, q_r.permute((1, 0)), s_t, is_async=True)
-            s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
+                if CONVERT:
+                    # the 8-bit tile becomes float16 once, in shared memory, for both products
+                    for r in gl.static_range(BLOCK_N // CHUNK):
+                        x = stage_c.index(cur).slice(r * CHUNK, CHUNK, 0).load(LC)
+                        lat_c.slice(r * CHUNK, CHUNK, 0).store(x.to(MMA_T))
+                    lat_r.store(stage_r.index(cur).load(LR).to(MMA_T))
+                    fence_async_shared()
+                    _cta_barrier()  # noqa: F821
+                    a_c = lat_c
+                    a_r = lat_r
+                else:
+                    a_c = stage_c.index(cur)
+                    a_r = stage_r.index(cur)
+                s_t = warpgroup_mma(a_c, q_c.permute((1, 0)), s_zero, use_acc=False,
+                                    is_async=True)
+                s_t = warpgroup_mma(a_r, q_r.permute((1, 0)), s_t, is_async=True)
+                s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
             # the online softmax down the token axis (axis 0), base 2
-            n = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-            s_t = gl.where((n < hi)[:, None], s_t * qk_scale, float("-inf"))
+            n = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SM))
+            s_t = gl.where((n < hi)[:, None], s_t * s_scale[None, :], float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s_t, axis=0))
             alpha = gl.exp2(m_i - m_new)
             p_t = gl.exp2(s_t - m_new[None, :])
@@ -192,12 +244,14 @@ def build():
             p_s.store(p_t.to(MMA_T))
             fence_async_shared()
             _cta_barrier()  # noqa: F821
-            acc = warpgroup_mma(a_c.permute((1, 0)), p_s, acc * alpha[None, :], is_async=True)
+            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, MMA))
+            acc = warpgroup_mma(a_c.permute((1, 0)), p_s, acc * alpha_o[None, :], is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         async_copy.wait_group(0)
 
         safe_l = gl.where(l_i > 0, l_i, 1.0)
-        o_t = gl.convert_layout(acc / safe_l[None, :], LO)  # [RANK, BLOCK_H]
+        o_t = acc / gl.convert_layout(safe_l, gl.SliceLayout(0, MMA))[None, :]
+        o_t = gl.convert_layout(o_t, LO)  # [RANK, BLOCK_H]
         d = gl.arange(0, RANK, layout=gl.SliceLayout(1, LO))
         ho = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, LO))
         omask = (ho < H)[None, :] & (d < RANK)[:, None]
@@ -208,7 +262,7 @@ def build():
             row = (req.to(gl.int64) * H + ho) * num_splits + s  # [BLOCK_H] scratch rows
             gl.store(OP + row[None, :] * RANK + d[:, None], o_t, mask=omask)
             lse = gl.where(l_i > 0, m_i + gl.log2(safe_l), float("-inf"))
-            hl = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, MMA))
+            hl = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, SM))
             gl.store(LSE + (req.to(gl.int64) * H + hl) * num_splits + s, lse, mask=hl < H)
 
     return _mla_decode_gluon
