@@ -56,3 +56,40 @@ def mla_reference(q, stored, q_lens, kv_lens, rank, sm_scale):
         out.append(torch.einsum("thn,nr->thr", s.softmax(-1), c[:, :rank]))
         start += ql
     return torch.cat(out)
+
+
+def decode_graph_replay_error(make_cfg, fmt_name, device="cuda", heads=16):
+    """A decode captured in a CUDA graph, replayed after the cache, page table, lengths and query
+    change (the second random batch at the captured batch size): asserts the replay equals an
+    eager call bit for bit and returns its relative error against the float64 reference.
+    ``make_cfg(batch, heads, max_len, cache, q)`` -> the ``MLAConfig`` under test."""
+    from kvfit.kernels.mla import mla_decode
+
+    page = 32 if fmt_name != "bfloat16" else 16
+    kv_lens = [900, 40, 2100]
+    q, cache, table, cu, kv, _ = random_latent_batch([1] * 3, kv_lens, heads, 512, 64, page,
+                                                     fmt_name, device, seed=5)
+    cfg = make_cfg(3, heads, 2304, cache, q)
+    s = cfg.num_splits
+    scratch = (torch.empty((3 * heads * s, 512), dtype=torch.float32, device=device),
+               torch.empty((3 * heads * s,), dtype=torch.float32, device=device))
+    out = torch.full((3, heads, 512), float("nan"), dtype=q.dtype, device=device)
+    mla_decode(q, cache, table, cu, kv, out, 512, 0.07, cfg, scratch=scratch)  # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mla_decode(q, cache, table, cu, kv, out, 512, 0.07, cfg, scratch=scratch)
+    q2, cache2, table2, _, _, stored2 = random_latent_batch([1] * 3, kv_lens, heads, 512, 64,
+                                                            page, fmt_name, device, seed=6)
+    new_lens = torch.tensor([899, 7, 2100], dtype=torch.int32, device=device)
+    q.copy_(q2)
+    cache.copy_(cache2)
+    table.copy_(table2)
+    kv.copy_(new_lens)
+    out.fill_(float("nan"))
+    graph.replay()
+    eager = torch.empty_like(out)
+    mla_decode(q, cache, table, cu, kv, eager, 512, 0.07, cfg)
+    assert torch.equal(out, eager)
+    ref = mla_reference(q, [st[:n] for st, n in zip(stored2, new_lens.tolist())], [1] * 3,
+                        new_lens.tolist(), 512, 0.07)
+    return ((out.double().cpu() - ref).abs().max() / ref.abs().max()).item()

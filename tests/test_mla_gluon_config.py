@@ -17,15 +17,29 @@ E4M3, BF16 = torch.float8_e4m3fn, torch.bfloat16
 
 def test_gluon_config_tiles_stages_and_splits():
     cfg = decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True)
-    assert cfg.gluon and (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == \
-        (16, 64, 4, 3)
+    # e4m3: the pipelined kernel by default (fp8 logits, 2 stages)
+    assert cfg.gluon and cfg.pipe == mla.GLUON_PIPE and cfg.qfp8 == mla.GLUON_PIPE
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps) == (16, 64, 4)
+    assert cfg.num_stages == (2 if mla.GLUON_PIPE else 3)
     assert cfg.num_splits == 33  # 4 programs: 33 splits fill 132 SMs once (1% per split)
+    # asking for 3 stages or plain logits keeps the plain Gluon kernel
+    plain = decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, num_stages=3)
+    assert not plain.pipe and plain.num_stages == 3 and not plain.qfp8
+    assert not decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, qfp8=False).pipe
+    e5 = decode_config(4, 16, 512, 32768, torch.float8_e5m2, BF16, gluon=True)
+    assert not e5.pipe and not e5.qfp8 and e5.num_stages == 3
     cfg16 = decode_config(32, 16, 512, 16384, BF16, BF16, gluon=True)
     assert cfg16.num_stages == 2 and cfg16.num_splits == 4
     # V2's 128 heads: eight programs of 16 heads a request, the splits count them
     v2 = decode_config(16, 128, 512, 16384, E4M3, BF16, gluon=True)
     assert v2.num_splits == 1
     assert decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, num_splits=5).num_splits == 5
+    # the pipelined kernel: e4m3 only, fp8 logits, 2 stages
+    pc = decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, pipe=True)
+    assert pc.pipe and pc.qfp8 and pc.num_stages == 2
+    assert not decode_config(4, 16, 512, 32768, BF16, BF16, gluon=True, pipe=True).pipe
+    with pytest.raises(ValueError, match="2 stages"):
+        decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, pipe=True, num_stages=3)
     # fp8 logits: e4m3 latents only
     assert decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, qfp8=True).qfp8
     assert not decode_config(4, 16, 512, 32768, torch.float8_e5m2, BF16, gluon=True,
@@ -64,13 +78,19 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from kvfit.kernels import mla_decode_gluon
 
 cdt, stages, single, qfp8 = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
-fn = mla_decode_gluon.build()
+pipe = stages == 0  # the pipelined e4m3 kernel (mla_decode_fp8_pipe)
+if pipe:
+    from kvfit.kernels import mla_decode_fp8_pipe
+    fn = mla_decode_fp8_pipe.build()
+else:
+    fn = mla_decode_gluon.build()
 sig = dict(Q="*bf16", C="*" + cdt, BT="*i32", KVLEN="*i32", OUT="*bf16", OP="*fp32",
            LSE="*fp32", qk_scale="fp32", out_scale="fp32", stride_qt="i32", stride_qh="i32",
            stride_ot="i32", stride_oh="i32", stride_cp="i32", stride_bt="i32", num_splits="i32")
 consts = dict(H=16, RANK=512, ROPE=64, SLAB=576, PAGE=32, BLOCK_H=16, BLOCK_N=64, HBLK=1,
-              STAGES=stages, CHUNK=16, SINGLE=single, CONVERT=cdt.startswith("fp8"),
-              QFP8=qfp8, num_warps=4)
+              CHUNK=16, SINGLE=single, num_warps=4)
+if not pipe:
+    consts.update(STAGES=stages, CONVERT=cdt.startswith("fp8"), QFP8=qfp8)
 sig.update({k: "constexpr" for k in consts})
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
          if sig[n].startswith("*") or n.startswith("stride")}
@@ -81,14 +101,16 @@ print(json.dumps(dict(ptx=k.asm["ptx"], shared=k.metadata.shared)))
 
 
 @pytest.mark.parametrize("cdt,stages,single,qfp8", [
-    ("fp8e4nv", 3, False, False), ("bf16", 2, True, False), ("fp8e4nv", 3, True, True)])
+    ("fp8e4nv", 3, False, False), ("bf16", 2, True, False), ("fp8e4nv", 3, True, True),
+    ("fp8e4nv", 0, False, True)])
 def test_gluon_kernel_compiles_for_sm90(cdt, stages, single, qfp8):
     """The installed Triton compiles the kernel for Hopper (in a process of its own: the CPU
     suite runs Triton's interpreter, which Gluon has not): 68 warp-group MMAs of m64n16k16 per
     tile (36 for the logits over 512 + 64 columns, 32 for P . latent), and for 8-bit latents
     one packed conversion per two latent values of the tile, in at most 227 KB of shared
     memory. With fp8 logits (``qfp8``): 36 fp8 MMAs m64n16k32 (the query's two e4m3 parts
-    over 512 + 64 columns) and the conversion of the 512 latent columns only."""
+    over 512 + 64 columns) and the conversion of the 512 latent columns only; the pipelined
+    kernel (``stages`` 0 here) has the prologue's tile-0 logits as well (72)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     import json
     import os
@@ -107,7 +129,8 @@ def test_gluon_kernel_compiles_for_sm90(cdt, stages, single, qfp8):
     mma = "m64n16k16.f32.f16.f16" if cdt.startswith("fp8") else "m64n16k16.f32.bf16.bf16"
     if qfp8:
         assert ptx.count("wgmma.mma_async.sync.aligned." + mma) == 32
-        assert ptx.count("wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3") == 36
+        assert ptx.count("wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3") == \
+            (72 if stages == 0 else 36)
         # the loop's 512 columns (64 x 512 / 128 threads / 2 a cvt), the query's parts more
         assert ptx.count("cvt.rn.f16x2.e4m3x2") >= 64 * 512 // 128 // 2
     else:

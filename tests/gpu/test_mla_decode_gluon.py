@@ -1,6 +1,6 @@
 """The Gluon MLA decode kernel (kernels/mla_decode_gluon.py, Hopper) on the GPU against the
 float64 reference: every latent format (bf16, fp16, e4m3, e5m2; e4m3 also with the logits by
-fp8 MMAs, ``qfp8``), pages of 16 and 32, V2-Lite's
+fp8 MMAs, ``qfp8``, and the pipelined e4m3 kernel, ``pipe``), pages of 16 and 32, V2-Lite's
 16 heads and V2's 128 (eight programs per request), single-split and split decode (the merge
 kernel), 2 and 3 stages, requests shorter than a tile and of one token, NaN in unused pages
 and unused slots, NaN-poisoned output; and its CUDA-graph replay equal to eager after the
@@ -15,7 +15,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from mla_kernel_ref import mla_reference, random_latent_batch  # noqa: E402
+from mla_kernel_ref import (decode_graph_replay_error, mla_reference,  # noqa: E402
+                            random_latent_batch)
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -33,14 +34,15 @@ def _rel(got, ref):
     return ((got.double().cpu() - ref).abs().max() / ref.abs().max()).item()
 
 
-@pytest.mark.parametrize("fmt,page,heads,stages,splits,qfp8", [
-    ("bfloat16", 16, 16, 2, None, False), ("bfloat16", 32, 128, 2, 1, False),
-    ("float16", 16, 16, 2, None, False), ("fp8_e4m3", 32, 16, 3, None, False),
-    ("fp8_e4m3", 16, 16, 2, 1, False), ("fp8_e4m3", 32, 128, 3, None, False),
-    ("fp8_e5m2", 16, 16, 3, None, False), ("fp8_e5m2", 32, 16, 3, 1, False),
-    ("fp8_e4m3", 32, 16, 3, None, True), ("fp8_e4m3", 16, 128, 3, 1, True),
-    ("fp8_e4m3", 32, 16, 2, 1, True)])
-def test_mla_gluon_decode_kernel(fmt, page, heads, stages, splits, qfp8):
+@pytest.mark.parametrize("fmt,page,heads,stages,splits,qfp8,pipe", [
+    ("bfloat16", 16, 16, 2, None, False, False), ("bfloat16", 32, 128, 2, 1, False, False),
+    ("float16", 16, 16, 2, None, False, False), ("fp8_e4m3", 32, 16, 3, None, False, False),
+    ("fp8_e4m3", 16, 16, 2, 1, False, False), ("fp8_e4m3", 32, 128, 3, None, False, False),
+    ("fp8_e5m2", 16, 16, 3, None, False, False), ("fp8_e5m2", 32, 16, 3, 1, False, False),
+    ("fp8_e4m3", 32, 16, 3, None, True, False), ("fp8_e4m3", 16, 128, 3, 1, True, False),
+    ("fp8_e4m3", 32, 16, 2, 1, True, False), ("fp8_e4m3", 32, 16, 2, None, True, True),
+    ("fp8_e4m3", 16, 128, 2, 1, True, True), ("fp8_e4m3", 16, 16, 2, 1, True, True)])
+def test_mla_gluon_decode_kernel(fmt, page, heads, stages, splits, qfp8, pipe):
     _skip_unless_hopper()
     from kvfit.kernels.mla import decode_config, mla_decode
 
@@ -51,8 +53,8 @@ def test_mla_gluon_decode_kernel(fmt, page, heads, stages, splits, qfp8):
                                                           scale=0.5)
     sm = 192 ** -0.5
     cfg = decode_config(b, heads, 512, max(kv_lens), cache.dtype, q.dtype, gluon=True,
-                        num_stages=stages, num_splits=splits, qfp8=qfp8)
-    assert cfg.gluon and cfg.num_stages == stages and cfg.qfp8 == qfp8
+                        num_stages=stages, num_splits=splits, qfp8=qfp8, pipe=pipe)
+    assert cfg.gluon and cfg.num_stages == stages and cfg.qfp8 == qfp8 and cfg.pipe == pipe
     assert (cfg.num_splits > 1) == (splits is None)
     out = torch.full((b, heads, 512), float("nan"), dtype=q.dtype, device=DEV)
     mla_decode(q, cache, table, cu, kv, out, 512, sm, cfg, scale=0.5)
@@ -67,39 +69,18 @@ def test_mla_gluon_decode_kernel(fmt, page, heads, stages, splits, qfp8):
     assert _rel(out, tri.double().cpu()) < TOL[fmt]
 
 
-@pytest.mark.parametrize("fmt,qfp8", [("bfloat16", False), ("fp8_e4m3", False),
-                                      ("fp8_e4m3", True)])
-def test_mla_gluon_decode_graph_replay(fmt, qfp8):
+@pytest.mark.parametrize("fmt,qfp8,pipe", [("bfloat16", False, False),
+                                           ("fp8_e4m3", False, False),
+                                           ("fp8_e4m3", True, False), ("fp8_e4m3", True, True)])
+def test_mla_gluon_decode_graph_replay(fmt, qfp8, pipe):
     """Captured once, replayed after the cache, lengths and query change: equals eager."""
     _skip_unless_hopper()
-    from kvfit.kernels.mla import decode_config, mla_decode
+    from kvfit.kernels.mla import decode_config
 
-    heads, page = 16, 32 if fmt != "bfloat16" else 16
-    kv_lens = [900, 40, 2100]
-    q, cache, table, cu, kv, _ = random_latent_batch([1] * 3, kv_lens, heads, 512, 64, page,
-                                                     fmt, DEV, seed=5)
-    cfg = decode_config(3, heads, 512, 2304, cache.dtype, q.dtype, gluon=True, qfp8=qfp8)
-    s = cfg.num_splits
-    assert cfg.gluon and s > 1
-    scratch = (torch.empty((3 * heads * s, 512), dtype=torch.float32, device=DEV),
-               torch.empty((3 * heads * s,), dtype=torch.float32, device=DEV))
-    out = torch.full((3, heads, 512), float("nan"), dtype=q.dtype, device=DEV)
-    mla_decode(q, cache, table, cu, kv, out, 512, 0.07, cfg, scratch=scratch)  # compile
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        mla_decode(q, cache, table, cu, kv, out, 512, 0.07, cfg, scratch=scratch)
-    q2, cache2, table2, _, _, stored2 = random_latent_batch([1] * 3, kv_lens, heads, 512, 64,
-                                                            page, fmt, DEV, seed=6)
-    new_lens = torch.tensor([899, 7, 2100], dtype=torch.int32, device=DEV)
-    q.copy_(q2)
-    cache.copy_(cache2)
-    table.copy_(table2)
-    kv.copy_(new_lens)
-    out.fill_(float("nan"))
-    graph.replay()
-    eager = torch.empty_like(out)
-    mla_decode(q, cache, table, cu, kv, eager, 512, 0.07, cfg)
-    assert torch.equal(out, eager)
-    ref = mla_reference(q, [st[:n] for st, n in zip(stored2, new_lens.tolist())], [1] * 3,
-                        new_lens.tolist(), 512, 0.07)
-    assert _rel(out, ref) < TOL[fmt]
+    def make(b, h, n, cache, q):
+        cfg = decode_config(b, h, 512, n, cache.dtype, q.dtype, gluon=True, qfp8=qfp8,
+                            pipe=pipe)
+        assert cfg.gluon and cfg.num_splits > 1 and cfg.pipe == pipe
+        return cfg
+
+    assert decode_graph_replay_error(make, fmt, DEV) < TOL[fmt]

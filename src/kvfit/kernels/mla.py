@@ -22,15 +22,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvfit.kernels import decode_kernels, mla_decode_gluon, mla_decode_kernels, mla_kernels
+from kvfit.kernels import (decode_kernels, mla_decode_fp8_pipe, mla_decode_gluon,
+                           mla_decode_kernels, mla_kernels)
 
 LOG2E = 1.4426950408889634
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 DEFAULT_HOIST_TOKENS = 1024  # tokens per chunk of hoisted page ids (swapped decode)
 # latent types whose default decode is the Gluon kernel where it runs (decode_config)
 GLUON_DTYPES = (torch.bfloat16, torch.float16) + FP8
-# e4m3 latents: the Gluon kernel's logits by fp8 MMAs over the stored bytes (decode_config)
+# e4m3 latents: the Gluon kernel's logits by fp8 MMAs over the stored bytes (GLUON_QFP8), and
+# the pipelined kernel (mla_decode_fp8_pipe: tile i + 1's fp8 logits and conversion under tile
+# i's; the default, measured 1.06-1.11x the plain Gluon kernel at 32-64 requests, docs/benchmarks.md)
 GLUON_QFP8 = False
+GLUON_PIPE = True
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,7 @@ class MLAConfig:
     prefetch: bool = False  # swapped decode: next tile loaded into registers before this one
     hoist: int = 0  # swapped decode: page ids of this many tiles loaded before their loop
     gluon: bool = False  # decode: the Gluon kernel of mla_decode_gluon (Hopper warp-group MMAs)
+    pipe: bool = False  # Gluon e4m3 decode: mla_decode_fp8_pipe (tile i + 1's work under tile i's)
 
 
 def _pow2(x: int) -> int:
@@ -94,7 +99,7 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
                   swap: bool | None = None, qfp8: bool | None = None,
                   prefetch: bool | None = None, hoist: int | None = None,
                   programs_per_sm: int | None = None, gluon: bool | None = None,
-                  rope: int = 64) -> MLAConfig:
+                  rope: int = 64, pipe: bool | None = None) -> MLAConfig:
     """Rows: every head of a request (at least 16 for the MMA, at most 32 per program: a
     [64, 512] float32 accumulator spills; larger head counts take several programs per request,
     adjacent in the grid so their shared latent tiles come from L2). ``swap``: the kernel with
@@ -103,7 +108,9 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
     attended (no Triton pipelining), ``hoist`` the page ids of that many tiles loaded before
     their loop (so Triton's pipelining runs the tile loads num_stages - 1 ahead). ``gluon``:
     the Gluon kernel (``mla_decode_gluon``: 64-token tiles, one warp group, 16 heads a
-    program, ``num_stages`` tiles of copies in flight; 512 + 64 slabs, 16-bit queries, sm_90).
+    program, ``num_stages`` tiles of copies in flight; 512 + 64 slabs, 16-bit queries, sm_90);
+    for e4m3 latents ``pipe`` (default ``GLUON_PIPE`` at 2 stages) the pipelined kernel of
+    ``mla_decode_fp8_pipe``, with fp8 logits (``qfp8``, implied).
     Default (``swap`` and ``gluon`` None), from the H200 sweeps: the Gluon kernel where it fits
     and runs (``GLUON_DTYPES``); else 16-bit latents at <= 16 heads take the swapped kernel
     with hoisted page ids (32-token tiles, 4 warps, 4 stages); fp8, float32 and more heads the
@@ -129,12 +136,19 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
         if not 2 <= stages <= most:
             raise ValueError(f"the Gluon MLA decode takes 2..{most} stages for {cache_dtype} "
                              f"latents (shared memory), got {stages}")
-        qfp8 = cache_dtype == torch.float8_e4m3fn and bool(GLUON_QFP8 if qfp8 is None else qfp8)
-        return _with_splits(MLAConfig(16, 64, 4, stages, gluon=True, qfp8=qfp8), batch,
+        e4m3 = cache_dtype == torch.float8_e4m3fn
+        if pipe is None:  # the default unless stages or plain logits were asked for
+            pipe = GLUON_PIPE and num_stages in (None, 2) and qfp8 is not False
+        pipe = e4m3 and bool(pipe)
+        qfp8 = pipe or (e4m3 and bool(GLUON_QFP8 if qfp8 is None else qfp8))
+        if pipe:
+            if num_stages not in (None, 2):
+                raise ValueError(f"the pipelined Gluon MLA decode runs 2 stages, got {num_stages}")
+            stages = 2
+        return _with_splits(MLAConfig(16, 64, 4, stages, gluon=True, qfp8=qfp8, pipe=pipe), batch,
                             num_heads, rank, max_kv_len, num_sms, programs_per_sm or 1,
                             num_splits)
     block_m = 16 if exact else min(32, max(16, _pow2(num_heads)))
-    hblk = math.ceil(num_heads / block_m)
     auto = swap is None
     if auto:  # the measured winner: 16-bit latents at V2-Lite's 16 heads (docs/benchmarks.md)
         swap = not exact and cache_dtype not in FP8 and num_heads <= 16
@@ -281,6 +295,19 @@ def _launch_gluon(q, cache, block_table, kv_lens, out, op, lse, rank: int, sm_sc
                          f"use decode_config(gluon=False)")
     single = cfg.num_splits == 1
     hblk = math.ceil(h / cfg.block_m)
+    if cfg.pipe:
+        if cache.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"the pipelined Gluon MLA decode reads e4m3 latents, got "
+                             f"{cache.dtype}: use pipe=False")
+        mla_decode_fp8_pipe.build()[(b * hblk, cfg.num_splits)](
+            q, cache, block_table, kv_lens, out, out if single else op, out if single else lse,
+            float(sm_scale * scale * LOG2E), float(scale),
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), cache.stride(0),
+            block_table.stride(0), cfg.num_splits,
+            H=h, RANK=rank, ROPE=slab - rank, SLAB=slab, PAGE=cache.shape[1],
+            BLOCK_H=cfg.block_m, BLOCK_N=cfg.block_n, HBLK=hblk, CHUNK=16, SINGLE=single,
+            num_warps=cfg.num_warps)
+        return
     mla_decode_gluon.build()[(b * hblk, cfg.num_splits)](
         q, cache, block_table, kv_lens, out, out if single else op, out if single else lse,
         float(sm_scale * scale * LOG2E), float(scale),

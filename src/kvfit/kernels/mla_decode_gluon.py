@@ -68,6 +68,69 @@ def build():
         _cp_async(dst, ptr, mask=(n < hi)[:, None])  # noqa: F821
 
     @gluon.jit
+    def _split_query(qc, qr, qh_c, qh_r, ql_c, ql_r, F8: gl.constexpr):
+        # per head (rows of qc [BLOCK_H, RANK], qr [BLOCK_H, ROPE], float32): q / q_sc = hi +
+        # lo / 16 in e4m3 (~8 significant bits, as bfloat16) into the four shared buffers,
+        # q_sc = amax / 448 (max(., 1e-30) keeps an all-zero head finite); returns q_sc
+        amax = gl.maximum(gl.max(gl.abs(qc), axis=1), gl.max(gl.abs(qr), axis=1))
+        q_sc = gl.maximum(amax, 1e-30) / 448.0  # [BLOCK_H]
+        qc = qc / q_sc[:, None]
+        qr = qr / q_sc[:, None]
+        hc = qc.to(F8)
+        hr = qr.to(F8)
+        qh_c.store(hc)
+        qh_r.store(hr)
+        ql_c.store(((qc - hc.to(gl.float32)) * 16.0).to(F8))
+        ql_r.store(((qr - hr.to(gl.float32)) * 16.0).to(F8))
+        return q_sc
+
+    @gluon.jit
+    def _convert_tile(src, dst, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, L: gl.constexpr):
+        # the 8-bit tile src [BLOCK_N, W] -> dst (float16, the MMAs' layout), CHUNK rows a step
+        for r in gl.static_range(BLOCK_N // CHUNK):
+            x = src.slice(r * CHUNK, CHUNK, 0).load(L)
+            dst.slice(r * CHUNK, CHUNK, 0).store(x.to(dst.dtype))
+
+    @gluon.jit
+    def _softmax_step(s_t, m_i, l_i, s_scale, n0, hi, BLOCK_N: gl.constexpr, SM: gl.constexpr):
+        # logits s_t [BLOCK_N, H] (layout SM) of tokens [n0, n0 + BLOCK_N) into the running
+        # base-2 softmax down axis 0: (p [BLOCK_N, H], alpha, m, l); tokens >= hi weigh 0
+        n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SM))
+        s_t = gl.where((n < hi)[:, None], s_t * s_scale[None, :], float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s_t, axis=0))
+        alpha = gl.exp2(m_i - m_new)
+        p_t = gl.exp2(s_t - m_new[None, :])
+        return p_t, alpha, m_new, l_i * alpha + gl.sum(p_t, axis=0)
+
+    @gluon.jit
+    def _write_out(acc, m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot, stride_oh,
+                   out_scale, H: gl.constexpr, RANK: gl.constexpr, BLOCK_H: gl.constexpr,
+                   SINGLE: gl.constexpr, MMA: gl.constexpr, SM: gl.constexpr,
+                   LO: gl.constexpr):
+        # o^T = acc [RANK, BLOCK_H] / l: one split writes OUT (times the latent scale), several
+        # the float32 partial rows (req * H + h) * splits + s of OP and their base-2 LSE
+        safe_l = gl.where(l_i > 0, l_i, 1.0)
+        o_t = acc / gl.convert_layout(safe_l, gl.SliceLayout(0, MMA))[None, :]
+        o_t = gl.convert_layout(o_t, LO)  # [RANK, BLOCK_H]
+        d = gl.arange(0, RANK, layout=gl.SliceLayout(1, LO))
+        ho = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, LO))
+        omask = (ho < H)[None, :] & (d < RANK)[:, None]
+        if SINGLE:
+            dst = OUT + req.to(gl.int64) * stride_ot + ho[None, :] * stride_oh + d[:, None]
+            gl.store(dst, (o_t * out_scale).to(OUT.dtype.element_ty), mask=omask)
+        else:
+            row = (req.to(gl.int64) * H + ho) * num_splits + s  # [BLOCK_H] scratch rows
+            gl.store(OP + row[None, :] * RANK + d[:, None], o_t, mask=omask)
+            lse = gl.where(l_i > 0, m_i + gl.log2(safe_l), float("-inf"))
+            hl = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, SM))
+            gl.store(LSE + (req.to(gl.int64) * H + hl) * num_splits + s, lse, mask=hl < H)
+
+    # shared with mla_decode_fp8_pipe
+    globals().update(_page_ids=_page_ids, _issue=_issue, _split_query=_split_query,
+                     _convert_tile=_convert_tile, _softmax_step=_softmax_step,
+                     _write_out=_write_out)
+
+    @gluon.jit
     def _mla_decode_gluon(Q, C, BT, KVLEN, OUT, OP, LSE, qk_scale, out_scale,
                           stride_qt, stride_qh, stride_ot, stride_oh, stride_cp, stride_bt,
                           num_splits,
@@ -94,6 +157,10 @@ def build():
         SM: gl.constexpr = MMA8 if QFP8 else MMA  # the logits' and softmax's layout
         VEC: gl.constexpr = 128 // KV_T.primitive_bitwidth  # 16 bytes
         LC: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [4, 1], [1, 0])
+        # the conversion: a warp takes 4 rows x 128 columns, so its float16 stores cover whole
+        # 128-byte rows of the swizzled tile (a warp on one 512-wide row would hit the same
+        # banks in each of the tile's 64-column blocks, 8 KB apart: ncu, 44% extra wavefronts)
+        LX: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [4, 1], [1, 0])
         LR: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // ROPE, ROPE // VEC],
                                             [4, 1], [1, 0])
         LQ: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
@@ -134,23 +201,10 @@ def build():
         qc = gl.load(q_row[:, None] + dq[None, :], mask=(hq < H)[:, None], other=0.0)
         qr = gl.load(q_row[:, None] + RANK + dqr[None, :], mask=(hq < H)[:, None], other=0.0)
         if QFP8:
-            # per head: q / q_sc = hi + lo / 16 in e4m3 (~8 significant bits, as bfloat16),
-            # q_sc = amax / 448 (max(., 1e-30) keeps an all-zero head finite); the logits
-            # are (hi . c + (lo . c) / 16) * q_sc, two fp8 MMAs over the stored bytes
-            qc = qc.to(gl.float32)
-            qr = qr.to(gl.float32)
-            amax = gl.maximum(gl.max(gl.abs(qc), axis=1), gl.max(gl.abs(qr), axis=1))
-            q_sc = gl.maximum(amax, 1e-30) / 448.0  # [BLOCK_H]
-            qc = qc / q_sc[:, None]
-            qr = qr / q_sc[:, None]
-            hc = qc.to(KV_T)
-            hr = qr.to(KV_T)
-            q_c.store(hc)
-            q_r.store(hr)
+            # the logits are (hi . c + (lo . c) / 16) * q_sc: two fp8 MMAs over the stored bytes
             ql_c = gl.allocate_shared_memory(KV_T, [BLOCK_H, RANK], q_c.layout)
             ql_r = gl.allocate_shared_memory(KV_T, [BLOCK_H, ROPE], q_r.layout)
-            ql_c.store(((qc - hc.to(gl.float32)) * 16.0).to(KV_T))
-            ql_r.store(((qr - hr.to(gl.float32)) * 16.0).to(KV_T))
+            q_sc = _split_query(qc.to(gl.float32), qr.to(gl.float32), q_c, q_r, ql_c, ql_r, KV_T)
             s_scale = gl.convert_layout(q_sc, gl.SliceLayout(0, SM)) * qk_scale
         else:
             q_c.store(qc.to(MMA_T))
@@ -209,18 +263,14 @@ def build():
                                      use_acc=False, is_async=True)
                 s_lo = warpgroup_mma(stage_r.index(cur), ql_r.permute((1, 0)), s_lo,
                                      is_async=True)
-                for r in gl.static_range(BLOCK_N // CHUNK):
-                    x = stage_c.index(cur).slice(r * CHUNK, CHUNK, 0).load(LC)
-                    lat_c.slice(r * CHUNK, CHUNK, 0).store(x.to(MMA_T))
+                _convert_tile(stage_c.index(cur), lat_c, BLOCK_N, CHUNK, LX)
                 fence_async_shared()
                 s_hi, s_lo = warpgroup_mma_wait(num_outstanding=0, deps=(s_hi, s_lo))
                 s_t = s_hi + s_lo * 0.0625
             else:
                 if CONVERT:
                     # the 8-bit tile becomes float16 once, in shared memory, for both products
-                    for r in gl.static_range(BLOCK_N // CHUNK):
-                        x = stage_c.index(cur).slice(r * CHUNK, CHUNK, 0).load(LC)
-                        lat_c.slice(r * CHUNK, CHUNK, 0).store(x.to(MMA_T))
+                    _convert_tile(stage_c.index(cur), lat_c, BLOCK_N, CHUNK, LX)
                     lat_r.store(stage_r.index(cur).load(LR).to(MMA_T))
                     fence_async_shared()
                     _cta_barrier()  # noqa: F821
@@ -233,14 +283,8 @@ def build():
                                     is_async=True)
                 s_t = warpgroup_mma(a_r, q_r.permute((1, 0)), s_t, is_async=True)
                 s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
-            # the online softmax down the token axis (axis 0), base 2
-            n = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SM))
-            s_t = gl.where((n < hi)[:, None], s_t * s_scale[None, :], float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s_t, axis=0))
-            alpha = gl.exp2(m_i - m_new)
-            p_t = gl.exp2(s_t - m_new[None, :])
-            l_i = l_i * alpha + gl.sum(p_t, axis=0)
-            m_i = m_new
+            p_t, alpha, m_i, l_i = _softmax_step(s_t, m_i, l_i, s_scale, lo + i * BLOCK_N, hi,
+                                                 BLOCK_N, SM)
             p_s.store(p_t.to(MMA_T))
             fence_async_shared()
             _cta_barrier()  # noqa: F821
@@ -249,20 +293,7 @@ def build():
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         async_copy.wait_group(0)
 
-        safe_l = gl.where(l_i > 0, l_i, 1.0)
-        o_t = acc / gl.convert_layout(safe_l, gl.SliceLayout(0, MMA))[None, :]
-        o_t = gl.convert_layout(o_t, LO)  # [RANK, BLOCK_H]
-        d = gl.arange(0, RANK, layout=gl.SliceLayout(1, LO))
-        ho = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, LO))
-        omask = (ho < H)[None, :] & (d < RANK)[:, None]
-        if SINGLE:
-            dst = OUT + req.to(gl.int64) * stride_ot + ho[None, :] * stride_oh + d[:, None]
-            gl.store(dst, (o_t * out_scale).to(OUT.dtype.element_ty), mask=omask)
-        else:
-            row = (req.to(gl.int64) * H + ho) * num_splits + s  # [BLOCK_H] scratch rows
-            gl.store(OP + row[None, :] * RANK + d[:, None], o_t, mask=omask)
-            lse = gl.where(l_i > 0, m_i + gl.log2(safe_l), float("-inf"))
-            hl = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, SM))
-            gl.store(LSE + (req.to(gl.int64) * H + hl) * num_splits + s, lse, mask=hl < H)
+        _write_out(acc, m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot, stride_oh,
+                   out_scale, H, RANK, BLOCK_H, SINGLE, MMA, SM, LO)
 
     return _mla_decode_gluon
