@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfit.kernels import mla
-from kvfit.kernels.mla import decode_config, gluon_fits
+from kvfit.kernels import mla, mla_gluon
+from kvfit.kernels.mla import decode_config
+from kvfit.kernels.mla_gluon import gluon_fits
 
 E4M3, BF16 = torch.float8_e4m3fn, torch.bfloat16
 
@@ -64,7 +65,7 @@ def test_gluon_default_off_without_hopper():
     assert gluon_fits(512, 64, E4M3, BF16) and gluon_fits(512, 64, BF16, torch.float16)
     assert not gluon_fits(512, 64, torch.float32, BF16) and not gluon_fits(256, 64, BF16, BF16)
     if not torch.cuda.is_available():
-        assert not mla.gluon_available(0)
+        assert not mla_gluon.gluon_available(0) and not mla_gluon.usable(0)
         assert not decode_config(4, 16, 512, 32768, E4M3, BF16).gluon
     # an explicit kernel choice keeps the Triton kernels
     assert not decode_config(4, 16, 512, 32768, BF16, BF16, swap=True).gluon
@@ -138,3 +139,45 @@ def test_gluon_kernel_compiles_for_sm90(cdt, stages, single, qfp8):
         assert ptx.count("cvt.rn.f16x2.e4m3x2") == \
             (64 * 576 // 128 // 2 if cdt == "fp8e4nv" else 0)
     assert got["shared"] <= 227 * 1024
+
+
+@pytest.mark.parametrize("pipe,fmt", [(False, torch.float8_e4m3fn), (True, torch.float8_e4m3fn),
+                                      (False, torch.bfloat16)])
+def test_gluon_launch_binds_every_kernel_argument(monkeypatch, pipe, fmt):
+    """``mla_gluon.launch`` passes each kernel exactly its parameters (bound against the jitted
+    function's signature, nothing executes): the grid (requests x head blocks, splits), the
+    scales, the strides, and the constexprs of the plain or the pipelined kernel."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    import inspect
+
+    from kvfit.kernels import mla_decode_fp8_pipe, mla_decode_gluon
+
+    real = (mla_decode_fp8_pipe if pipe else mla_decode_gluon).build()
+    calls = []
+
+    class Grid:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                calls.append((grid, inspect.signature(real.fn).bind(*args, **kwargs).arguments))
+            return run
+
+    monkeypatch.setattr(mla_decode_fp8_pipe if pipe else mla_decode_gluon, "build", Grid)
+    b, h, pages = 3, 20, 9
+    q = torch.randn(b, h, 576, dtype=BF16)
+    cache = torch.zeros(pages, 32, 576, dtype=fmt)
+    table = torch.zeros(b, 4, dtype=torch.int32)
+    lens = torch.tensor([5, 70, 100], dtype=torch.int32)
+    out = torch.empty(b, h, 512, dtype=BF16)
+    cfg = decode_config(b, h, 512, 100, fmt, BF16, gluon=True, pipe=pipe, num_splits=2,
+                        qfp8=None if pipe else False)
+    op, lse = torch.empty(b * h * 2, 512), torch.empty(b * h * 2)
+    assert mla_gluon.launch(q, cache, table, lens, out, op, lse, 512, 0.25, 0.5, cfg)
+    (grid, a), = calls
+    assert grid == (b * 2, 2)  # 20 heads: two programs of 16 per request
+    assert a["OP"] is op and a["LSE"] is lse and a["qk_scale"] == 0.25 and a["out_scale"] == 0.5
+    assert (a["H"], a["RANK"], a["ROPE"], a["SLAB"], a["PAGE"], a["HBLK"]) == (h, 512, 64, 576,
+                                                                                32, 2)
+    assert a["stride_cp"] == 32 * 576 and a["stride_bt"] == 4 and a["num_splits"] == 2
+    assert not a["SINGLE"] and a["num_warps"] == 4
+    if not pipe:
+        assert a["CONVERT"] == (fmt != BF16) and a["STAGES"] == cfg.num_stages and not a["QFP8"]

@@ -144,3 +144,50 @@ def test_mla_decode_swapped_matches_reference(fmt, splits, page, block_n, heads)
     mla_decode(q, cache, table, cu, kv, out, rank, 0.3, cfg, scale=0.5)
     ref = mla_reference(q, stored, q_lens, kv_lens, rank, 0.3)
     assert _rel(out, ref) < TOL[fmt]
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_gluon_compile_failure_falls_back_to_triton_kernels(monkeypatch, caplog, splits):
+    """A Triton that cannot build the Gluon kernel (its names moved between releases): the
+    first launch logs one warning naming the Triton version, runs the Triton kernels at the
+    config's split count (the caller's split scratch stays valid), writes the same output as
+    a Triton config; ``usable`` turns false so later configs never pick Gluon; the next call
+    does not try to compile again."""
+    import dataclasses
+    import logging
+
+    from kvfit.kernels import mla_decode_gluon, mla_gluon
+
+    heads, rank, rope, page = 4, 32, 16, 16
+    kv_lens = [37, 5, 70]
+    q, cache, table, cu, kv, stored = random_latent_batch([1] * 3, kv_lens, heads, rank, rope,
+                                                          page, "float16", "cpu", seed=11,
+                                                          q_dtype=torch.float16)
+    # the Triton config the fallback derives: same split count, no Gluon
+    tri = decode_config(3, heads, rank, 0, cache.dtype, q.dtype, num_splits=splits, gluon=False,
+                        rope=rope)
+    ref_out = torch.full((3, heads, rank), float("nan"), dtype=q.dtype)
+    mla_decode(q, cache, table, cu, kv, ref_out, rank, 0.3, tri)
+    builds = []
+
+    def broken_build():
+        builds.append(1)
+        raise AttributeError("module 'triton.experimental.gluon.language' has no attribute "
+                             "'thread_barrier'")
+
+    monkeypatch.setattr(mla_gluon, "_failures", [])
+    monkeypatch.setattr(mla_gluon, "gluon_fits", lambda *a: True)  # this tiny slab, for the test
+    monkeypatch.setattr(mla_decode_gluon, "build", broken_build)
+    cfg = dataclasses.replace(tri, gluon=True)
+    scratch = (torch.full((3 * heads * splits, rank), float("nan")),
+               torch.full((3 * heads * splits,), float("nan")))
+    with caplog.at_level(logging.WARNING, logger="kvfit"):
+        for _ in range(2):
+            out = torch.full((3, heads, rank), float("nan"), dtype=q.dtype)
+            mla_decode(q, cache, table, cu, kv, out, rank, 0.3, cfg, scratch=scratch)
+            assert torch.equal(out, ref_out)
+    assert len(builds) == 1  # tried once
+    warned = [r for r in caplog.records if "Gluon MLA decode kernel does not compile" in r.message]
+    assert len(warned) == 1 and "thread_barrier" in warned[0].getMessage()
+    assert not mla_gluon.usable(0)
+    assert _rel(ref_out, mla_reference(q, stored, [1] * 3, kv_lens, rank, 0.3)) < TOL["float16"]

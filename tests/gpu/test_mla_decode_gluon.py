@@ -24,7 +24,7 @@ TOL = {"bfloat16": 1.5e-2, "float16": 1.5e-2, "fp8_e4m3": 2e-2, "fp8_e5m2": 2e-2
 
 
 def _skip_unless_hopper():
-    from kvfit.kernels.mla import gluon_available
+    from kvfit.kernels.mla_gluon import gluon_available
 
     if not torch.cuda.is_available() or not gluon_available(torch.cuda.current_device()):
         pytest.skip("the Gluon MLA decode needs a Hopper GPU (sm_90) and Triton's Gluon")

@@ -14,7 +14,6 @@ Owns nothing; writes ``out`` (and split scratch) or the cache.
 
 from __future__ import annotations
 
-import functools
 import math
 import dataclasses
 from dataclasses import dataclass
@@ -22,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvfit.kernels import (decode_kernels, mla_decode_fp8_pipe, mla_decode_gluon,
-                           mla_decode_kernels, mla_kernels)
+from kvfit.kernels import decode_kernels, mla_decode_kernels, mla_gluon, mla_kernels
+from kvfit.kernels.mla_gluon import gluon_fits
 
 LOG2E = 1.4426950408889634
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -70,28 +69,6 @@ def _exact(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     return q_dtype == torch.float32 or cache_dtype == torch.float32
 
 
-def gluon_fits(rank: int, rope: int, cache_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:
-    """The shapes and types the Gluon decode kernel takes: DeepSeek's 512 + 64 slab, 16-bit
-    queries, 16- or 8-bit latents."""
-    return (rank == 512 and rope == 64 and q_dtype in (torch.bfloat16, torch.float16)
-            and cache_dtype in (torch.bfloat16, torch.float16) + FP8)
-
-
-@functools.cache
-def gluon_available(device_index: int = 0) -> bool:
-    """Whether the Gluon decode kernel can run here: a Hopper GPU (sm_90: ``wgmma``) and a
-    Triton with Gluon's Hopper module. Cached per device."""
-    if _interpreting() or not torch.cuda.is_available():
-        return False
-    if torch.cuda.get_device_capability(device_index)[0] != 9:
-        return False
-    try:
-        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
                   cache_dtype: torch.dtype, q_dtype: torch.dtype, num_sms: int = 132,
                   block_n: int | None = None, num_warps: int | None = None,
@@ -122,8 +99,8 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
     fits = gluon_fits(rank, rope, cache_dtype, q_dtype)
     if gluon is None:
         gluon = (swap is None and fits and cache_dtype in GLUON_DTYPES
-                 and gluon_available(torch.cuda.current_device()
-                                     if torch.cuda.is_available() else 0))
+                 and mla_gluon.usable(torch.cuda.current_device()
+                                      if torch.cuda.is_available() else 0))
     if gluon:
         if not fits:
             raise ValueError(f"the Gluon MLA decode takes 512 + 64 slabs of 16- or 8-bit latents "
@@ -285,40 +262,6 @@ def _launch_swap(q, cache, block_table, kv_lens, out, op, lse, rank: int, sm_sca
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _launch_gluon(q, cache, block_table, kv_lens, out, op, lse, rank: int, sm_scale: float,
-                  scale: float, cfg: MLAConfig):
-    """The Gluon decode kernel (``mla_decode_gluon``), one query per request."""
-    b, h, slab = q.shape
-    if not gluon_fits(rank, slab - rank, cache.dtype, q.dtype):
-        raise ValueError(f"the Gluon MLA decode takes 512 + 64 slabs of 16- or 8-bit latents and "
-                         f"16-bit queries, got {rank} + {slab - rank}, {cache.dtype}, {q.dtype}: "
-                         f"use decode_config(gluon=False)")
-    single = cfg.num_splits == 1
-    hblk = math.ceil(h / cfg.block_m)
-    if cfg.pipe:
-        if cache.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"the pipelined Gluon MLA decode reads e4m3 latents, got "
-                             f"{cache.dtype}: use pipe=False")
-        mla_decode_fp8_pipe.build()[(b * hblk, cfg.num_splits)](
-            q, cache, block_table, kv_lens, out, out if single else op, out if single else lse,
-            float(sm_scale * scale * LOG2E), float(scale),
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), cache.stride(0),
-            block_table.stride(0), cfg.num_splits,
-            H=h, RANK=rank, ROPE=slab - rank, SLAB=slab, PAGE=cache.shape[1],
-            BLOCK_H=cfg.block_m, BLOCK_N=cfg.block_n, HBLK=hblk, CHUNK=16, SINGLE=single,
-            num_warps=cfg.num_warps)
-        return
-    mla_decode_gluon.build()[(b * hblk, cfg.num_splits)](
-        q, cache, block_table, kv_lens, out, out if single else op, out if single else lse,
-        float(sm_scale * scale * LOG2E), float(scale),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), cache.stride(0),
-        block_table.stride(0), cfg.num_splits,
-        H=h, RANK=rank, ROPE=slab - rank, SLAB=slab, PAGE=cache.shape[1], BLOCK_H=cfg.block_m,
-        BLOCK_N=cfg.block_n, HBLK=hblk, STAGES=cfg.num_stages, CHUNK=16, SINGLE=single,
-        CONVERT=cache.dtype in FP8, QFP8=cfg.qfp8 and cache.dtype == torch.float8_e4m3fn,
-        num_warps=cfg.num_warps)
-
-
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, out: torch.Tensor, rank: int,
                sm_scale: float, cfg: MLAConfig, scale: float = 1.0,
@@ -340,13 +283,19 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
             scratch = (torch.empty((b * h * s, rank), dtype=torch.float32, device=q.device),
                        torch.empty((b * h * s,), dtype=torch.float32, device=q.device))
         op, lse = scratch
-    if cfg.gluon:
-        _launch_gluon(q, cache, block_table, kv_lens, out, op, lse, rank, sm_scale, scale, cfg)
-    elif cfg.swap:
-        _launch_swap(q, cache, block_table, kv_lens, out, op, lse, rank, sm_scale, scale, cfg)
-    else:
-        _launch(q, cache, block_table, cu_seqlens_q, kv_lens, kv_lens, out, op, lse, rank,
-                sm_scale, scale, cfg, b * math.ceil(h / cfg.block_m), True)
+    if not (cfg.gluon and mla_gluon.launch(q, cache, block_table, kv_lens, out, op, lse, rank,
+                                           sm_scale * scale * LOG2E, scale, cfg)):
+        if cfg.gluon:
+            # this Triton cannot compile the Gluon kernel (logged once): the Triton kernels at
+            # the same split count, so split scratch sized for cfg (CUDA graphs) stays right
+            cfg = decode_config(b, h, rank, 0, cache.dtype, q.dtype, num_splits=s, gluon=False,
+                                rope=q.shape[2] - rank)
+        if cfg.swap:
+            _launch_swap(q, cache, block_table, kv_lens, out, op, lse, rank, sm_scale, scale,
+                         cfg)
+        else:
+            _launch(q, cache, block_table, cu_seqlens_q, kv_lens, kv_lens, out, op, lse, rank,
+                    sm_scale, scale, cfg, b * math.ceil(h / cfg.block_m), True)
     if s > 1:
         # the merge holds all S_PAD x rank partials of a row: <= 128 float32 registers a thread
         warps = min(8, max(2, rank * _pow2(s) // 4096))
