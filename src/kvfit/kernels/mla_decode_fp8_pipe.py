@@ -60,7 +60,7 @@ def build():
         MMA8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_H, 32])
         LC: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
-        LX: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # conversion
+        LX: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # as mla_decode_gluon
         LR: gl.constexpr = gl.BlockedLayout([1, 16], [512 // ROPE, ROPE // 16], [4, 1], [1, 0])
         LQ: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
         LO: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
