@@ -39,6 +39,9 @@ def test_gluon_config_tiles_stages_and_splits():
     pc = decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, pipe=True)
     assert pc.pipe and pc.qfp8 and pc.num_stages == 2
     assert not decode_config(4, 16, 512, 32768, BF16, BF16, gluon=True, pipe=True).pipe
+    assert decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, conv_vec=8).conv_vec == 8
+    with pytest.raises(ValueError, match="8 or 16"):
+        decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, conv_vec=4)
     with pytest.raises(ValueError, match="2 stages"):
         decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, pipe=True, num_stages=3)
     # fp8 logits: e4m3 latents only
@@ -88,8 +91,9 @@ else:
 sig = dict(Q="*bf16", C="*" + cdt, BT="*i32", KVLEN="*i32", OUT="*bf16", OP="*fp32",
            LSE="*fp32", qk_scale="fp32", out_scale="fp32", stride_qt="i32", stride_qh="i32",
            stride_ot="i32", stride_oh="i32", stride_cp="i32", stride_bt="i32", num_splits="i32")
+xv = int(sys.argv[5])
 consts = dict(H=16, RANK=512, ROPE=64, SLAB=576, PAGE=32, BLOCK_H=16, BLOCK_N=64, HBLK=1,
-              CHUNK=16, SINGLE=single, num_warps=4)
+              CHUNK=16, SINGLE=single, XV=xv, num_warps=4)
 if not pipe:
     consts.update(STAGES=stages, CONVERT=cdt.startswith("fp8"), QFP8=qfp8)
 sig.update({k: "constexpr" for k in consts})
@@ -101,10 +105,10 @@ print(json.dumps(dict(ptx=k.asm["ptx"], shared=k.metadata.shared)))
 """
 
 
-@pytest.mark.parametrize("cdt,stages,single,qfp8", [
-    ("fp8e4nv", 3, False, False), ("bf16", 2, True, False), ("fp8e4nv", 3, True, True),
-    ("fp8e4nv", 0, False, True)])
-def test_gluon_kernel_compiles_for_sm90(cdt, stages, single, qfp8):
+@pytest.mark.parametrize("cdt,stages,single,qfp8,xv", [
+    ("fp8e4nv", 3, False, False, 16), ("bf16", 2, True, False, 16),
+    ("fp8e4nv", 3, True, True, 8), ("fp8e4nv", 0, False, True, 16), ("fp8e4nv", 0, True, True, 8)])
+def test_gluon_kernel_compiles_for_sm90(cdt, stages, single, qfp8, xv):
     """The installed Triton compiles the kernel for Hopper (in a process of its own: the CPU
     suite runs Triton's interpreter, which Gluon has not): 68 warp-group MMAs of m64n16k16 per
     tile (36 for the logits over 512 + 64 columns, 32 for P . latent), and for 8-bit latents
@@ -120,7 +124,7 @@ def test_gluon_kernel_compiles_for_sm90(cdt, stages, single, qfp8):
 
     env = dict(os.environ, TRITON_INTERPRET="0")
     r = subprocess.run([sys.executable, "-c", _COMPILE, cdt, str(stages), str(int(single)),
-                        str(int(qfp8))],
+                        str(int(qfp8)), str(xv)],
                        env=env, capture_output=True, text=True, timeout=600)
     if r.returncode != 0 and "ptxas" in r.stderr.lower() and "not found" in r.stderr.lower():
         pytest.skip("no ptxas for sm_90 on this machine")
@@ -178,6 +182,6 @@ def test_gluon_launch_binds_every_kernel_argument(monkeypatch, pipe, fmt):
     assert (a["H"], a["RANK"], a["ROPE"], a["SLAB"], a["PAGE"], a["HBLK"]) == (h, 512, 64, 576,
                                                                                 32, 2)
     assert a["stride_cp"] == 32 * 576 and a["stride_bt"] == 4 and a["num_splits"] == 2
-    assert not a["SINGLE"] and a["num_warps"] == 4
+    assert not a["SINGLE"] and a["num_warps"] == 4 and a["XV"] == 16
     if not pipe:
         assert a["CONVERT"] == (fmt != BF16) and a["STAGES"] == cfg.num_stages and not a["QFP8"]

@@ -84,3 +84,27 @@ def test_mla_gluon_decode_graph_replay(fmt, qfp8, pipe):
         return cfg
 
     assert decode_graph_replay_error(make, fmt, DEV) < TOL[fmt]
+
+
+@pytest.mark.parametrize("fmt,pipe", [("fp8_e4m3", False), ("fp8_e4m3", True),
+                                      ("fp8_e5m2", False)])
+def test_mla_gluon_conversion_layout_changes_no_bit(fmt, pipe):
+    """Converting 8 latent values a thread instead of 16 (``conv_vec``, conflict-free float16
+    stores by Gluon's count) moves where each value is converted, not its value: the same
+    bits out, split and single."""
+    _skip_unless_hopper()
+    from kvfit.kernels.mla import decode_config, mla_decode
+
+    kv_lens = [3000, 17, 513, 1]
+    q, cache, table, cu, kv, _ = random_latent_batch([1] * 4, kv_lens, 16, 512, 64, 32, fmt,
+                                                     DEV, seed=9, scale=0.5)
+    for splits in (None, 1):
+        outs = []
+        for xv in (16, 8):
+            cfg = decode_config(4, 16, 512, max(kv_lens), cache.dtype, q.dtype, gluon=True,
+                                pipe=pipe, qfp8=None if pipe else False, num_splits=splits,
+                                conv_vec=xv)
+            out = torch.full((4, 16, 512), float("nan"), dtype=q.dtype, device=DEV)
+            mla_decode(q, cache, table, cu, kv, out, 512, 0.07, cfg, scale=0.5)
+            outs.append(out)
+        assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])

@@ -47,7 +47,7 @@ def build():
                              H: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr,
                              SLAB: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
                              BLOCK_N: gl.constexpr, HBLK: gl.constexpr, CHUNK: gl.constexpr,
-                             SINGLE: gl.constexpr, num_warps: gl.constexpr):
+                             SINGLE: gl.constexpr, XV: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 4, "one warp group")
         pid = gl.program_id(0)
         s = gl.program_id(1)
@@ -60,7 +60,8 @@ def build():
         MMA8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_H, 32])
         LC: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
-        LX: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # as mla_decode_gluon
+        LX: gl.constexpr = (gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]) if XV == 16
+                            else gl.BlockedLayout([1, XV], [1, 32], [4, 1], [1, 0]))  # as there
         LR: gl.constexpr = gl.BlockedLayout([1, 16], [512 // ROPE, ROPE // 16], [4, 1], [1, 0])
         LQ: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
         LO: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])

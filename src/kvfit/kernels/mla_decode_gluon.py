@@ -138,7 +138,7 @@ def build():
                           SLAB: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
                           BLOCK_N: gl.constexpr, HBLK: gl.constexpr, STAGES: gl.constexpr,
                           CHUNK: gl.constexpr, SINGLE: gl.constexpr, CONVERT: gl.constexpr,
-                          QFP8: gl.constexpr, num_warps: gl.constexpr):
+                          QFP8: gl.constexpr, XV: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 4, "one warp group")
         gl.static_assert(CONVERT or not QFP8, "fp8 logits read an 8-bit cache")
         pid = gl.program_id(0)
@@ -157,11 +157,12 @@ def build():
         SM: gl.constexpr = MMA8 if QFP8 else MMA  # the logits' and softmax's layout
         VEC: gl.constexpr = 128 // KV_T.primitive_bitwidth  # 16 bytes
         LC: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [4, 1], [1, 0])
-        # the conversion's layout: 4 rows x 128 columns a warp (measured 1-2% faster than LC,
-        # whose stores ncu found with 44% extra wavefronts). Gluon's bank_conflicts counts one
-        # extra access per wavefront for both on the float16 stores, none for 8 elements a
-        # thread ([1, 8] x [1, 32]); that layout is not yet measured (docs/kernels.md)
-        LX: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [4, 1], [1, 0])
+        # the conversion's layout, XV elements a thread. 16: 4 rows x 128 columns a warp
+        # (measured 1-2% faster than LC, whose stores ncu found with 44% extra wavefronts);
+        # Gluon's bank_conflicts counts one extra access per wavefront for both on the float16
+        # stores, none for XV = 8 ([1, 8] x [1, 32]), not yet measured (docs/kernels.md)
+        LX: gl.constexpr = (gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]) if XV == 16
+                            else gl.BlockedLayout([1, XV], [1, 32], [4, 1], [1, 0]))
         LR: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // ROPE, ROPE // VEC],
                                             [4, 1], [1, 0])
         LQ: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
