@@ -168,13 +168,13 @@ target() {
       tail -3 "$OUT/mla_gluon_tests.log"
       run mla_gluon_sweep python3 benchmarks/kernels/mla_sweep.py \
         --points fp8_e4m3:4:32768,fp8_e4m3:32:16384,fp8_e4m3:64:4096,bfloat16:4:32768,bfloat16:32:16384,bfloat16:64:4096 \
-        --variants g:64:4:2,sh:32:4:4 --fp8-variants g:64:4:3,gq:64:4:3,r:64:8:3 --rep 60 \
+        --variants g:64:4:2,sh:32:4:4 --fp8-variants g:64:4:3,gq:64:4:3,gp:64:4:2,gp8:64:4:2,r:64:8:3 --rep 60 \
         --json "$OUT/mla_gluon_sweep.json"
       run mla_kernels kvfit bench kernels --layouts deepseek-v2-lite --kv-dtypes bfloat16,fp8_e4m3 \
         --batches 4,32,64 --contexts 4096,16384,32768 --no-prefill --max-gib 8 \
         --out "$OUT/mla_kernels"
       grep -E "^decode|speedup" "$OUT/mla_kernels.log"
-      for v in on off; do  # the Gluon default, then the Triton kernels (GLUON_DTYPES=())
+      for v in on off; do  # the Gluon default (e4m3: pipelined), then the Triton kernels
         K=""; [ $v = off ] && K="kvfit.kernels.mla:GLUON_DTYPES=()"
         run "mla_seed_gluon_$v" python3 benchmarks/engine/with_knobs.py "$K" - bench seed \
           --model benchmarks/gpu/deepseek-v2-lite-8layers.json --kv-dtypes bfloat16,fp8_e4m3 \
