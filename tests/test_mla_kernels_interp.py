@@ -103,15 +103,22 @@ def test_store_latent_bit_exact(fmt, scale):
     assert torch.isnan(flat[1].float()).all()  # the skipped token wrote nothing
 
 
-def test_tiny_deepseek_through_triton_backend_matches_hf():
+def test_tiny_deepseek_through_triton_backend_matches_hf(caplog):
     """The triton backend's MLA wiring (store, prefill chunks, decode steps: TritonMLA) on the
-    tiny DeepSeek-V2 in float32 under the interpreter: HF's logits."""
+    tiny DeepSeek-V2 in float32 under the interpreter: HF's logits; the decode kernel named once
+    in the log."""
+    import logging
+
     import test_mla as tm
     from modelhelpers import chunked_schedule, random_sequences
 
     cfg, hf, ours = tm._hf_and_ours("lite")
     seqs = random_sequences(cfg, [7, 4], 4)
-    got = tm.drive_mla(ours, cfg, seqs, chunked_schedule([7, 4], 4, 4), backend_name="triton")[0]
+    with caplog.at_level(logging.INFO, logger="kvfit"):
+        got = tm.drive_mla(ours, cfg, seqs, chunked_schedule([7, 4], 4, 4),
+                           backend_name="triton")[0]
+    told = [r.getMessage() for r in caplog.records if r.getMessage().startswith("MLA decode:")]
+    assert told == ["MLA decode: the Triton row kernel over torch.float32 latents"]
     for seq, g in zip(seqs, got):
         with torch.no_grad():
             ref = hf(torch.tensor([seq])).logits[0].float()

@@ -16,13 +16,16 @@ largest); split scratch is allocated per call (inside a capture: from the graph'
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Optional
 
 import torch
 
 from kvfit.attention.base import AttentionMetadata
-from kvfit.kernels.mla import (decode_config, mla_decode, mla_prefill, order_mla_blocks,
-                               prefill_config, store_latent)
+from kvfit.kernels.mla import (decode_config, describe_decode, mla_decode, mla_prefill,
+                               order_mla_blocks, prefill_config, store_latent)
+
+log = logging.getLogger("kvfit")
 
 
 class TritonMLA:
@@ -37,6 +40,7 @@ class TritonMLA:
         self.compute_dtype = compute_dtype
         self.sm_scale = sm_scale
         self.meta: Optional[AttentionMetadata] = None
+        self._told = False
         self._max_len = 1
         self._graph_max_len: Optional[int] = None
         self._blocks: Optional[torch.Tensor] = None
@@ -74,6 +78,9 @@ class TritonMLA:
         out = q.new_empty(t, h, v_dim)
         if meta.is_decode:
             cfg = self._decode_cfg(t, self._max_len, h, v_dim, slab - v_dim)
+            if not self._told:  # once: which decode kernel this pool runs
+                self._told = True
+                log.info("MLA decode: %s", describe_decode(cfg, pool.dtype))
             return mla_decode(q, cache, meta.block_table, meta.cu_seqlens_q, meta.kv_lens, out,
                               v_dim, self.sm_scale, cfg, scale)
         cfg = prefill_config(h, pool.dtype, self.compute_dtype)

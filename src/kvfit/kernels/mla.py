@@ -166,6 +166,16 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
     return _with_splits(cfg, batch, num_heads, rank, max_kv_len, num_sms, tile[3], num_splits)
 
 
+def describe_decode(cfg: MLAConfig, cache_dtype: torch.dtype) -> str:
+    """One phrase naming the decode kernel ``cfg`` runs (the engine's start-up log)."""
+    if cfg.gluon:
+        kind = "pipelined, fp8 logits" if cfg.pipe else ("fp8 logits" if cfg.qfp8 else "")
+        return (f"the Gluon kernel (Hopper warp-group MMAs{', ' + kind if kind else ''}) over "
+                f"{cache_dtype} latents")
+    kind = "swapped (heads as N)" if cfg.swap else "row"
+    return f"the Triton {kind} kernel over {cache_dtype} latents"
+
+
 def _with_splits(cfg: MLAConfig, batch: int, num_heads: int, rank: int, max_kv_len: int,
                  num_sms: int, per_sm: int, num_splits: int | None) -> MLAConfig:
     """``cfg`` with its split count: the fewest waves per unit of work over ``num_sms`` SMs at
