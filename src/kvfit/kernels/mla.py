@@ -14,8 +14,8 @@ Owns nothing; writes ``out`` (and split scratch) or the cache.
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +31,8 @@ DEFAULT_HOIST_TOKENS = 1024  # tokens per chunk of hoisted page ids (swapped dec
 GLUON_DTYPES = (torch.bfloat16, torch.float16) + FP8
 # e4m3 latents: the Gluon kernel's logits by fp8 MMAs over the stored bytes (GLUON_QFP8), and
 # the pipelined kernel (mla_decode_fp8_pipe: tile i + 1's fp8 logits and conversion under tile
-# i's; the default, measured 1.06-1.11x the plain Gluon kernel at 32-64 requests, docs/benchmarks.md)
+# i's; the default, measured 1.04-1.11x the plain Gluon kernel at 32-64 requests,
+# docs/benchmarks.md)
 GLUON_QFP8 = False
 GLUON_PIPE = True
 

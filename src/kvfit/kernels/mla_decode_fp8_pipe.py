@@ -35,9 +35,9 @@ def build():
     from kvfit.kernels import mla_decode_gluon
 
     mla_decode_gluon.build()
-    for name in ("_page_ids", "_issue", "_split_query", "_convert_tile", "_softmax_step",
-                 "_write_out", "_cta_barrier", "gl", "async_copy", "fence_async_shared",
-                 "warpgroup_mma", "warpgroup_mma_wait"):
+    for name in ("_page_ids", "_issue_tile", "_fp8_logits", "_split_query", "_convert_tile",
+                 "_softmax_step", "_write_out", "_cta_barrier", "gl", "async_copy",
+                 "fence_async_shared", "warpgroup_mma", "warpgroup_mma_wait"):
         globals()[name] = getattr(mla_decode_gluon, name)
 
     @gluon.jit
@@ -103,31 +103,25 @@ def build():
         # prologue: tiles 0 and 1 in flight; tile 0's logits and conversion; tile 2 in flight
         for t in gl.static_range(2):
             n0 = lo + t * BLOCK_N
-            _issue(stage_c.index(t), C, _page_ids(bt_row, n0, hi, BLOCK_N, PAGE, LC), n0, hi,  # noqa: F821
-                   0, stride_cp, RANK, SLAB, PAGE, BLOCK_N, LC)
-            _issue(stage_r.index(t), C, _page_ids(bt_row, n0, hi, BLOCK_N, PAGE, LR), n0, hi,  # noqa: F821
-                   RANK, stride_cp, ROPE, SLAB, PAGE, BLOCK_N, LR)
-            async_copy.commit_group()  # noqa: F821
+            _issue_tile(stage_c.index(t), stage_r.index(t), C,  # noqa: F821
+                        _page_ids(bt_row, n0, hi, BLOCK_N, PAGE, LC),  # noqa: F821
+                        _page_ids(bt_row, n0, hi, BLOCK_N, PAGE, LR), n0, hi,  # noqa: F821
+                        stride_cp, RANK, ROPE, SLAB, PAGE, BLOCK_N, LC, LR)
         async_copy.wait_group(1)  # noqa: F821
         fence_async_shared()  # noqa: F821
         _cta_barrier()  # noqa: F821
-        s_hi = warpgroup_mma(stage_c.index(0), qh_c.permute((1, 0)), s_zero, use_acc=False,  # noqa: F821
-                             is_async=True)
-        s_hi = warpgroup_mma(stage_r.index(0), qh_r.permute((1, 0)), s_hi, is_async=True)  # noqa: F821
-        s_lo = warpgroup_mma(stage_c.index(0), ql_c.permute((1, 0)), s_zero, use_acc=False,  # noqa: F821
-                             is_async=True)
-        s_lo = warpgroup_mma(stage_r.index(0), ql_r.permute((1, 0)), s_lo, is_async=True)  # noqa: F821
+        s_hi, s_lo = _fp8_logits(stage_c.index(0), stage_r.index(0), qh_c, qh_r, ql_c,  # noqa: F821
+                                 ql_r, s_zero)
         _convert_tile(stage_c.index(0), lat.index(0), BLOCK_N, CHUNK, LX)  # noqa: F821
         fence_async_shared()  # noqa: F821
         s_hi, s_lo = warpgroup_mma_wait(num_outstanding=0, deps=(s_hi, s_lo))  # noqa: F821
         s_cur = s_hi + s_lo * 0.0625
         _cta_barrier()  # noqa: F821 -- stage 0 is free
         n2 = lo + 2 * BLOCK_N
-        _issue(stage_c.index(0), C, _page_ids(bt_row, n2, hi, BLOCK_N, PAGE, LC), n2, hi, 0,  # noqa: F821
-               stride_cp, RANK, SLAB, PAGE, BLOCK_N, LC)
-        _issue(stage_r.index(0), C, _page_ids(bt_row, n2, hi, BLOCK_N, PAGE, LR), n2, hi, RANK,  # noqa: F821
-               stride_cp, ROPE, SLAB, PAGE, BLOCK_N, LR)
-        async_copy.commit_group()  # noqa: F821
+        _issue_tile(stage_c.index(0), stage_r.index(0), C,  # noqa: F821
+                    _page_ids(bt_row, n2, hi, BLOCK_N, PAGE, LC),  # noqa: F821
+                    _page_ids(bt_row, n2, hi, BLOCK_N, PAGE, LR), n2, hi,  # noqa: F821
+                    stride_cp, RANK, ROPE, SLAB, PAGE, BLOCK_N, LC, LR)
         pg_c = _page_ids(bt_row, n2 + BLOCK_N, hi, BLOCK_N, PAGE, LC)  # noqa: F821
         pg_r = _page_ids(bt_row, n2 + BLOCK_N, hi, BLOCK_N, PAGE, LR)  # noqa: F821
 
@@ -141,12 +135,8 @@ def build():
             async_copy.wait_group(1)  # noqa: F821
             fence_async_shared()  # noqa: F821
             _cta_barrier()  # noqa: F821
-            n_hi = warpgroup_mma(stage_c.index(nb), qh_c.permute((1, 0)), s_zero,  # noqa: F821
-                                 use_acc=False, is_async=True)
-            n_hi = warpgroup_mma(stage_r.index(nb), qh_r.permute((1, 0)), n_hi, is_async=True)  # noqa: F821
-            n_lo = warpgroup_mma(stage_c.index(nb), ql_c.permute((1, 0)), s_zero,  # noqa: F821
-                                 use_acc=False, is_async=True)
-            n_lo = warpgroup_mma(stage_r.index(nb), ql_r.permute((1, 0)), n_lo, is_async=True)  # noqa: F821
+            n_hi, n_lo = _fp8_logits(stage_c.index(nb), stage_r.index(nb), qh_c, qh_r, ql_c,  # noqa: F821
+                                     ql_r, s_zero)
             # tile i's online softmax down the token axis (axis 0), base 2
             p_t, alpha, m_i, l_i = _softmax_step(s_cur, m_i, l_i, s_scale, lo + i * BLOCK_N,  # noqa: F821
                                                  hi, BLOCK_N, MMA8)
@@ -163,11 +153,8 @@ def build():
             s_cur = n_hi + n_lo * 0.0625
             _cta_barrier()  # noqa: F821 -- tile i + 1's stage, p and lat[cb] are free
             nj = lo + (i + 3) * BLOCK_N
-            _issue(stage_c.index(nb), C, pg_c, nj, hi, 0, stride_cp, RANK, SLAB, PAGE,  # noqa: F821
-                   BLOCK_N, LC)
-            _issue(stage_r.index(nb), C, pg_r, nj, hi, RANK, stride_cp, ROPE, SLAB, PAGE,  # noqa: F821
-                   BLOCK_N, LR)
-            async_copy.commit_group()  # noqa: F821
+            _issue_tile(stage_c.index(nb), stage_r.index(nb), C, pg_c, pg_r, nj, hi,  # noqa: F821
+                        stride_cp, RANK, ROPE, SLAB, PAGE, BLOCK_N, LC, LR)
             pg_c = _page_ids(bt_row, nj + BLOCK_N, hi, BLOCK_N, PAGE, LC)  # noqa: F821
             pg_r = _page_ids(bt_row, nj + BLOCK_N, hi, BLOCK_N, PAGE, LR)  # noqa: F821
         async_copy.wait_group(0)  # noqa: F821

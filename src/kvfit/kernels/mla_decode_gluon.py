@@ -68,6 +68,26 @@ def build():
         _cp_async(dst, ptr, mask=(n < hi)[:, None])  # noqa: F821
 
     @gluon.jit
+    def _issue_tile(stage_c, stage_r, C, pg_c, pg_r, n0, hi, stride_cp, RANK: gl.constexpr,
+                    ROPE: gl.constexpr, SLAB: gl.constexpr, PAGE: gl.constexpr,
+                    BLOCK_N: gl.constexpr, LC: gl.constexpr, LR: gl.constexpr):
+        # one commit group of cp.async for tokens [n0, n0 + BLOCK_N): the latent columns into
+        # stage_c, the rope columns into stage_r (their page ids pg_c, pg_r in LC's, LR's rows)
+        _issue(stage_c, C, pg_c, n0, hi, 0, stride_cp, RANK, SLAB, PAGE, BLOCK_N, LC)
+        _issue(stage_r, C, pg_r, n0, hi, RANK, stride_cp, ROPE, SLAB, PAGE, BLOCK_N, LR)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _fp8_logits(stage_c, stage_r, qh_c, qh_r, ql_c, ql_r, s_zero):
+        # a stage's logits against the query's two e4m3 parts by fp8 MMAs, issued, not waited
+        # for: the (hi, lo) accumulators in flight (logits = hi + lo / 16, times q_sc)
+        s_hi = warpgroup_mma(stage_c, qh_c.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_hi = warpgroup_mma(stage_r, qh_r.permute((1, 0)), s_hi, is_async=True)
+        s_lo = warpgroup_mma(stage_c, ql_c.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_lo = warpgroup_mma(stage_r, ql_r.permute((1, 0)), s_lo, is_async=True)
+        return s_hi, s_lo
+
+    @gluon.jit
     def _split_query(qc, qr, qh_c, qh_r, ql_c, ql_r, F8: gl.constexpr):
         # per head (rows of qc [BLOCK_H, RANK], qr [BLOCK_H, ROPE], float32): q / q_sc = hi +
         # lo / 16 in e4m3 (~8 significant bits, as bfloat16) into the four shared buffers,
@@ -126,9 +146,9 @@ def build():
             gl.store(LSE + (req.to(gl.int64) * H + hl) * num_splits + s, lse, mask=hl < H)
 
     # shared with mla_decode_fp8_pipe
-    globals().update(_page_ids=_page_ids, _issue=_issue, _split_query=_split_query,
-                     _convert_tile=_convert_tile, _softmax_step=_softmax_step,
-                     _write_out=_write_out)
+    globals().update(_page_ids=_page_ids, _issue_tile=_issue_tile, _fp8_logits=_fp8_logits,
+                     _split_query=_split_query, _convert_tile=_convert_tile,
+                     _softmax_step=_softmax_step, _write_out=_write_out)
 
     @gluon.jit
     def _mla_decode_gluon(Q, C, BT, KVLEN, OUT, OP, LSE, qk_scale, out_scale,
@@ -223,11 +243,10 @@ def build():
         # prologue: STAGES - 1 tiles in flight (tiles past hi copy nothing)
         for t in gl.static_range(STAGES - 1):
             n0 = lo + t * BLOCK_N
-            _issue(stage_c.index(t), C, _page_ids(bt_row, n0, hi, BLOCK_N, PAGE, LC), n0, hi, 0,
-                   stride_cp, RANK, SLAB, PAGE, BLOCK_N, LC)
-            _issue(stage_r.index(t), C, _page_ids(bt_row, n0, hi, BLOCK_N, PAGE, LR), n0, hi,
-                   RANK, stride_cp, ROPE, SLAB, PAGE, BLOCK_N, LR)
-            async_copy.commit_group()
+            _issue_tile(stage_c.index(t), stage_r.index(t), C,
+                        _page_ids(bt_row, n0, hi, BLOCK_N, PAGE, LC),
+                        _page_ids(bt_row, n0, hi, BLOCK_N, PAGE, LR), n0, hi, stride_cp, RANK,
+                        ROPE, SLAB, PAGE, BLOCK_N, LC, LR)
         nxt = lo + (STAGES - 1) * BLOCK_N
         pg_c = _page_ids(bt_row, nxt, hi, BLOCK_N, PAGE, LC)
         pg_r = _page_ids(bt_row, nxt, hi, BLOCK_N, PAGE, LR)
@@ -242,11 +261,8 @@ def build():
             j = i + STAGES - 1
             nj = lo + j * BLOCK_N
             _cta_barrier()  # noqa: F821 -- every thread is done with the stage overwritten
-            _issue(stage_c.index(j % STAGES), C, pg_c, nj, hi, 0, stride_cp, RANK, SLAB, PAGE,
-                   BLOCK_N, LC)
-            _issue(stage_r.index(j % STAGES), C, pg_r, nj, hi, RANK, stride_cp, ROPE, SLAB, PAGE,
-                   BLOCK_N, LR)
-            async_copy.commit_group()
+            _issue_tile(stage_c.index(j % STAGES), stage_r.index(j % STAGES), C, pg_c, pg_r, nj,
+                        hi, stride_cp, RANK, ROPE, SLAB, PAGE, BLOCK_N, LC, LR)
             pg_c = _page_ids(bt_row, nj + BLOCK_N, hi, BLOCK_N, PAGE, LC)
             pg_r = _page_ids(bt_row, nj + BLOCK_N, hi, BLOCK_N, PAGE, LR)
             async_copy.wait_group(STAGES - 1)  # this thread's copies of tile i have landed
@@ -257,14 +273,8 @@ def build():
                 # the logits from the stored bytes (fp8 MMAs, in flight) while the tile's
                 # 512 latent columns become float16 in shared memory for P . latent
                 a_c = lat_c
-                s_hi = warpgroup_mma(stage_c.index(cur), q_c.permute((1, 0)), s_zero,
-                                     use_acc=False, is_async=True)
-                s_hi = warpgroup_mma(stage_r.index(cur), q_r.permute((1, 0)), s_hi,
-                                     is_async=True)
-                s_lo = warpgroup_mma(stage_c.index(cur), ql_c.permute((1, 0)), s_zero,
-                                     use_acc=False, is_async=True)
-                s_lo = warpgroup_mma(stage_r.index(cur), ql_r.permute((1, 0)), s_lo,
-                                     is_async=True)
+                s_hi, s_lo = _fp8_logits(stage_c.index(cur), stage_r.index(cur), q_c, q_r, ql_c,
+                                         ql_r, s_zero)
                 _convert_tile(stage_c.index(cur), lat_c, BLOCK_N, CHUNK, LX)
                 fence_async_shared()
                 s_hi, s_lo = warpgroup_mma_wait(num_outstanding=0, deps=(s_hi, s_lo))
