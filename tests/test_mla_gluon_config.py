@@ -39,7 +39,8 @@ def test_gluon_config_tiles_stages_and_splits():
     pc = decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, pipe=True)
     assert pc.pipe and pc.qfp8 and pc.num_stages == 2
     assert not decode_config(4, 16, 512, 32768, BF16, BF16, gluon=True, pipe=True).pipe
-    assert decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, conv_vec=8).conv_vec == 8
+    assert decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True).conv_vec == 8  # measured
+    assert decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, conv_vec=16).conv_vec == 16
     with pytest.raises(ValueError, match="8 or 16"):
         decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, conv_vec=4)
     with pytest.raises(ValueError, match="2 stages"):
@@ -182,6 +183,6 @@ def test_gluon_launch_binds_every_kernel_argument(monkeypatch, pipe, fmt):
     assert (a["H"], a["RANK"], a["ROPE"], a["SLAB"], a["PAGE"], a["HBLK"]) == (h, 512, 64, 576,
                                                                                 32, 2)
     assert a["stride_cp"] == 32 * 576 and a["stride_bt"] == 4 and a["num_splits"] == 2
-    assert not a["SINGLE"] and a["num_warps"] == 4 and a["XV"] == 16
+    assert not a["SINGLE"] and a["num_warps"] == 4 and a["XV"] == 8
     if not pipe:
         assert a["CONVERT"] == (fmt != BF16) and a["STAGES"] == cfg.num_stages and not a["QFP8"]

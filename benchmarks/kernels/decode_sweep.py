@@ -38,6 +38,7 @@ from graph_timing import graph_us  # benchmarks/kernels/, the script's own folde
 LAYOUTS = {**LAYOUTS, "d256": (8, 4, 256)}
 CHOOSE_KEYS = ("block_n", "num_warps", "num_stages", "maxnreg", "ctas_per_sm", "use_dot",
                "heads")
+BENCH_KEYS = ("scales",)  # how the int8 scales are stored (_int8_caches), not a launch choice
 
 
 def parse(spec: str) -> dict:
@@ -59,8 +60,39 @@ def config(v: dict) -> DecodeConfig:
     ck = {k: x for k, x in v["extra"].items() if k in CHOOSE_KEYS}
     cfg = choose_config(v["batch"], hkv, hq // hkv, d, v["ctx"], dt, torch.bfloat16,
                         v_t=v["v_layout"] == "HDN", page_size=v["page"], **ck)
-    rest = {k: x for k, x in v["extra"].items() if k not in CHOOSE_KEYS}
+    rest = {k: x for k, x in v["extra"].items() if k not in CHOOSE_KEYS + BENCH_KEYS}
     return dataclasses.replace(cfg, **rest)
+
+
+def _int8_caches(kv: KVSet, vcs: list, how: str) -> list:
+    """Per copy (k cache, v cache, scale kwargs) with the int8 scales stored ``how``: "sep" (the
+    pool's layout: scale caches of their own), "inline" (each page-head's 64 bytes of scales
+    right after its codes in one buffer: strided views of it) or "l2" (every page reads page
+    0's scales: they stay in L2, so the time without the scales' DRAM reads; outputs differ)."""
+    out = []
+    for i, (k, _v) in enumerate(kv.caches):
+        v = vcs[i]
+        if how == "sep" or kv.scales is None:
+            out.append((k, v, scale_kwargs(kv, i)))
+        elif how == "l2":
+            ks, vs = kv.scales[i]
+            out.append((k, v, {"k_scale_cache": ks[:1].expand_as(ks),
+                               "v_scale_cache": vs[:1].expand_as(vs)}))
+        elif how == "inline":
+            pages, h = k.shape[:2]
+            p, d = kv.page_size, kv.head_dim
+            views = []
+            for codes, sc in ((k, kv.scales[i][0]), (v, kv.scales[i][1])):
+                buf = torch.empty((pages, h, p * d + 2 * p), dtype=torch.uint8, device=k.device)
+                buf[..., :p * d] = codes.reshape(pages, h, p * d).view(torch.uint8)
+                buf[..., p * d:] = sc.view(torch.uint8).reshape(pages, h, 2 * p)
+                views.append((buf[..., :p * d].view(torch.int8).unflatten(-1, codes.shape[2:]),
+                              buf[..., p * d:].view(torch.float16)))
+            out.append((views[0][0], views[1][0], {"k_scale_cache": views[0][1],
+                                                   "v_scale_cache": views[1][1]}))
+        else:
+            raise ValueError(f"scales={how!r}: one of sep, inline, l2")
+    return out
 
 
 def _v_caches(kv: KVSet, v_layout: str) -> list:
@@ -139,10 +171,9 @@ def main(argv: list[str]) -> None:
             cfg = config(v)
             if v["v_layout"] not in vcs:
                 vcs[v["v_layout"]] = _v_caches(kv, v["v_layout"])
-            vv = vcs[v["v_layout"]]
-            fns = [lambda i=i: paged_decode(qs[i], kv.caches[i][0], vv[i], kv.block_table,
-                                            kv.kv_lens, outs[i], d ** -0.5, cfg,
-                                            **scale_kwargs(kv, i))
+            cs = _int8_caches(kv, vcs[v["v_layout"]], v["extra"].get("scales", "sep"))
+            fns = [lambda i=i: paged_decode(qs[i], cs[i][0], cs[i][1], kv.block_table,
+                                            kv.kv_lens, outs[i], d ** -0.5, cfg, **cs[i][2])
                    for i in range(kv.reps)]
             us = timer(fns)
             o = outs[0].float()

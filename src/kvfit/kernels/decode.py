@@ -268,8 +268,9 @@ def _check_heads(cfg: DecodeConfig, group: int, head_dim: int) -> None:
 
 
 def scale_cache_args(k_cache: torch.Tensor, scale_caches):
-    """(KS, VS, page stride, head stride) of the int8 scale caches ``[pages, Hkv, P]`` float16;
-    the K cache as an unused placeholder for other dtypes."""
+    """(KS, VS, page stride, head stride) of the int8 scale caches ``[pages, Hkv, P]`` float16
+    (tokens contiguous; views into a larger buffer allowed, K's and V's strides equal); the K
+    cache as an unused placeholder for other dtypes."""
     if k_cache.dtype != torch.int8:
         return k_cache, k_cache, 0, 0
     if scale_caches is None:
@@ -278,9 +279,11 @@ def scale_cache_args(k_cache: torch.Tensor, scale_caches):
     ks, vs = scale_caches
     want = tuple(k_cache.shape[:3])
     for sc in (ks, vs):
-        if tuple(sc.shape) != want or sc.dtype != torch.float16 or not sc.is_contiguous():
-            raise ValueError(f"int8 scale caches must be contiguous float16 {want}, got "
-                             f"{sc.dtype} {tuple(sc.shape)}")
+        if (tuple(sc.shape) != want or sc.dtype != torch.float16 or sc.stride(2) != 1
+                or sc.stride() != ks.stride()):
+            raise ValueError(f"int8 scale caches must be float16 {want} with the tokens "
+                             f"contiguous and the same strides for K and V, got {sc.dtype} "
+                             f"{tuple(sc.shape)} strides {sc.stride()}")
     return ks, vs, ks.stride(0), ks.stride(1)
 
 

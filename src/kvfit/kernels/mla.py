@@ -35,6 +35,11 @@ GLUON_DTYPES = (torch.bfloat16, torch.float16) + FP8
 # docs/benchmarks.md)
 GLUON_QFP8 = False
 GLUON_PIPE = True
+# 8-bit latents: values a thread converts at a time in the Gluon kernels (decode_config's
+# conv_vec). 8: [1, 8] x [1, 32] per warp, conflict-free float16 stores into the swizzled tile,
+# measured 1.10-1.13x the 16-value layout on the H200 (pipelined and plain kernels, 32 x 16k and
+# 64 x 32k, docs/benchmarks.md "conv_vec")
+GLUON_CONV_VEC = 8
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,7 @@ class MLAConfig:
     hoist: int = 0  # swapped decode: page ids of this many tiles loaded before their loop
     gluon: bool = False  # decode: the Gluon kernel of mla_decode_gluon (Hopper warp-group MMAs)
     pipe: bool = False  # Gluon e4m3 decode: mla_decode_fp8_pipe (tile i + 1's work under tile i's)
-    conv_vec: int = 16  # Gluon 8-bit decode: latent values a thread converts at a time (16 or 8)
+    conv_vec: int = 8  # Gluon 8-bit decode: latent values a thread converts at a time (8 or 16)
 
 
 def _pow2(x: int) -> int:
@@ -79,7 +84,7 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
                   prefetch: bool | None = None, hoist: int | None = None,
                   programs_per_sm: int | None = None, gluon: bool | None = None,
                   rope: int = 64, pipe: bool | None = None,
-                  conv_vec: int = 16) -> MLAConfig:
+                  conv_vec: int | None = None) -> MLAConfig:
     """Rows: every head of a request (at least 16 for the MMA, at most 32 per program: a
     [64, 512] float32 accumulator spills; larger head counts take several programs per request,
     adjacent in the grid so their shared latent tiles come from L2). ``swap``: the kernel with
@@ -91,7 +96,8 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
     program, ``num_stages`` tiles of copies in flight; 512 + 64 slabs, 16-bit queries, sm_90);
     for e4m3 latents ``pipe`` (default ``GLUON_PIPE`` at 2 stages) the pipelined kernel of
     ``mla_decode_fp8_pipe``, with fp8 logits (``qfp8``, implied); ``conv_vec`` the values a
-    thread converts at a time (16, the measured default; 8, conflict-free stores, unmeasured).
+    thread converts at a time (default ``GLUON_CONV_VEC``, 8: conflict-free float16 stores,
+    measured faster than 16).
     Default (``swap`` and ``gluon`` None), from the H200 sweeps: the Gluon kernel where it fits
     and runs (``GLUON_DTYPES``); else 16-bit latents at <= 16 heads take the swapped kernel
     with hoisted page ids (32-token tiles, 4 warps, 4 stages); fp8, float32 and more heads the
@@ -126,6 +132,7 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
             if num_stages not in (None, 2):
                 raise ValueError(f"the pipelined Gluon MLA decode runs 2 stages, got {num_stages}")
             stages = 2
+        conv_vec = GLUON_CONV_VEC if conv_vec is None else conv_vec
         if conv_vec not in (8, 16):
             raise ValueError(f"conv_vec is 8 or 16 latent values a thread, got {conv_vec}")
         return _with_splits(MLAConfig(16, 64, 4, stages, gluon=True, qfp8=qfp8, pipe=pipe,
