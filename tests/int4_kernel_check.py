@@ -50,7 +50,7 @@ def reference(q, pool, tables, kv_lens, sm_scale):
 
 
 def run_check(device, dtype, kv_lens, hq, hkv, d, rtol, num_splits=1, pages_per_tile=2,
-              asm=True, num_warps=4, num_stages=2, fold_k=False, ks_tokens=False):
+              asm=True, num_warps=4, num_stages=2, fold_k=False, ks_tokens=False, gluon=False):
     from kvfit.kernels.decode_int4 import Int4DecodeConfig, int4_decode
 
     pool, tables = filled_pool(kv_lens, hkv, d, device, dtype)
@@ -65,7 +65,7 @@ def run_check(device, dtype, kv_lens, hq, hkv, d, rtol, num_splits=1, pages_per_
     int4_decode(q, pool, 0, bt.to(device), torch.tensor(kv_lens, dtype=torch.int32).to(device),
                 torch.arange(b, dtype=torch.int32).to(device), out, sm,
                 Int4DecodeConfig(num_splits, pages_per_tile, num_warps, num_stages, asm,
-                                 fold_k=fold_k, ks_tokens=ks_tokens))
+                                 fold_k=fold_k, ks_tokens=ks_tokens, gluon=gluon))
     want = reference(q, pool, tables, kv_lens, sm)
     got = out.double().cpu()
     assert torch.isfinite(got).all()

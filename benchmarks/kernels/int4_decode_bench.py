@@ -118,6 +118,8 @@ def variant_cfg(variant, batch, hkv, d, ctx, sms):
 
     if variant is None:
         return choose_config(batch, hkv, d, ctx, sms)
+    if variant == "gluon":
+        return choose_config(batch, hkv, d, ctx, sms, gluon=True)
     npg, warps, stages, asm, per_sm, maxnreg, fold, ks_tokens = variant
     base = choose_config(batch, hkv, d, ctx, sms, npg, warps, stages, per_sm)
     return Int4DecodeConfig(base.num_splits, npg, warps, stages, asm, maxnreg, fold, ks_tokens)
@@ -160,6 +162,8 @@ def main() -> None:
     p.add_argument("--dump", default=None,
                    help="folder: write the SASS of the variants in DUMP_VARIANTS per shape")
     p.add_argument("--only", type=int, default=None, help="run only SHAPES[ONLY] (for ncu)")
+    p.add_argument("--gluon", action="store_true",
+                   help="time the Gluon kernel (decode_int4_gluon) after the default launch")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, TRITON_INTERPRET=1: tiny shapes, every code path once, no timing")
     args = p.parse_args()
@@ -172,7 +176,7 @@ def main() -> None:
     g.manual_seed(0)
     sms = _sms(dev)
     def variants_of(shape):
-        return VARIANTS[shape[3]] if args.sweep else [None]
+        return (VARIANTS[shape[3]] if args.sweep else [None]) + (["gluon"] if args.gluon else [])
 
     jobs = [(s, None) for s in SHAPES] + [(s, v) for s in SHAPES for v in variants_of(s)]
     if args.compile_only:  # jobs: fp8 per shape, then the int4 variants; every parts-th
@@ -206,9 +210,14 @@ def main() -> None:
                 base = out.float()
             diff = float((out.float() - base).abs().max() / base.abs().max())
             i_ms = _bench(lambda: run(cfg))  # noqa: B023
-            ck = compiled(cfg) if dev.type == "cuda" else None
+            try:
+                ck = compiled(cfg) if dev.type == "cuda" else None
+            except Exception as e:  # noqa: BLE001  (a kernel object without warmup: no counts)
+                print(f"no compiled kernel for {cfg}: {type(e).__name__}: {e}")
+                ck = None
             regs, smem = _resources(ck)
-            launch = (f"S={cfg.num_splits} NPG={cfg.pages_per_tile} w={cfg.num_warps} "
+            launch = ("gluon " if cfg.gluon else "") + (
+                      f"S={cfg.num_splits} NPG={cfg.pages_per_tile} w={cfg.num_warps} "
                       f"st={cfg.num_stages} {'asm' if cfg.asm else 'cast'}"
                       + (f" r{cfg.maxnreg}" if cfg.maxnreg else "")
                       + (" foldK" if cfg.fold_k else "") + (" ksT" if cfg.ks_tokens else ""))

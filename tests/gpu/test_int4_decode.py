@@ -1,7 +1,7 @@
 """The int4 Triton decode kernel on the GPU against the float64 reference over the same int4
 pages and residual: head_dim 64/128/256, GQA groups 3/2/8, 1-4 splits, 2 and 4 pages per tile,
 the asm and the cast nibble conversion, K's scale folded into the query (bf16 queries and
-residual), and the exact float32 path;
+residual), the exact float32 path, and the Gluon kernel (Hopper: decode_int4_gluon);
 lengths ending mid-page, on a page boundary and inside the first page."""
 
 from __future__ import annotations
@@ -48,3 +48,19 @@ def test_int4_decode_float32_is_exact():
     err = run_check(torch.device("cuda"), torch.float32, LENS, 16, 8, 128, 1e-5, num_splits=2,
                     pages_per_tile=2)
     print(f"float32: relative error {err:.2e}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d,splits", [(9, 3, 64, 1), (9, 3, 64, 4), (16, 8, 128, 1),
+                                             (16, 8, 128, 3), (32, 2, 128, 2), (8, 1, 256, 2),
+                                             (8, 4, 256, 1)])
+def test_int4_decode_gluon_matches_reference(hq, hkv, d, splits, dtype):
+    """The Gluon kernel (two pages a tile, K's scale folded into the query, heads as the MMAs'
+    N: groups of 3, 2, 16, 8 and 2) at the Triton kernel's accuracy."""
+    from kvfit.kernels.decode_int4 import gluon_available
+
+    if not gluon_available():
+        pytest.skip("the Gluon int4 decode needs a Hopper GPU and Gluon's Hopper module")
+    err = run_check(torch.device("cuda"), dtype, LENS, hq, hkv, d, 5e-3, num_splits=splits,
+                    num_stages=3, gluon=True)
+    print(f"gluon hq={hq} hkv={hkv} d={d} splits={splits} {dtype}: rel error {err:.2e}")

@@ -32,6 +32,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from kvfit.kernels import decode_int4
 from kvfit.kernels.decode_int4 import Int4DecodeConfig, choose_config, int4_decode
 from kvfit.kernels.int4_store import int4_store_decode
 from kvfit.kernels.prefill import order_prefill_blocks, paged_prefill, prefill_config
@@ -130,6 +131,17 @@ class TritonInt4:
         dev = torch.device(pool.device)
         self._num_sms = (torch.cuda.get_device_properties(dev).multi_processor_count
                          if dev.type == "cuda" else 132)
+        # decode through the Gluon kernel (decode_int4.GLUON) where it runs: Hopper, 16-bit
+        # compute and residual
+        self._gluon = (decode_int4.GLUON and dev.type == "cuda"
+                       and compute_dtype in (torch.bfloat16, torch.float16)
+                       and pool.residual_dtype == compute_dtype
+                       and decode_int4.gluon_available(dev))
+
+    def _config(self, batch: int, max_len: int) -> Int4DecodeConfig:
+        spec = self.pool.layers[0]
+        return choose_config(batch, spec.num_kv_heads, spec.head_dim, max_len, self._num_sms,
+                             gluon=self._gluon)
 
     def prepare(self, meta) -> None:
         """Mutates self: the step's metadata and launch plan. Host work only (no syncs)."""
@@ -140,8 +152,7 @@ class TritonInt4:
         self.meta = meta
         spec = self.pool.layers[0]
         if meta.is_decode:
-            self._decode_cfg = choose_config(meta.batch_size, spec.num_kv_heads, spec.head_dim,
-                                             max(meta.kv_lens_cpu, default=1), self._num_sms)
+            self._decode_cfg = self._config(meta.batch_size, max(meta.kv_lens_cpu, default=1))
             self._pages = None
             return
         self._pages = PrefillPages.plan(meta.kv_lens_cpu, meta.residual.slots_cpu,
@@ -154,8 +165,7 @@ class TritonInt4:
         size gets with contexts up to ``max_pages_per_req`` pages (static across replays)."""
         spec = self.pool.layers[0]
         self._graph_max_len = max_pages_per_req * self.pool.page_size
-        most = max(bs * choose_config(bs, spec.num_kv_heads, spec.head_dim,
-                                      self._graph_max_len, self._num_sms).num_splits
+        most = max(bs * self._config(bs, self._graph_max_len).num_splits
                    for bs in range(1, max_bs + 1))
         dev = self.pool.device
         rows = most * num_q_heads
@@ -167,9 +177,7 @@ class TritonInt4:
         if self._graph_max_len is None:
             raise RuntimeError("init_cuda_graph must be called before prepare_cuda_graph")
         self.meta = meta
-        spec = self.pool.layers[0]
-        self._decode_cfg = choose_config(meta.batch_size, spec.num_kv_heads, spec.head_dim,
-                                         self._graph_max_len, self._num_sms)
+        self._decode_cfg = self._config(meta.batch_size, self._graph_max_len)
         self._pages = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -17,6 +17,10 @@ full-precision residual page (``kv_len % 32`` tokens), with an online softmax in
 * V ``[pages, tokens, D/32, 16]`` with its per-token, per-32-channel scale/zero broadcast, the
   even/odd halves joined back to channel order for one P@V.
 
+``Int4DecodeConfig.gluon`` runs the Gluon kernel of ``decode_int4_gluon`` instead (Hopper: each
+tile's nibbles converted once into shared memory, warp-group MMAs; 16-bit queries and residual);
+a Triton that cannot compile it is logged once and the Triton kernel runs.
+
 Float32 queries take the exact path (float32 values, IEEE products). Split-K as the fp8 decode:
 with more than one split the decode merge kernel (``decode_kernels``) combines the partial
 outputs by their base-2 log-sum-exp. The grid depends only on (batch, kv heads, splits): no host
@@ -25,7 +29,9 @@ syncs, CUDA-graph capturable. Owns nothing; writes ``out`` (and the split scratc
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import math
 from dataclasses import dataclass
 
@@ -33,8 +39,15 @@ import torch
 
 from kvfit.kernels.decode_int4_kernels import build
 
+log = logging.getLogger("kvfit")
 LOG2E = 1.4426950408889634
 PAGE = 32  # the int4 pool's page = K's quantization group
+# choose_config's default for 16-bit queries on Hopper: the Gluon kernel (decode_int4_gluon)
+GLUON = False
+# programs per SM of the Gluon kernel per head size (sm_90 compile: registers and shared memory
+# of 4 warps: 64-d 80 regs / 31 KB, 128-d 156 / 61 KB, 256-d 227 / 121 KB)
+GLUON_PER_SM = {64: 6, 128: 3, 256: 1}
+_gluon_failures: list[str] = []  # the first compile failure of the Gluon kernel, if any
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,9 @@ class Int4DecodeConfig:
     # K's scale/zero loaded once per token of the tile (redundant addresses: the loads then take
     # the codes' register layout) instead of once per page (one value per thread)
     ks_tokens: bool = False
+    # the Gluon kernel (decode_int4_gluon: two pages a tile, 4 warps, num_stages copies in
+    # flight; 16-bit queries and residual, sm_90); the other tile fields do not apply
+    gluon: bool = False
 
 
 # per head size: (pages per tile, warps, stages, register cap, programs per SM in the split
@@ -62,17 +78,33 @@ TILES = {64: (2, 4, 3, None, 2, False), 128: (2, 4, 3, None, 2, True),
          256: (2, 4, 2, None, 2, False)}
 
 
+def gluon_available(device=None) -> bool:
+    """The Gluon kernel can run here: a Hopper GPU with Gluon's Hopper module, no compile
+    failure in this process (``mla_gluon.gluon_available`` decides the first two)."""
+    from kvfit.kernels.mla_gluon import gluon_available as hopper_gluon
+
+    if _gluon_failures or not torch.cuda.is_available():
+        return False
+    index = torch.cuda.current_device() if device is None else torch.device(device).index or 0
+    return hopper_gluon(index)
+
+
 @functools.lru_cache(maxsize=1024)
 def choose_config(batch: int, num_kv_heads: int, head_dim: int, max_kv_len: int,
                   num_sms: int = 132, pages_per_tile: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
-                  ctas_per_sm: int | None = None) -> Int4DecodeConfig:
+                  ctas_per_sm: int | None = None, gluon: bool = False) -> Int4DecodeConfig:
     """Tile and a wave-aware split count: ``batch * kv_heads * splits`` programs on
     ``num_sms * ctas_per_sm`` slots, the split count minimising waves per unit of work with
     splits of >= 4 tiles and a 1%-per-split merge cost (as the fp8 decode's rule). An explicit
-    tile (pages, warps, stages) runs without the register cap of the measured default."""
+    tile (pages, warps, stages) runs without the register cap of the measured default.
+    ``gluon``: the Gluon kernel's launch (two pages a tile, 4 warps, 3 stages, its programs per
+    SM); the caller decides whether it can run (``gluon_available``, 16-bit queries)."""
     npg, warps, stages, maxnreg, per_sm, asm = TILES.get(head_dim, TILES[256])
-    if (pages_per_tile, num_warps, num_stages) != (None, None, None):
+    if gluon:
+        npg, warps, stages, maxnreg = 2, 4, num_stages or 3, None
+        per_sm = GLUON_PER_SM.get(head_dim, 1)
+    elif (pages_per_tile, num_warps, num_stages) != (None, None, None):
         npg, warps, stages = pages_per_tile or npg, num_warps or warps, num_stages or stages
         maxnreg, per_sm = None, 2
     per_sm = ctas_per_sm or per_sm
@@ -85,7 +117,7 @@ def choose_config(batch: int, num_kv_heads: int, head_dim: int, max_kv_len: int,
         cost = math.ceil(programs * sp / slots) / sp * (1 + 0.01 * sp)
         if cost < best[0] - 1e-12:
             best = (cost, sp)
-    return Int4DecodeConfig(best[1], npg, warps, stages, asm, maxnreg)
+    return Int4DecodeConfig(best[1], npg, warps, stages, asm, maxnreg, gluon=gluon)
 
 
 def _launch(q, pool, layer_id, block_table, kv_lens, residual_slots, out, op, lse,
@@ -108,6 +140,16 @@ def _launch(q, pool, layer_id, block_table, kv_lens, residual_slots, out, op, ls
             kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
             kr.stride(0), kr.stride(1), block_table.stride(0), sm_scale * LOG2E,
             cfg.num_splits)
+    if cfg.gluon:
+        if f32 or q.dtype != kr.dtype:
+            raise ValueError(f"the Gluon int4 decode takes 16-bit queries and residual of one "
+                             f"dtype, got {q.dtype} / {kr.dtype}: use gluon=False")
+        from kvfit.kernels import decode_int4_gluon
+
+        opts = dict(G=group, BLOCK_H=max(8, triton.next_power_of_2(group)), D=d,
+                    PAGE=pool.page_size, STAGES=cfg.num_stages, SINGLE=cfg.num_splits == 1,
+                    num_warps=4)
+        return decode_int4_gluon.build(), (b, hkv, cfg.num_splits), args, opts
     opts = dict(G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d,
                 PAGE=pool.page_size, NPG=1 if cfg.fold_k else cfg.pages_per_tile, F32=f32,
                 ASM=cfg.asm and not f32, KFOLD=cfg.fold_k, KS_TOKENS=cfg.ks_tokens,
@@ -145,12 +187,35 @@ def int4_decode(q: torch.Tensor, pool, layer_id: int, block_table: torch.Tensor,
     else:
         op = torch.empty((b * hq * cfg.num_splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((b * hq * cfg.num_splits,), dtype=torch.float32, device=q.device)
+    if cfg.gluon and _gluon_failures:
+        cfg = dataclasses.replace(cfg, gluon=False)
     kern, grid, args, opts = _launch(q, pool, layer_id, block_table, kv_lens, residual_slots,
                                      out, op, lse, sm_scale, cfg)
-    kern[grid](*args, **opts)
+    try:
+        kern[grid](*args, **opts)
+    except _compile_errors() as e:
+        if not cfg.gluon:
+            raise
+        import triton
+
+        _gluon_failures.append(f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
+        log.warning("the Gluon int4 decode kernel does not compile with Triton %s (%s); int4 "
+                    "decode runs the Triton kernel (slower on Hopper: docs/benchmarks.md). "
+                    "Triton 3.6 is known to work.", triton.__version__, _gluon_failures[0])
+        kern, grid, args, opts = _launch(q, pool, layer_id, block_table, kv_lens, residual_slots,
+                                         out, op, lse, sm_scale,
+                                         dataclasses.replace(cfg, gluon=False))
+        kern[grid](*args, **opts)
     if not single:
         from kvfit.kernels.decode_kernels import merge_splits
 
         # every int4 split writes its partial (an empty one lse -inf): no live count
         merge_splits(op, lse, out, 1.0, cfg.num_splits, 4 if d >= 128 else 2)
     return out
+
+
+def _compile_errors() -> tuple:
+    """The exceptions that mean "this Triton cannot build the Gluon kernel"."""
+    from kvfit.kernels.mla_gluon import _compile_errors as errors
+
+    return errors()

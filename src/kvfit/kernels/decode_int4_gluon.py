@@ -1,0 +1,345 @@
+"""The int4 (KIVI) paged decode written in Gluon for Hopper: each tile's nibbles are converted
+once into shared memory and both products run on warp-group MMAs.
+
+Why. The Triton kernel of ``decode_int4_kernels`` converts the codes into the MMA operands'
+register layout, and ncu found it bound by shared-memory traffic and latency (3 programs per
+SM, 0.33x the fp8 decode's speed on 128-d heads; docs/benchmarks.md). Here a tile's path is
+written out, as the Gluon MLA decode does (``mla_decode_gluon``):
+
+    K, V codes --cp.async--> stage[i % STAGES] (bytes as stored, STAGES - 1 tiles in flight)
+    K codes    --prmt/lop3/sub.f16x2--> kt [64, D] float16 codes 0..15, even channels first
+    V codes    --... fma.f16x2 (scale, zero per token and 32 channels)--> vt [64, D] float16
+    q'_p = q * k_scale_p (per channel of page p), b_p = q . k_zero_p        (CUDA cores)
+    s^T [64, H] = kt . q'_p^T + b_p   (two warp-group MMAs, one per page of the tile)
+    o^T [D, H] += vt^T . p^T          (a transposed view of vt)
+
+A tile is two pages (64 tokens): K's per-channel scale and zero (one per page, the pool's
+quantization group) fold into the query, so the keys are converted as plain codes; V's scale
+and zero (per token, per 32 channels) are applied by the conversion. Channels stay in the
+pool's even-first order inside the kernel (a byte's low nibble is the even channel); q is
+loaded and the output written in that order. The request's residual page (its last ``kv_len %
+32`` tokens, full precision) is attended by the last split through the same tiles. Heads are
+the MMAs' N (the query group, padded to ``BLOCK_H`` >= 8), tokens their M.
+
+Grid ``(batch, kv heads, splits)`` and outputs as the Triton kernel's: one split writes ``OUT``,
+several write float32 partials ``OP`` (rows ``(b * Hq + head) * splits + s``) and base-2
+log-sum-exp ``LSE`` (every split, an empty one -inf) for ``decode_kernels``' merge. Owns nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.cache
+def build():
+    """The jitted Gluon kernel, built once per process on first use (CUDA, sm_90)."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    # names that moved between Triton releases (as in mla_decode_gluon)
+    globals()["_cp_async"] = getattr(async_copy, "async_load", None) or \
+        async_copy.async_copy_global_to_shared
+    globals()["_cta_barrier"] = getattr(gl, "barrier", None) or gl.thread_barrier
+    globals().update(gl=gl, async_copy=async_copy, fence_async_shared=fence_async_shared,
+                     warpgroup_mma=warpgroup_mma, warpgroup_mma_wait=warpgroup_mma_wait)
+
+    @gluon.jit
+    def _codes(x):
+        # packed bytes -> (low nibbles, high nibbles) as exact float16 codes 0..15, four bytes
+        # an asm: prmt spreads two bytes into a register's halves, lop3 puts a nibble under the
+        # exponent of 1024 (low: 1024 + c; high: 1024 + 16 c), sub / fma remove it exactly
+        return gl.inline_asm_elementwise(
+            "{\n"
+            ".reg .b32 a, b, t, c, m, n, k, o;\n"
+            "mov.b32 c, 0x64006400;\n"
+            "mov.b32 m, 0x000f000f;\n"
+            "mov.b32 n, 0x00f000f0;\n"
+            "mov.b32 k, 0x2c002c00;\n"
+            "mov.b32 o, 0xd400d400;\n"
+            "prmt.b32 a, $4, 0, 0x4140;\n"
+            "prmt.b32 b, $4, 0, 0x4342;\n"
+            "lop3.b32 t, a, m, c, 0xea;\n"
+            "sub.f16x2 $0, t, c;\n"
+            "lop3.b32 t, b, m, c, 0xea;\n"
+            "sub.f16x2 $1, t, c;\n"
+            "lop3.b32 t, a, n, c, 0xea;\n"
+            "fma.rn.f16x2 $2, t, k, o;\n"
+            "lop3.b32 t, b, n, c, 0xea;\n"
+            "fma.rn.f16x2 $3, t, k, o;\n"
+            "}\n",
+            "=r,=r,=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+
+    @gluon.jit
+    def _dequant(x, sc, zr):
+        # as _codes, then code * scale + zero (one float16 rounding, as the reference's)
+        return gl.inline_asm_elementwise(
+            "{\n"
+            ".reg .b32 a, b, t, c, m, n, k, o;\n"
+            "mov.b32 c, 0x64006400;\n"
+            "mov.b32 m, 0x000f000f;\n"
+            "mov.b32 n, 0x00f000f0;\n"
+            "mov.b32 k, 0x2c002c00;\n"
+            "mov.b32 o, 0xd400d400;\n"
+            "prmt.b32 a, $4, 0, 0x4140;\n"
+            "prmt.b32 b, $4, 0, 0x4342;\n"
+            "lop3.b32 t, a, m, c, 0xea;\n"
+            "sub.f16x2 t, t, c;\n"
+            "fma.rn.f16x2 $0, t, $5, $7;\n"
+            "lop3.b32 t, b, m, c, 0xea;\n"
+            "sub.f16x2 t, t, c;\n"
+            "fma.rn.f16x2 $1, t, $6, $8;\n"
+            "lop3.b32 t, a, n, c, 0xea;\n"
+            "fma.rn.f16x2 t, t, k, o;\n"
+            "fma.rn.f16x2 $2, t, $5, $7;\n"
+            "lop3.b32 t, b, n, c, 0xea;\n"
+            "fma.rn.f16x2 t, t, k, o;\n"
+            "fma.rn.f16x2 $3, t, $6, $8;\n"
+            "}\n",
+            "=r,=r,=r,=r,r,r,r,r,r", [x, sc, zr], dtype=(gl.float16, gl.float16), is_pure=True,
+            pack=4)
+
+    @gluon.jit
+    def _rows(t0, p1, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, L: gl.constexpr):
+        # (page index, token in page) of the tile's rows from page t0 (layout L); pages >= p1
+        # are not the split's: their index is returned as p1 (the caller masks them)
+        r = gl.arange(0, BLOCK_N, layout=L)
+        pidx = t0 + r // PAGE
+        return gl.minimum(pidx, p1), r % PAGE
+
+    @gluon.jit
+    def _issue(stage_k, stage_v, KC, VC, bt_row, t0, p1, base, HALF: gl.constexpr,
+               NG: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, LK: gl.constexpr,
+               LV: gl.constexpr):
+        # one commit group of cp.async: the K and V codes of pages [t0, t0 + 2) (pages >= p1
+        # zero-filled, never read)
+        pk, tk = _rows(t0, p1, BLOCK_N, PAGE, gl.SliceLayout(1, LK))
+        pgk = gl.load(bt_row + pk, mask=pk < p1, other=0).to(gl.int64)
+        c = gl.arange(0, HALF, layout=gl.SliceLayout(0, LK))
+        rowk = pgk * base + tk * HALF
+        _cp_async(stage_k, KC + rowk[:, None] + c[None, :], mask=(pk < p1)[:, None])  # noqa: F821
+        LV2: gl.constexpr = gl.SliceLayout(2, LV)
+        pv, tv = _rows(t0, p1, BLOCK_N, PAGE, gl.SliceLayout(1, LV2))
+        pgv = gl.load(bt_row + pv, mask=pv < p1, other=0).to(gl.int64)
+        g = gl.arange(0, NG, layout=gl.SliceLayout(0, LV2))
+        i = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, LV)))
+        rowv = (pgv * base + tv * HALF)[:, None] + g[None, :] * 16  # [BLOCK_N, NG]
+        ptr = VC + rowv[:, :, None] + i[None, None, :]
+        _cp_async(stage_v, ptr, mask=(pv < p1)[:, None, None])  # noqa: F821
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _scales(KS, KZ, VS, VZ, bt_row, t0, p1, h, stride_kp, stride_kh, stride_vp, stride_vh,
+                D: gl.constexpr, NG: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
+                LQ: gl.constexpr, LV: gl.constexpr):
+        # the scales and zeros of pages [t0, t0 + 2): K's per channel of each page ([D] in
+        # LQ's columns, float32; 0 past p1) and V's per token and 32 channels ([BLOCK_N, NG])
+        c = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))
+        live0 = t0 < p1
+        live1 = t0 + 1 < p1
+        pg0 = gl.load(bt_row + t0, mask=live0, other=0).to(gl.int64)
+        pg1 = gl.load(bt_row + t0 + 1, mask=live1, other=0).to(gl.int64)
+        k0 = pg0 * stride_kp + h * stride_kh + c
+        k1 = pg1 * stride_kp + h * stride_kh + c
+        ks0 = gl.load(KS + k0, mask=(c < D) & live0, other=0.0).to(gl.float32)
+        kz0 = gl.load(KZ + k0, mask=(c < D) & live0, other=0.0).to(gl.float32)
+        ks1 = gl.load(KS + k1, mask=(c < D) & live1, other=0.0).to(gl.float32)
+        kz1 = gl.load(KZ + k1, mask=(c < D) & live1, other=0.0).to(gl.float32)
+        LV2: gl.constexpr = gl.SliceLayout(2, LV)
+        pv, tv = _rows(t0, p1, BLOCK_N, PAGE, gl.SliceLayout(1, LV2))
+        pgv = gl.load(bt_row + pv, mask=pv < p1, other=0).to(gl.int64)
+        g = gl.arange(0, NG, layout=gl.SliceLayout(0, LV2))
+        vo = (pgv * stride_vp + h * stride_vh + tv * NG)[:, None] + g[None, :]
+        vmask = (pv < p1)[:, None] & (g < NG)[None, :]
+        vs = gl.load(VS + vo, mask=vmask, other=0.0)
+        vz = gl.load(VZ + vo, mask=vmask, other=0.0)
+        return ks0, kz0, ks1, kz1, vs, vz
+
+    @gluon.jit
+    def _fold(q, ks, kz, dst, MMA: gl.constexpr):
+        # q' = q * k_scale (per channel) into dst (float16, the logits MMA's B), and the
+        # zero term q . k_zero per head ([BLOCK_H] in the logits' head axis)
+        dst.store((q * ks[None, :]).to(gl.float16))
+        return gl.convert_layout(gl.sum(q * kz[None, :], axis=1), gl.SliceLayout(0, MMA))
+
+    @gluon.jit
+    def _attend(kt, vt, q_a, q_b, b_a, b_b, p_s, acc, m_i, l_i, n_live, qk_scale,
+                BLOCK_N: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
+                MMA: gl.constexpr):
+        # one tile: logits of its rows < PAGE against q_a (+ b_a), the rest against q_b (+ b_b);
+        # rows >= n_live weigh 0; the online softmax and o^T += vt^T . p^T
+        zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=MMA)
+        s_a = warpgroup_mma(kt, q_a.permute((1, 0)), zero, use_acc=False, is_async=True)
+        s_b = warpgroup_mma(kt, q_b.permute((1, 0)), zero, use_acc=False, is_async=True)
+        s_a, s_b = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
+        r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+        s_t = gl.where((r < PAGE)[:, None], s_a + b_a[None, :], s_b + b_b[None, :])
+        s_t = gl.where((r < n_live)[:, None], s_t * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s_t, axis=0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p_t = gl.exp2(s_t - m_use[None, :])
+        l_i = l_i * alpha + gl.sum(p_t, axis=0)
+        p_s.store(p_t.to(gl.float16))
+        fence_async_shared()
+        _cta_barrier()  # noqa: F821
+        acc = warpgroup_mma(vt.permute((1, 0)), p_s, acc * alpha[None, :], is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        return acc, m_new, l_i
+
+    @gluon.jit
+    def _residual_half(R, row, tail, HI: gl.constexpr, HALF: gl.constexpr,
+                       BLOCK_N: gl.constexpr, L: gl.constexpr):
+        # even (HI False) or odd channels of the residual rows [BLOCK_N, HALF] (rows >= tail
+        # zero), float16
+        r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L))
+        c = gl.arange(0, HALF, layout=gl.SliceLayout(0, L))
+        ptr = R + row + (r * (2 * HALF))[:, None] + (2 * c + HI)[None, :]
+        return gl.load(ptr, mask=(r < tail)[:, None], other=0.0).to(gl.float16)
+
+    @gluon.jit
+    def _int4_decode_gluon(Q, OUT, OP, LSE, KC, VC, KS, KZ, VS, VZ, KR, VR, BT, KVLEN, RSLOT,
+                           stride_qb, stride_qh, stride_ob, stride_oh, stride_cp, stride_ch,
+                           stride_kp, stride_kh, stride_vp, stride_vh, stride_rs, stride_rh,
+                           stride_bt, qk_scale, num_splits,
+                           G: gl.constexpr, BLOCK_H: gl.constexpr, D: gl.constexpr,
+                           PAGE: gl.constexpr, STAGES: gl.constexpr, SINGLE: gl.constexpr,
+                           num_warps: gl.constexpr):
+        gl.static_assert(num_warps == 4, "one warp group")
+        gl.static_assert(PAGE == 32, "the int4 pool's pages (K's quantization group)")
+        b = gl.program_id(0)
+        h = gl.program_id(1)
+        s = gl.program_id(2)
+        HALF: gl.constexpr = D // 2
+        NG: gl.constexpr = D // 32  # V's channel groups: 16 bytes of codes each
+        BLOCK_N: gl.constexpr = 2 * PAGE
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_H, 16])
+        # the codes: 16 bytes a thread along a row (K [BLOCK_N, HALF]; V [BLOCK_N, NG, 16], a
+        # thread's 16 bytes one channel group of one token, so one scale and zero)
+        LK: gl.constexpr = gl.BlockedLayout([1, 16], [32 // NG, NG], [4, 1], [1, 0])
+        LV: gl.constexpr = gl.BlockedLayout([1, 1, 16], [32 // NG, NG, 1], [4, 1, 1], [2, 1, 0])
+        # the query [BLOCK_H, D] (float32), SPQ values a thread
+        SPQ: gl.constexpr = 8 if BLOCK_H * D >= 1024 else BLOCK_H * D // 128
+        TPC: gl.constexpr = 32 if D // SPQ >= 32 else D // SPQ
+        LQ: gl.constexpr = gl.BlockedLayout([1, SPQ], [32 // TPC, TPC], [4, 1], [1, 0])
+        LO: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
+        RAW2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        RAW3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+        stage_k = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, HALF], RAW2)
+        stage_v = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, NG, 16], RAW3)
+        # the float16 tiles, even channels in columns [0, HALF), odd ones in [HALF, D): a
+        # swizzle of at most HALF * 2 bytes, so that each half is whole swizzle atoms
+        SW: gl.constexpr = 128 if HALF * 2 >= 128 else HALF * 2
+        TL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=SW, element_bitwidth=16,
+                                                rank=2)
+        kt = gl.allocate_shared_memory(gl.float16, [BLOCK_N, D], TL)
+        vt = gl.allocate_shared_memory(gl.float16, [BLOCK_N, D], TL)
+        QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D], gl.float16)
+        qs = gl.allocate_shared_memory(gl.float16, [2, BLOCK_H, D], QL)
+        p_s = gl.allocate_shared_memory(
+            gl.float16, [BLOCK_N, BLOCK_H],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.float16))
+
+        # the query group [BLOCK_H, D], channels even-first (column c: channel 2c, or 2c - D + 1)
+        hq = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LQ))
+        cq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))
+        chq = gl.where(cq < HALF, 2 * cq, 2 * (cq - HALF) + 1)
+        qptr = Q + b.to(gl.int64) * stride_qb + (h * G + hq)[:, None] * stride_qh + chq[None, :]
+        q = gl.load(qptr, mask=(hq < G)[:, None], other=0.0).to(gl.float32)
+
+        kv_len = gl.load(KVLEN + b)
+        nfull = kv_len // PAGE
+        tail = kv_len - nfull * PAGE
+        per = gl.cdiv(gl.cdiv(nfull, num_splits), 2) * 2  # full pages per split, whole tiles
+        p0 = s * per
+        p1 = gl.minimum(p0 + per, nfull)
+        n_tiles = gl.cdiv(gl.maximum(p1 - p0, 0), 2)
+        bt_row = BT + b.to(gl.int64) * stride_bt
+        base = stride_cp  # page stride of the codes (the head's offset is added to the pointer)
+        KCh = KC + h * stride_ch
+        VCh = VC + h * stride_ch
+
+        for t in gl.static_range(STAGES - 1):
+            _issue(stage_k.index(t), stage_v.index(t), KCh, VCh, bt_row, p0 + 2 * t, p1, base,
+                   HALF, NG, BLOCK_N, PAGE, LK, LV)
+        ks0, kz0, ks1, kz1, vs, vz = _scales(KS, KZ, VS, VZ, bt_row, p0, p1, h, stride_kp,
+                                             stride_kh, stride_vp, stride_vh, D, NG, BLOCK_N,
+                                             PAGE, LQ, LV)
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, MMA))
+        acc = gl.zeros([D, BLOCK_H], gl.float32, layout=MMA)
+        for i in range(n_tiles):
+            t0 = p0 + 2 * i
+            _cta_barrier()  # noqa: F821 -- the last tile's MMAs and reads are done everywhere
+            j = i + STAGES - 1
+            _issue(stage_k.index(j % STAGES), stage_v.index(j % STAGES), KCh, VCh, bt_row,
+                   p0 + 2 * j, p1, base, HALF, NG, BLOCK_N, PAGE, LK, LV)
+            # this tile's K scales into the query (CUDA cores, while the copies fly)
+            b_a = _fold(q, ks0, kz0, qs.index(0), MMA)
+            b_b = _fold(q, ks1, kz1, qs.index(1), MMA)
+            vs_c = vs
+            vz_c = vz
+            # the next tile's scales, loaded into registers a tile ahead
+            ks0, kz0, ks1, kz1, vs, vz = _scales(KS, KZ, VS, VZ, bt_row, t0 + 2, p1, h,
+                                                 stride_kp, stride_kh, stride_vp, stride_vh, D,
+                                                 NG, BLOCK_N, PAGE, LQ, LV)
+            async_copy.wait_group(STAGES - 1)  # this thread's copies of tile i have landed
+            _cta_barrier()  # noqa: F821 -- and every thread's
+            cur = i % STAGES
+            k_lo, k_hi = _codes(stage_k.index(cur).load(LK))
+            kt.slice(0, HALF, 1).store(k_lo)
+            kt.slice(HALF, HALF, 1).store(k_hi)
+            v_lo, v_hi = _dequant(stage_v.index(cur).load(LV), vs_c[:, :, None],
+                                  vz_c[:, :, None])
+            vt.slice(0, HALF, 1).store(gl.reshape(v_lo, [BLOCK_N, HALF]))
+            vt.slice(HALF, HALF, 1).store(gl.reshape(v_hi, [BLOCK_N, HALF]))
+            fence_async_shared()
+            _cta_barrier()  # noqa: F821
+            n_live = gl.minimum(p1 - t0, 2) * PAGE
+            acc, m_i, l_i = _attend(kt, vt, qs.index(0), qs.index(1), b_a, b_b, p_s, acc, m_i,
+                                    l_i, n_live, qk_scale, BLOCK_N, PAGE, BLOCK_H, MMA)
+        async_copy.wait_group(0)
+
+        if (tail > 0) & (s == num_splits - 1):  # the residual page, full precision
+            _cta_barrier()  # noqa: F821
+            slot = gl.maximum(gl.load(RSLOT + b), 0).to(gl.int64)  # padded rows: -1
+            row = slot * stride_rs + h * stride_rh
+            kt.slice(0, HALF, 1).store(_residual_half(KR, row, tail, 0, HALF, BLOCK_N, LK))
+            kt.slice(HALF, HALF, 1).store(_residual_half(KR, row, tail, 1, HALF, BLOCK_N, LK))
+            vt.slice(0, HALF, 1).store(_residual_half(VR, row, tail, 0, HALF, BLOCK_N, LK))
+            vt.slice(HALF, HALF, 1).store(_residual_half(VR, row, tail, 1, HALF, BLOCK_N, LK))
+            qs.index(0).store(q.to(gl.float16))
+            qs.index(1).store(q.to(gl.float16))
+            fence_async_shared()
+            _cta_barrier()  # noqa: F821
+            zb = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, MMA))
+            acc, m_i, l_i = _attend(kt, vt, qs.index(0), qs.index(1), zb, zb, p_s, acc, m_i,
+                                    l_i, tail, qk_scale, BLOCK_N, PAGE, BLOCK_H, MMA)
+
+        # o^T = acc [D, BLOCK_H] / l, rows even-first -> channels in order
+        safe_l = gl.where(l_i > 0, l_i, 1.0)
+        o_t = gl.convert_layout(acc / safe_l[None, :], LO)
+        r = gl.arange(0, D, layout=gl.SliceLayout(1, LO))
+        ch = gl.where(r < HALF, 2 * r, 2 * (r - HALF) + 1)
+        g = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, LO))
+        omask = (g < G)[None, :] & (r < D)[:, None]
+        if SINGLE:
+            dst = OUT + b.to(gl.int64) * stride_ob + (h * G + g)[None, :] * stride_oh
+            gl.store(dst + ch[:, None], o_t.to(OUT.dtype.element_ty), mask=omask)
+        else:
+            hkv = gl.num_programs(1)
+            orow = (b.to(gl.int64) * (hkv * G) + h * G + g) * num_splits + s  # [BLOCK_H]
+            gl.store(OP + orow[None, :] * D + ch[:, None], o_t, mask=omask)
+            lse = gl.where(l_i > 0, m_i + gl.log2(safe_l), float("-inf"))
+            gh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, MMA))
+            lrow = (b.to(gl.int64) * (hkv * G) + h * G + gh) * num_splits + s
+            gl.store(LSE + lrow, lse, mask=gh < G)
+
+    return _int4_decode_gluon
