@@ -19,6 +19,7 @@ scale/zero per page and V's per token group (5D/4 per token and head) plus the r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -120,6 +121,10 @@ def variant_cfg(variant, batch, hkv, d, ctx, sms):
         return choose_config(batch, hkv, d, ctx, sms)
     if variant == "gluon":
         return choose_config(batch, hkv, d, ctx, sms, gluon=True)
+    if variant[0] == "gluon":  # ("gluon", stages, programs per SM[, register cap])
+        stages, per_sm, maxnreg = (list(variant[1:]) + [0])[:3]
+        cfg = choose_config(batch, hkv, d, ctx, sms, None, None, stages, per_sm, gluon=True)
+        return dataclasses.replace(cfg, maxnreg=maxnreg or None)
     npg, warps, stages, asm, per_sm, maxnreg, fold, ks_tokens = variant
     base = choose_config(batch, hkv, d, ctx, sms, npg, warps, stages, per_sm)
     return Int4DecodeConfig(base.num_splits, npg, warps, stages, asm, maxnreg, fold, ks_tokens)
@@ -142,12 +147,19 @@ def _resources(ck) -> tuple:
     return getattr(ck, "n_regs", 0), ck.metadata.shared / 1024
 
 
+GRAPH = False  # --graph: time CUDA-graph replays (GPU time only, as the engine's decode runs)
+
+
 def _bench(fn):
     import triton
 
     if not torch.cuda.is_available():  # --smoke under the interpreter: run once, no timing
         fn()
         return 1.0
+    if GRAPH:
+        from kvfit.bench.kernels_common import graph_us
+
+        return graph_us([fn] * 4) / 1e3  # ms per call
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
@@ -164,9 +176,17 @@ def main() -> None:
     p.add_argument("--only", type=int, default=None, help="run only SHAPES[ONLY] (for ncu)")
     p.add_argument("--gluon", action="store_true",
                    help="time the Gluon kernel (decode_int4_gluon) after the default launch")
+    p.add_argument("--gluon-variants", default="",
+                   help="STAGES:PER_SM[:MAXNREG],... Gluon launches to time too (stages, "
+                        "programs per SM assumed by the split rule, register cap)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, TRITON_INTERPRET=1: tiny shapes, every code path once, no timing")
+    p.add_argument("--graph", action="store_true",
+                   help="time CUDA-graph replays of 4 calls (no host launch time) instead of "
+                        "do_bench's launches")
     args = p.parse_args()
+    global GRAPH
+    GRAPH = args.graph
     dev = torch.device("cpu" if args.smoke else "cuda")
     if args.smoke:
         SHAPES[:] = [("tiny", 4, 2, 64, 2, 200)]
@@ -176,7 +196,9 @@ def main() -> None:
     g.manual_seed(0)
     sms = _sms(dev)
     def variants_of(shape):
-        return (VARIANTS[shape[3]] if args.sweep else [None]) + (["gluon"] if args.gluon else [])
+        gv = [("gluon", *map(int, x.split(":"))) for x in args.gluon_variants.split(",") if x]
+        return ((VARIANTS[shape[3]] if args.sweep else [None]) + (["gluon"] if args.gluon else [])
+                + gv)
 
     jobs = [(s, None) for s in SHAPES] + [(s, v) for s in SHAPES for v in variants_of(s)]
     if args.compile_only:  # jobs: fp8 per shape, then the int4 variants; every parts-th
@@ -194,7 +216,8 @@ def main() -> None:
         return
     rows = []
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "none (smoke)"
-    print(f"GPU: {gpu}; bf16 queries; median of do_bench")
+    print(f"GPU: {gpu}; bf16 queries; "
+          f"{'CUDA-graph replays' if GRAPH else 'median of do_bench'}")
     print("| shape | Hq/Hkv/D | batch x context | int4 launch | fp8 us | fp8 TB/s | int4 us | "
           "int4 TB/s | int4 speedup | regs / smem KB | max diff |")
     print("|---|---|---|---|---:|---:|---:|---:|---:|---|---:|")

@@ -51,16 +51,17 @@ def test_int4_decode_float32_is_exact():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("hq,hkv,d,splits", [(9, 3, 64, 1), (9, 3, 64, 4), (16, 8, 128, 1),
-                                             (16, 8, 128, 3), (32, 2, 128, 2), (8, 1, 256, 2),
-                                             (8, 4, 256, 1)])
-def test_int4_decode_gluon_matches_reference(hq, hkv, d, splits, dtype):
+@pytest.mark.parametrize("hq,hkv,d,splits,stages", [
+    (9, 3, 64, 1, 2), (9, 3, 64, 4, 3), (16, 8, 128, 1, 2), (16, 8, 128, 3, 3),
+    (16, 8, 128, 5, 2), (32, 2, 128, 2, 2), (8, 1, 256, 2, 2), (8, 4, 256, 1, 3)])
+def test_int4_decode_gluon_matches_reference(hq, hkv, d, splits, stages, dtype):
     """The Gluon kernel (two pages a tile, K's scale folded into the query, heads as the MMAs'
-    N: groups of 3, 2, 16, 8 and 2) at the Triton kernel's accuracy."""
+    N: groups of 3, 2, 16, 8 and 2; 2 and 3 stages) at the Triton kernel's accuracy."""
     from kvfit.kernels.decode_int4 import gluon_available
 
     if not gluon_available():
         pytest.skip("the Gluon int4 decode needs a Hopper GPU and Gluon's Hopper module")
     err = run_check(torch.device("cuda"), dtype, LENS, hq, hkv, d, 5e-3, num_splits=splits,
-                    num_stages=3, gluon=True)
-    print(f"gluon hq={hq} hkv={hkv} d={d} splits={splits} {dtype}: rel error {err:.2e}")
+                    num_stages=stages, gluon=True)
+    print(f"gluon hq={hq} hkv={hkv} d={d} splits={splits} stages={stages} {dtype}: rel error "
+          f"{err:.2e}")

@@ -42,11 +42,13 @@ from kvfit.kernels.decode_int4_kernels import build
 log = logging.getLogger("kvfit")
 LOG2E = 1.4426950408889634
 PAGE = 32  # the int4 pool's page = K's quantization group
-# choose_config's default for 16-bit queries on Hopper: the Gluon kernel (decode_int4_gluon)
-GLUON = False
-# programs per SM of the Gluon kernel per head size (sm_90 compile: registers and shared memory
-# of 4 warps: 64-d 80 regs / 31 KB, 128-d 156 / 61 KB, 256-d 227 / 121 KB)
-GLUON_PER_SM = {64: 6, 128: 3, 256: 1}
+# the triton backend's int4 decode on Hopper with 16-bit compute: the Gluon kernel
+# (decode_int4_gluon), measured 1.2-2.0x the Triton kernel on the H200 (docs/benchmarks.md)
+GLUON = True
+# the Gluon kernel's launch per head size: (stages, programs per SM in the split rule, register
+# cap), the fastest of the H200 sweep (2026-12-03; sm_90 compile: 128-d 128 registers, 56 KB of
+# shared memory, so 4 programs an SM; 64-d 111 / 30 KB; 256-d 215 / 108 KB, one an SM)
+GLUON_TILES = {64: (2, 3, 128), 128: (2, 4, 128), 256: (2, 1, None)}
 _gluon_failures: list[str] = []  # the first compile failure of the Gluon kernel, if any
 
 
@@ -67,7 +69,7 @@ class Int4DecodeConfig:
     # the codes' register layout) instead of once per page (one value per thread)
     ks_tokens: bool = False
     # the Gluon kernel (decode_int4_gluon: two pages a tile, 4 warps, num_stages copies in
-    # flight; 16-bit queries and residual, sm_90); the other tile fields do not apply
+    # flight, maxnreg; 16-bit queries and residual, sm_90); the other tile fields do not apply
     gluon: bool = False
 
 
@@ -98,12 +100,12 @@ def choose_config(batch: int, num_kv_heads: int, head_dim: int, max_kv_len: int,
     ``num_sms * ctas_per_sm`` slots, the split count minimising waves per unit of work with
     splits of >= 4 tiles and a 1%-per-split merge cost (as the fp8 decode's rule). An explicit
     tile (pages, warps, stages) runs without the register cap of the measured default.
-    ``gluon``: the Gluon kernel's launch (two pages a tile, 4 warps, 3 stages, its programs per
-    SM); the caller decides whether it can run (``gluon_available``, 16-bit queries)."""
+    ``gluon``: the Gluon kernel's launch (two pages a tile, 4 warps, ``GLUON_TILES``); the
+    caller decides whether it can run (``gluon_available``, 16-bit queries)."""
     npg, warps, stages, maxnreg, per_sm, asm = TILES.get(head_dim, TILES[256])
     if gluon:
-        npg, warps, stages, maxnreg = 2, 4, num_stages or 3, None
-        per_sm = GLUON_PER_SM.get(head_dim, 1)
+        stages, per_sm, maxnreg = GLUON_TILES.get(head_dim, GLUON_TILES[256])
+        npg, warps, stages = 2, 4, num_stages or stages
     elif (pages_per_tile, num_warps, num_stages) != (None, None, None):
         npg, warps, stages = pages_per_tile or npg, num_warps or warps, num_stages or stages
         maxnreg, per_sm = None, 2
@@ -149,6 +151,8 @@ def _launch(q, pool, layer_id, block_table, kv_lens, residual_slots, out, op, ls
         opts = dict(G=group, BLOCK_H=max(8, triton.next_power_of_2(group)), D=d,
                     PAGE=pool.page_size, STAGES=cfg.num_stages, SINGLE=cfg.num_splits == 1,
                     num_warps=4)
+        if cfg.maxnreg:
+            opts["maxnreg"] = cfg.maxnreg
         return decode_int4_gluon.build(), (b, hkv, cfg.num_splits), args, opts
     opts = dict(G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d,
                 PAGE=pool.page_size, NPG=1 if cfg.fold_k else cfg.pages_per_tile, F32=f32,

@@ -117,8 +117,8 @@ def build():
     def _issue(stage_k, stage_v, KC, VC, bt_row, t0, p1, base, HALF: gl.constexpr,
                NG: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, LK: gl.constexpr,
                LV: gl.constexpr):
-        # one commit group of cp.async: the K and V codes of pages [t0, t0 + 2) (pages >= p1
-        # zero-filled, never read)
+        # one commit group of cp.async: the K and V codes of the tile's pages from t0 (pages
+        # >= p1 zero-filled, never read)
         pk, tk = _rows(t0, p1, BLOCK_N, PAGE, gl.SliceLayout(1, LK))
         pgk = gl.load(bt_row + pk, mask=pk < p1, other=0).to(gl.int64)
         c = gl.arange(0, HALF, layout=gl.SliceLayout(0, LK))
@@ -135,52 +135,69 @@ def build():
         async_copy.commit_group()
 
     @gluon.jit
-    def _scales(KS, KZ, VS, VZ, bt_row, t0, p1, h, stride_kp, stride_kh, stride_vp, stride_vh,
-                D: gl.constexpr, NG: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
-                LQ: gl.constexpr, LV: gl.constexpr):
-        # the scales and zeros of pages [t0, t0 + 2): K's per channel of each page ([D] in
-        # LQ's columns, float32; 0 past p1) and V's per token and 32 channels ([BLOCK_N, NG])
-        c = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))
-        live0 = t0 < p1
-        live1 = t0 + 1 < p1
-        pg0 = gl.load(bt_row + t0, mask=live0, other=0).to(gl.int64)
-        pg1 = gl.load(bt_row + t0 + 1, mask=live1, other=0).to(gl.int64)
-        k0 = pg0 * stride_kp + h * stride_kh + c
-        k1 = pg1 * stride_kp + h * stride_kh + c
-        ks0 = gl.load(KS + k0, mask=(c < D) & live0, other=0.0).to(gl.float32)
-        kz0 = gl.load(KZ + k0, mask=(c < D) & live0, other=0.0).to(gl.float32)
-        ks1 = gl.load(KS + k1, mask=(c < D) & live1, other=0.0).to(gl.float32)
-        kz1 = gl.load(KZ + k1, mask=(c < D) & live1, other=0.0).to(gl.float32)
+    def _v_scales(VS, VZ, bt_row, t0, p1, h, stride_vp, stride_vh, NG: gl.constexpr,
+                  BLOCK_N: gl.constexpr, PAGE: gl.constexpr, LV: gl.constexpr):
+        # V's scale and zero per token and 32 channels of the tile's pages from t0
+        # ([BLOCK_N, NG] float16, 0 past p1)
         LV2: gl.constexpr = gl.SliceLayout(2, LV)
         pv, tv = _rows(t0, p1, BLOCK_N, PAGE, gl.SliceLayout(1, LV2))
         pgv = gl.load(bt_row + pv, mask=pv < p1, other=0).to(gl.int64)
         g = gl.arange(0, NG, layout=gl.SliceLayout(0, LV2))
         vo = (pgv * stride_vp + h * stride_vh + tv * NG)[:, None] + g[None, :]
         vmask = (pv < p1)[:, None] & (g < NG)[None, :]
-        vs = gl.load(VS + vo, mask=vmask, other=0.0)
-        vz = gl.load(VZ + vo, mask=vmask, other=0.0)
-        return ks0, kz0, ks1, kz1, vs, vz
+        return gl.load(VS + vo, mask=vmask, other=0.0), gl.load(VZ + vo, mask=vmask, other=0.0)
 
     @gluon.jit
-    def _fold(q, ks, kz, dst, MMA: gl.constexpr):
-        # q' = q * k_scale (per channel) into dst (float16, the logits MMA's B), and the
-        # zero term q . k_zero per head ([BLOCK_H] in the logits' head axis)
-        dst.store((q * ks[None, :]).to(gl.float16))
-        return gl.convert_layout(gl.sum(q * kz[None, :], axis=1), gl.SliceLayout(0, MMA))
+    def _k_scales(KS, KZ, bt_row, t, p1, h, stride_kp, stride_kh, D: gl.constexpr,
+                  LQ: gl.constexpr):
+        # page t's K scale and zero per channel ([D] float16 in LQ's columns; 0 past p1)
+        c = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))
+        live = t < p1
+        pg = gl.load(bt_row + t, mask=live, other=0).to(gl.int64)
+        ko = pg * stride_kp + h * stride_kh + c
+        return (gl.load(KS + ko, mask=(c < D) & live, other=0.0),
+                gl.load(KZ + ko, mask=(c < D) & live, other=0.0))
 
     @gluon.jit
-    def _attend(kt, vt, q_a, q_b, b_a, b_b, p_s, acc, m_i, l_i, n_live, qk_scale,
-                BLOCK_N: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
-                MMA: gl.constexpr):
-        # one tile: logits of its rows < PAGE against q_a (+ b_a), the rest against q_b (+ b_b);
-        # rows >= n_live weigh 0; the online softmax and o^T += vt^T . p^T
-        zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=MMA)
-        s_a = warpgroup_mma(kt, q_a.permute((1, 0)), zero, use_acc=False, is_async=True)
-        s_b = warpgroup_mma(kt, q_b.permute((1, 0)), zero, use_acc=False, is_async=True)
+    def _fold(q, ks, kz, dst_q, dst_b, LQ: gl.constexpr):
+        # a page's K scale folded into the query: q' = q * k_scale (per channel, float16) into
+        # dst_q, the zero term q . k_zero per head into column 0 (float16 high part) and 1
+        # (the rest) of dst_b [BLOCK_H, 16], which the bias MMA adds to the logits
+        dst_q.store((q * ks.to(gl.float32)[None, :]).to(gl.float16))
+        b = gl.sum(q * kz.to(gl.float32)[None, :], axis=1)  # [BLOCK_H]
+        b_hi = b.to(gl.float16)
+        b_lo = (b - b_hi.to(gl.float32)).to(gl.float16)
+        j = gl.arange(0, 16, layout=gl.SliceLayout(0, LQ))
+        zero = gl.zeros([16], gl.float16, layout=gl.SliceLayout(0, LQ))
+        dst_b.store(gl.where((j == 0)[None, :], b_hi[:, None],
+                             gl.where((j == 1)[None, :], b_lo[:, None], zero[None, :])))
+
+    @gluon.jit
+    def _logits(kt, kb, qs, qb, a: gl.constexpr, zero):
+        # logits [64, BLOCK_H] of the 64 rows kt: q'_a . k + b_a for its first page's rows,
+        # q'_(a+1) . k + b_(a+1) for the second's (the bias through the constant tile kb)
+        s_a = warpgroup_mma(kt, qs.index(a).permute((1, 0)), zero, use_acc=False, is_async=True)
+        s_a = warpgroup_mma(kb, qb.index(a).permute((1, 0)), s_a, is_async=True)
+        s_b = warpgroup_mma(kt, qs.index(a + 1).permute((1, 0)), zero, use_acc=False,
+                            is_async=True)
+        s_b = warpgroup_mma(kb, qb.index(a + 1).permute((1, 0)), s_b, is_async=True)
         s_a, s_b = warpgroup_mma_wait(num_outstanding=0, deps=(s_a, s_b))
-        r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-        s_t = gl.where((r < PAGE)[:, None], s_a + b_a[None, :], s_b + b_b[None, :])
-        s_t = gl.where((r < n_live)[:, None], s_t * qk_scale, float("-inf"))
+        r = gl.arange(0, 64, layout=gl.SliceLayout(1, zero.type.layout))
+        return gl.where((r < 32)[:, None], s_a, s_b)
+
+    @gluon.jit
+    def _masked(s_t, row0, n_live, qk_scale, MMA: gl.constexpr):
+        # base-2 logits of rows row0 + [0, 64); rows >= n_live -inf
+        r = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+        return gl.where((r < n_live)[:, None], s_t * qk_scale, float("-inf"))
+
+    @gluon.jit
+    def _attend(kt, vt, kb, qs, qb, p_s, acc, m_i, l_i, n_live, qk_scale, BLOCK_H: gl.constexpr,
+                MMA: gl.constexpr):
+        # one tile of two pages (rows 0-31 against q'_0, 32-63 against q'_1); rows >= n_live
+        # weigh 0; the online softmax and o^T += vt^T . p^T
+        zero = gl.zeros([64, BLOCK_H], gl.float32, layout=MMA)
+        s_t = _masked(_logits(kt, kb, qs, qb, 0, zero), 0, n_live, qk_scale, MMA)
         m_new = gl.maximum(m_i, gl.max(s_t, axis=0))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_use)
@@ -192,6 +209,18 @@ def build():
         acc = warpgroup_mma(vt.permute((1, 0)), p_s, acc * alpha[None, :], is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         return acc, m_new, l_i
+
+    @gluon.jit
+    def _convert(stage_k, stage_v, kt, vt, vs, vz, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
+                 LK: gl.constexpr, LV: gl.constexpr):
+        # a stage's codes into the float16 tiles: K as codes (even channels in columns
+        # [0, HALF), odd in [HALF, D)), V as code * scale + zero
+        k_lo, k_hi = _codes(stage_k.load(LK))
+        kt.slice(0, HALF, 1).store(k_lo)
+        kt.slice(HALF, HALF, 1).store(k_hi)
+        v_lo, v_hi = _dequant(stage_v.load(LV), vs[:, :, None], vz[:, :, None])
+        vt.slice(0, HALF, 1).store(gl.reshape(v_lo, [BLOCK_N, HALF]))
+        vt.slice(HALF, HALF, 1).store(gl.reshape(v_hi, [BLOCK_N, HALF]))
 
     @gluon.jit
     def _residual_half(R, row, tail, HI: gl.constexpr, HALF: gl.constexpr,
@@ -218,10 +247,11 @@ def build():
         s = gl.program_id(2)
         HALF: gl.constexpr = D // 2
         NG: gl.constexpr = D // 32  # V's channel groups: 16 bytes of codes each
-        BLOCK_N: gl.constexpr = 2 * PAGE
+        NPG: gl.constexpr = 2  # pages a tile: 64 tokens, the MMAs' M
+        BLOCK_N: gl.constexpr = NPG * PAGE
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_H, 16])
-        # the codes: 16 bytes a thread along a row (K [BLOCK_N, HALF]; V [BLOCK_N, NG, 16], a
+        # the codes: 16 bytes a thread along a row (K [rows, HALF]; V [rows, NG, 16], a
         # thread's 16 bytes one channel group of one token, so one scale and zero)
         LK: gl.constexpr = gl.BlockedLayout([1, 16], [32 // NG, NG], [4, 1], [1, 0])
         LV: gl.constexpr = gl.BlockedLayout([1, 1, 16], [32 // NG, NG, 1], [4, 1, 1], [2, 1, 0])
@@ -242,10 +272,20 @@ def build():
         kt = gl.allocate_shared_memory(gl.float16, [BLOCK_N, D], TL)
         vt = gl.allocate_shared_memory(gl.float16, [BLOCK_N, D], TL)
         QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D], gl.float16)
-        qs = gl.allocate_shared_memory(gl.float16, [2, BLOCK_H, D], QL)
+        qs = gl.allocate_shared_memory(gl.float16, [NPG, BLOCK_H, D], QL)
+        # the zero terms: kb [64, 16] holds ones in columns 0 and 1, qb [page, BLOCK_H, 16]
+        # the terms' two float16 parts there, so kb . qb^T adds them to each page's logits
+        BL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 16], gl.float16)
+        kb = gl.allocate_shared_memory(gl.float16, [64, 16], BL)
+        qb = gl.allocate_shared_memory(
+            gl.float16, [NPG, BLOCK_H, 16],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_H, 16], gl.float16))
         p_s = gl.allocate_shared_memory(
             gl.float16, [BLOCK_N, BLOCK_H],
             gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.float16))
+        jb = gl.arange(0, 16, layout=gl.SliceLayout(0, LK))
+        kb.store(gl.where((jb < 2)[None, :], 1.0, 0.0).to(gl.float16)
+                 + gl.zeros([64, 16], gl.float16, layout=LK))
 
         # the query group [BLOCK_H, D], channels even-first (column c: channel 2c, or 2c - D + 1)
         hq = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LQ))
@@ -257,54 +297,52 @@ def build():
         kv_len = gl.load(KVLEN + b)
         nfull = kv_len // PAGE
         tail = kv_len - nfull * PAGE
-        per = gl.cdiv(gl.cdiv(nfull, num_splits), 2) * 2  # full pages per split, whole tiles
+        per = gl.cdiv(gl.cdiv(nfull, num_splits), NPG) * NPG  # full pages a split, whole tiles
         p0 = s * per
         p1 = gl.minimum(p0 + per, nfull)
-        n_tiles = gl.cdiv(gl.maximum(p1 - p0, 0), 2)
+        n_tiles = gl.cdiv(gl.maximum(p1 - p0, 0), NPG)
         bt_row = BT + b.to(gl.int64) * stride_bt
-        base = stride_cp  # page stride of the codes (the head's offset is added to the pointer)
         KCh = KC + h * stride_ch
         VCh = VC + h * stride_ch
 
         for t in gl.static_range(STAGES - 1):
-            _issue(stage_k.index(t), stage_v.index(t), KCh, VCh, bt_row, p0 + 2 * t, p1, base,
-                   HALF, NG, BLOCK_N, PAGE, LK, LV)
-        ks0, kz0, ks1, kz1, vs, vz = _scales(KS, KZ, VS, VZ, bt_row, p0, p1, h, stride_kp,
-                                             stride_kh, stride_vp, stride_vh, D, NG, BLOCK_N,
-                                             PAGE, LQ, LV)
+            _issue(stage_k.index(t), stage_v.index(t), KCh, VCh, bt_row, p0 + NPG * t, p1,
+                   stride_cp, HALF, NG, BLOCK_N, PAGE, LK, LV)
+        # the first tile's scales; later ones are loaded a tile ahead, into registers
+        vs, vz = _v_scales(VS, VZ, bt_row, p0, p1, h, stride_vp, stride_vh, NG, BLOCK_N, PAGE,
+                           LV)
+        ks0, kz0 = _k_scales(KS, KZ, bt_row, p0, p1, h, stride_kp, stride_kh, D, LQ)
+        ks1, kz1 = _k_scales(KS, KZ, bt_row, p0 + 1, p1, h, stride_kp, stride_kh, D, LQ)
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, MMA))
         acc = gl.zeros([D, BLOCK_H], gl.float32, layout=MMA)
         for i in range(n_tiles):
-            t0 = p0 + 2 * i
+            t0 = p0 + NPG * i
             _cta_barrier()  # noqa: F821 -- the last tile's MMAs and reads are done everywhere
             j = i + STAGES - 1
             _issue(stage_k.index(j % STAGES), stage_v.index(j % STAGES), KCh, VCh, bt_row,
-                   p0 + 2 * j, p1, base, HALF, NG, BLOCK_N, PAGE, LK, LV)
+                   p0 + NPG * j, p1, stride_cp, HALF, NG, BLOCK_N, PAGE, LK, LV)
             # this tile's K scales into the query (CUDA cores, while the copies fly)
-            b_a = _fold(q, ks0, kz0, qs.index(0), MMA)
-            b_b = _fold(q, ks1, kz1, qs.index(1), MMA)
+            _fold(q, ks0, kz0, qs.index(0), qb.index(0), LQ)
+            _fold(q, ks1, kz1, qs.index(1), qb.index(1), LQ)
             vs_c = vs
             vz_c = vz
             # the next tile's scales, loaded into registers a tile ahead
-            ks0, kz0, ks1, kz1, vs, vz = _scales(KS, KZ, VS, VZ, bt_row, t0 + 2, p1, h,
-                                                 stride_kp, stride_kh, stride_vp, stride_vh, D,
-                                                 NG, BLOCK_N, PAGE, LQ, LV)
+            vs, vz = _v_scales(VS, VZ, bt_row, t0 + NPG, p1, h, stride_vp, stride_vh, NG,
+                               BLOCK_N, PAGE, LV)
+            ks0, kz0 = _k_scales(KS, KZ, bt_row, t0 + NPG, p1, h, stride_kp, stride_kh, D, LQ)
+            ks1, kz1 = _k_scales(KS, KZ, bt_row, t0 + NPG + 1, p1, h, stride_kp, stride_kh, D,
+                                 LQ)
             async_copy.wait_group(STAGES - 1)  # this thread's copies of tile i have landed
             _cta_barrier()  # noqa: F821 -- and every thread's
             cur = i % STAGES
-            k_lo, k_hi = _codes(stage_k.index(cur).load(LK))
-            kt.slice(0, HALF, 1).store(k_lo)
-            kt.slice(HALF, HALF, 1).store(k_hi)
-            v_lo, v_hi = _dequant(stage_v.index(cur).load(LV), vs_c[:, :, None],
-                                  vz_c[:, :, None])
-            vt.slice(0, HALF, 1).store(gl.reshape(v_lo, [BLOCK_N, HALF]))
-            vt.slice(HALF, HALF, 1).store(gl.reshape(v_hi, [BLOCK_N, HALF]))
+            _convert(stage_k.index(cur), stage_v.index(cur), kt, vt, vs_c, vz_c, HALF, BLOCK_N,
+                     LK, LV)
             fence_async_shared()
             _cta_barrier()  # noqa: F821
-            n_live = gl.minimum(p1 - t0, 2) * PAGE
-            acc, m_i, l_i = _attend(kt, vt, qs.index(0), qs.index(1), b_a, b_b, p_s, acc, m_i,
-                                    l_i, n_live, qk_scale, BLOCK_N, PAGE, BLOCK_H, MMA)
+            n_live = gl.minimum(p1 - t0, NPG) * PAGE
+            acc, m_i, l_i = _attend(kt, vt, kb, qs, qb, p_s, acc, m_i, l_i, n_live, qk_scale,
+                                    BLOCK_H, MMA)
         async_copy.wait_group(0)
 
         if (tail > 0) & (s == num_splits - 1):  # the residual page, full precision
@@ -315,13 +353,14 @@ def build():
             kt.slice(HALF, HALF, 1).store(_residual_half(KR, row, tail, 1, HALF, BLOCK_N, LK))
             vt.slice(0, HALF, 1).store(_residual_half(VR, row, tail, 0, HALF, BLOCK_N, LK))
             vt.slice(HALF, HALF, 1).store(_residual_half(VR, row, tail, 1, HALF, BLOCK_N, LK))
-            qs.index(0).store(q.to(gl.float16))
-            qs.index(1).store(q.to(gl.float16))
+            zb = gl.zeros([BLOCK_H, 16], gl.float16, layout=LQ)
+            for pg in gl.static_range(NPG):
+                qs.index(pg).store(q.to(gl.float16))
+                qb.index(pg).store(zb)
             fence_async_shared()
             _cta_barrier()  # noqa: F821
-            zb = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, MMA))
-            acc, m_i, l_i = _attend(kt, vt, qs.index(0), qs.index(1), zb, zb, p_s, acc, m_i,
-                                    l_i, tail, qk_scale, BLOCK_N, PAGE, BLOCK_H, MMA)
+            acc, m_i, l_i = _attend(kt, vt, kb, qs, qb, p_s, acc, m_i, l_i, tail, qk_scale,
+                                    BLOCK_H, MMA)
 
         # o^T = acc [D, BLOCK_H] / l, rows even-first -> channels in order
         safe_l = gl.where(l_i > 0, l_i, 1.0)

@@ -1,0 +1,165 @@
+"""The Gluon int4 decode on the CPU: its launch choices (``choose_config(gluon=True)``), the
+inputs it refuses with a clear error, the argument binding of its launch, the fallback to the
+Triton kernel when the installed Triton cannot compile it, and its source compiled for sm_90
+(nothing executes here: tests/gpu/test_int4_decode.py proves it against the float64
+reference on the GPU)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from kvfit.kernels import decode_int4
+from kvfit.kernels.decode_int4 import Int4DecodeConfig, choose_config, int4_decode
+
+from int4_kernel_check import filled_pool
+
+
+def test_gluon_launch_choices_per_head_size():
+    for d, (stages, per_sm, maxnreg) in decode_int4.GLUON_TILES.items():
+        cfg = choose_config(64, 8, d, 2048, 132, gluon=True)
+        assert cfg.gluon and cfg.pages_per_tile == 2 and cfg.num_warps == 4
+        assert (cfg.num_stages, cfg.maxnreg) == (stages, maxnreg)
+    # 128-d: 4 programs an SM in the split rule: 512 programs fill 528 slots once
+    assert choose_config(64, 8, 128, 2048, 132, gluon=True).num_splits == 1
+    assert choose_config(16, 8, 128, 8192, 132, gluon=True).num_splits == 4
+    assert choose_config(16, 8, 128, 8192, 132, num_stages=3, gluon=True).num_stages == 3
+    assert not choose_config(16, 8, 128, 8192, 132).gluon
+
+
+def _problem(dtype=torch.bfloat16, residual=torch.bfloat16, lens=(70, 33, 100)):
+    pool, tables = filled_pool(list(lens), 2, 64, torch.device("cpu"), residual)
+    b = len(lens)
+    q = torch.randn(b, 6, 64, dtype=dtype)
+    bt = torch.zeros(b, max(len(t) for t in tables), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = torch.tensor(t)
+    return q, pool, bt, torch.tensor(lens, dtype=torch.int32), torch.arange(b, dtype=torch.int32)
+
+
+def test_gluon_refuses_float32_naming_the_fix():
+    q, pool, bt, lens, slots = _problem(torch.float32, torch.float32)
+    with pytest.raises(ValueError, match="gluon=False"):
+        int4_decode(q, pool, 0, bt, lens, slots, torch.empty_like(q), 0.125,
+                    Int4DecodeConfig(1, gluon=True))
+
+
+def test_gluon_launch_binds_every_kernel_argument(monkeypatch):
+    """``int4_decode`` passes the Gluon kernel exactly its parameters (bound against the jitted
+    function's signature): the grid (requests, KV heads, splits), the strides of the codes,
+    scales and residual, and the constexprs."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from kvfit.kernels import decode_int4_gluon
+
+    real = decode_int4_gluon.build()
+    calls = []
+
+    options = ("maxnreg",)  # launch options, not kernel parameters
+
+    class Grid:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                bound = inspect.signature(real.fn).bind(
+                    *args, **{k: v for k, v in kwargs.items() if k not in options}).arguments
+                calls.append((grid, {**bound, **{k: kwargs[k] for k in options
+                                                  if k in kwargs}}))
+            return run
+
+    monkeypatch.setattr(decode_int4_gluon, "build", Grid)
+    monkeypatch.setattr(decode_int4, "_gluon_failures", [])
+    q, pool, bt, lens, slots = _problem()
+    out = torch.empty_like(q)
+    int4_decode(q, pool, 0, bt, lens, slots, out, 0.125,
+                Int4DecodeConfig(1, 2, 4, 2, maxnreg=128, gluon=True))
+    (grid, a), = calls
+    assert grid == (3, 2, 1)
+    assert a["Q"] is q and a["OUT"] is out and a["KC"] is pool.k_caches[0]
+    assert a["KS"] is pool.k_scale_caches[0] and a["VZ"] is pool.v_zero_caches[0]
+    assert a["stride_cp"] == pool.k_caches[0].stride(0) == 2 * 32 * 32
+    assert a["stride_vp"] == pool.v_scale_caches[0].stride(0) and a["num_splits"] == 1
+    assert abs(a["qk_scale"] - 0.125 * decode_int4.LOG2E) < 1e-12
+    assert (a["G"], a["BLOCK_H"], a["D"], a["PAGE"], a["STAGES"]) == (3, 8, 64, 32, 2)
+    assert a["SINGLE"] and a["num_warps"] == 4 and a["maxnreg"] == 128
+
+
+def test_gluon_compile_failure_falls_back_to_the_triton_kernel(monkeypatch, caplog):
+    """A Triton that cannot build the Gluon kernel: one warning naming its version, the call
+    runs the Triton kernel (the same output as asking for it), later calls go straight there."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from kvfit.kernels import decode_int4_gluon
+
+    class Broken:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                raise AttributeError("module 'gluon' has no attribute 'async_load'")
+            return run
+
+    monkeypatch.setattr(decode_int4_gluon, "build", Broken)
+    monkeypatch.setattr(decode_int4, "_gluon_failures", [])
+    q, pool, bt, lens, slots = _problem()
+    want = torch.full_like(q, float("nan"))
+    int4_decode(q, pool, 0, bt, lens, slots, want, 0.125, Int4DecodeConfig(2))
+    got = torch.full_like(q, float("nan"))
+    with caplog.at_level("WARNING", logger="kvfit"):
+        int4_decode(q, pool, 0, bt, lens, slots, got, 0.125, Int4DecodeConfig(2, gluon=True))
+    assert torch.equal(got, want)
+    assert len(decode_int4._gluon_failures) == 1 and "does not compile" in caplog.text
+    assert not decode_int4.gluon_available()
+
+
+_COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from kvfit.kernels import decode_int4_gluon
+
+d, g, stages, single = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+fn = decode_int4_gluon.build()
+ptrs = dict(Q="*bf16", OUT="*bf16", OP="*fp32", LSE="*fp32", KC="*u8", VC="*u8", KS="*fp16",
+            KZ="*fp16", VS="*fp16", VZ="*fp16", KR="*bf16", VR="*bf16", BT="*i32",
+            KVLEN="*i32", RSLOT="*i32")
+consts = dict(G=g, BLOCK_H=max(8, 1 << (g - 1).bit_length()), D=d, PAGE=32, STAGES=stages,
+              SINGLE=single, num_warps=4)
+sig = {n: ptrs.get(n, "constexpr" if n in consts else ("fp32" if n == "qk_scale" else "i32"))
+       for n in fn.arg_names}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+         if sig[n].startswith("*") or n.startswith("stride")}
+k = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+print(json.dumps(dict(ptx=k.asm["ptx"], shared=k.metadata.shared)))
+"""
+
+
+@pytest.mark.parametrize("d,g,stages,single", [(128, 2, 2, False), (64, 3, 3, True),
+                                               (256, 4, 2, False)])
+def test_gluon_kernel_compiles_for_sm90(d, g, stages, single):
+    """The installed Triton compiles the kernel for Hopper (in a process of its own: the CPU
+    suite runs Triton's interpreter, which Gluon has not). Per 64-token tile: four logits MMAs
+    (two pages' folded queries over the D channels, and their two bias MMAs), P . V over 64
+    tokens, the nibble conversion of D / 2 bytes a token of K and of V (one asm per four
+    bytes), within 227 KB of shared memory."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", _COMPILE, str(d), str(g), str(stages),
+                        str(int(single))], env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0 and "ptxas" in r.stderr.lower() and "not found" in r.stderr.lower():
+        pytest.skip("no ptxas for sm_90 on this machine")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    ptx = got["ptx"]
+    n = max(8, 1 << (g - 1).bit_length())
+    # a tile's logits: 2 pages x D / 16 k-steps, 2 bias MMAs (k = 16); P . V: D / 64 row blocks
+    # x 4 k-steps. The residual page runs the same MMAs once more.
+    tile = 2 * (d // 16) + 2 + (d // 64) * 4
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16") == 2 * tile
+    # conversions: 64 tokens x D / 2 bytes of K and of V, four bytes an asm
+    assert ptx.count("prmt.b32") == 2 * 2 * (64 * d // 2 // 128 // 4)
+    assert got["shared"] <= 227 * 1024
