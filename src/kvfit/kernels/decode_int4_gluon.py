@@ -186,29 +186,26 @@ def build():
         return gl.where((r < 32)[:, None], s_a, s_b)
 
     @gluon.jit
-    def _masked(s_t, row0, n_live, qk_scale, MMA: gl.constexpr):
-        # base-2 logits of rows row0 + [0, 64); rows >= n_live -inf
-        r = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-        return gl.where((r < n_live)[:, None], s_t * qk_scale, float("-inf"))
-
-    @gluon.jit
-    def _attend(kt, vt, kb, qs, qb, p_s, acc, m_i, l_i, n_live, qk_scale, BLOCK_H: gl.constexpr,
+    def _attend(kt, vt, kb, qs, qb, p_s, acc, m_i, l_t, n_live, BLOCK_H: gl.constexpr,
                 MMA: gl.constexpr):
-        # one tile of two pages (rows 0-31 against q'_0, 32-63 against q'_1); rows >= n_live
-        # weigh 0; the online softmax and o^T += vt^T . p^T
+        # one tile of two pages (rows 0-31 against q'_0, 32-63 against q'_1; the query holds
+        # the base-2 softmax scale); rows >= n_live weigh 0; the online softmax and o^T +=
+        # vt^T . p^T. The running sum stays per row of the tile (l_t [64, BLOCK_H]), summed
+        # over the rows once at the end: no cross-warp reduction for it per tile
         zero = gl.zeros([64, BLOCK_H], gl.float32, layout=MMA)
-        s_t = _masked(_logits(kt, kb, qs, qb, 0, zero), 0, n_live, qk_scale, MMA)
+        r = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+        s_t = gl.where((r < n_live)[:, None], _logits(kt, kb, qs, qb, 0, zero), float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s_t, axis=0))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_use)
         p_t = gl.exp2(s_t - m_use[None, :])
-        l_i = l_i * alpha + gl.sum(p_t, axis=0)
+        l_t = l_t * alpha[None, :] + p_t
         p_s.store(p_t.to(gl.float16))
         fence_async_shared()
         _cta_barrier()  # noqa: F821
         acc = warpgroup_mma(vt.permute((1, 0)), p_s, acc * alpha[None, :], is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        return acc, m_new, l_i
+        return acc, m_new, l_t
 
     @gluon.jit
     def _convert(stage_k, stage_v, kt, vt, vs, vz, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -292,7 +289,8 @@ def build():
         cq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))
         chq = gl.where(cq < HALF, 2 * cq, 2 * (cq - HALF) + 1)
         qptr = Q + b.to(gl.int64) * stride_qb + (h * G + hq)[:, None] * stride_qh + chq[None, :]
-        q = gl.load(qptr, mask=(hq < G)[:, None], other=0.0).to(gl.float32)
+        # times the base-2 softmax scale: the MMAs' logits come out scaled
+        q = gl.load(qptr, mask=(hq < G)[:, None], other=0.0).to(gl.float32) * qk_scale
 
         kv_len = gl.load(KVLEN + b)
         nfull = kv_len // PAGE
@@ -314,7 +312,7 @@ def build():
         ks0, kz0 = _k_scales(KS, KZ, bt_row, p0, p1, h, stride_kp, stride_kh, D, LQ)
         ks1, kz1 = _k_scales(KS, KZ, bt_row, p0 + 1, p1, h, stride_kp, stride_kh, D, LQ)
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
-        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, MMA))
+        l_t = gl.zeros([64, BLOCK_H], gl.float32, layout=MMA)
         acc = gl.zeros([D, BLOCK_H], gl.float32, layout=MMA)
         for i in range(n_tiles):
             t0 = p0 + NPG * i
@@ -341,8 +339,8 @@ def build():
             fence_async_shared()
             _cta_barrier()  # noqa: F821
             n_live = gl.minimum(p1 - t0, NPG) * PAGE
-            acc, m_i, l_i = _attend(kt, vt, kb, qs, qb, p_s, acc, m_i, l_i, n_live, qk_scale,
-                                    BLOCK_H, MMA)
+            acc, m_i, l_t = _attend(kt, vt, kb, qs, qb, p_s, acc, m_i, l_t, n_live, BLOCK_H,
+                                    MMA)
         async_copy.wait_group(0)
 
         if (tail > 0) & (s == num_splits - 1):  # the residual page, full precision
@@ -359,10 +357,11 @@ def build():
                 qb.index(pg).store(zb)
             fence_async_shared()
             _cta_barrier()  # noqa: F821
-            acc, m_i, l_i = _attend(kt, vt, kb, qs, qb, p_s, acc, m_i, l_i, tail, qk_scale,
-                                    BLOCK_H, MMA)
+            acc, m_i, l_t = _attend(kt, vt, kb, qs, qb, p_s, acc, m_i, l_t, tail, BLOCK_H,
+                                    MMA)
 
         # o^T = acc [D, BLOCK_H] / l, rows even-first -> channels in order
+        l_i = gl.sum(l_t, axis=0)
         safe_l = gl.where(l_i > 0, l_i, 1.0)
         o_t = gl.convert_layout(acc / safe_l[None, :], LO)
         r = gl.arange(0, D, layout=gl.SliceLayout(1, LO))
