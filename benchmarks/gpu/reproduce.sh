@@ -34,6 +34,9 @@
 #   mla-gluon          issue 18's Gluon MLA decode (sixteenth session): its GPU tests, the
 #                      sweep against the Triton kernels, ours vs FlashInfer's MLA, end to end
 #                      on 8 V2-Lite layers with the Gluon kernel on and off                 ~6
+#   int4-gluon         issue 14's int4 decode in Gluon (seventeenth session): its GPU tests, the
+#                      kernel beside fp8 and the Triton int4 kernel (CUDA-graph replays), int4
+#                      and fp8 end to end with the Gluon kernel on and off, MLA fp8 vs bf16 e2e ~8
 #   tests              the GPU tests (tests/gpu)                                            ~4
 # Groups: seed = the four seed-*; kernels = decode-page16 decode-page32 decode-page-size prefill.
 set -uo pipefail
@@ -180,6 +183,21 @@ target() {
           --model benchmarks/gpu/deepseek-v2-lite-8layers.json --kv-dtypes bfloat16,fp8_e4m3 \
           --contexts 16384 --batches 1,32 --steps 10 --prefill-len 1024
       done ;;
+    int4-gluon) gpu_env
+      run int4_gluon_tests python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
+        tests/gpu/test_int4_triton.py tests/gpu/test_int4_decode.py
+      tail -3 "$OUT/int4_gluon_tests.log"
+      run int4_gluon_kernel python3 benchmarks/kernels/int4_decode_bench.py --graph --gluon \
+        --json "$OUT/int4_gluon_kernel.json"
+      for v in on off; do  # the Gluon default, then the Triton int4 kernel
+        K=""; [ $v = off ] && K="kvfit.kernels.decode_int4:GLUON=False"
+        run "int4_seed_gluon_$v" python3 benchmarks/engine/with_knobs.py "$K" - bench seed \
+          --kv-dtypes fp8_e4m3,int4 --contexts 16384 --batches 1,64 --steps 24 \
+          --prefill-len 2048 --attention-backend triton
+      done
+      run mla_seed_fp8 kvfit bench seed --model benchmarks/gpu/deepseek-v2-lite-8layers.json \
+        --kv-dtypes bfloat16,fp8_e4m3 --contexts 16384 --batches 32,64 --steps 10 \
+        --prefill-len 1024 ;;
     tests) gpu_env
       run gpu_tests python3 -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/gpu
       tail -3 "$OUT/gpu_tests.log" ;;
