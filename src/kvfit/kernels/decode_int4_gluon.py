@@ -35,75 +35,45 @@ import functools
 def build():
     """The jitted Gluon kernel, built once per process on first use (CUDA, sm_90)."""
     from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        async_copy,
-        fence_async_shared,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
+    from kvfit.kernels.gluon_hopper import hopper_names
 
-    # names that moved between Triton releases (as in mla_decode_gluon)
-    globals()["_cp_async"] = getattr(async_copy, "async_load", None) or \
-        async_copy.async_copy_global_to_shared
-    globals()["_cta_barrier"] = getattr(gl, "barrier", None) or gl.thread_barrier
-    globals().update(gl=gl, async_copy=async_copy, fence_async_shared=fence_async_shared,
-                     warpgroup_mma=warpgroup_mma, warpgroup_mma_wait=warpgroup_mma_wait)
+    # Triton's JIT resolves the kernels' names in this module's globals
+    globals().update(hopper_names())
+
+    # packed bytes -> nibbles under the exponent of 1024, four bytes an asm: prmt spreads two
+    # bytes into a register's halves (a: bytes 0-1, b: 2-3), lop3 puts a nibble under the
+    # exponent (low: 1024 + c, high: 1024 + 16 c); the bodies below remove it exactly
+    head = ("{\n.reg .b32 a, b, t, c, m, n, k, o;\n"
+            "mov.b32 c, 0x64006400;\nmov.b32 m, 0x000f000f;\nmov.b32 n, 0x00f000f0;\n"
+            "mov.b32 k, 0x2c002c00;\nmov.b32 o, 0xd400d400;\n"
+            "prmt.b32 a, $4, 0, 0x4140;\nprmt.b32 b, $4, 0, 0x4342;\n")
+    low, high = "lop3.b32 t, {}, m, c, 0xea;\n", "lop3.b32 t, {}, n, c, 0xea;\n"
+    # plain codes 0..15 (exact in float16): sub / fma remove the 1024
+    codes = head + "".join(
+        [low.format(r) + f"sub.f16x2 ${i}, t, c;\n" for i, r in enumerate("ab")]
+        + [high.format(r) + f"fma.rn.f16x2 ${i + 2}, t, k, o;\n" for i, r in enumerate("ab")])
+    # code * scale + zero ($5/$6 scales, $7/$8 zeros of a's and b's halves): one float16
+    # rounding, as the reference's
+    dequant = head + "".join(
+        [low.format(r) + f"sub.f16x2 t, t, c;\nfma.rn.f16x2 ${i}, t, ${5 + i}, ${7 + i};\n"
+         for i, r in enumerate("ab")]
+        + [high.format(r) + f"fma.rn.f16x2 t, t, k, o;\nfma.rn.f16x2 ${i + 2}, t, ${5 + i}, "
+           f"${7 + i};\n" for i, r in enumerate("ab")])
+    globals().update(_CODES_ASM=gl.constexpr(codes + "}\n"),
+                     _DEQUANT_ASM=gl.constexpr(dequant + "}\n"))
 
     @gluon.jit
     def _codes(x):
-        # packed bytes -> (low nibbles, high nibbles) as exact float16 codes 0..15, four bytes
-        # an asm: prmt spreads two bytes into a register's halves, lop3 puts a nibble under the
-        # exponent of 1024 (low: 1024 + c; high: 1024 + 16 c), sub / fma remove it exactly
-        return gl.inline_asm_elementwise(
-            "{\n"
-            ".reg .b32 a, b, t, c, m, n, k, o;\n"
-            "mov.b32 c, 0x64006400;\n"
-            "mov.b32 m, 0x000f000f;\n"
-            "mov.b32 n, 0x00f000f0;\n"
-            "mov.b32 k, 0x2c002c00;\n"
-            "mov.b32 o, 0xd400d400;\n"
-            "prmt.b32 a, $4, 0, 0x4140;\n"
-            "prmt.b32 b, $4, 0, 0x4342;\n"
-            "lop3.b32 t, a, m, c, 0xea;\n"
-            "sub.f16x2 $0, t, c;\n"
-            "lop3.b32 t, b, m, c, 0xea;\n"
-            "sub.f16x2 $1, t, c;\n"
-            "lop3.b32 t, a, n, c, 0xea;\n"
-            "fma.rn.f16x2 $2, t, k, o;\n"
-            "lop3.b32 t, b, n, c, 0xea;\n"
-            "fma.rn.f16x2 $3, t, k, o;\n"
-            "}\n",
-            "=r,=r,=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+        # packed bytes -> (low nibbles, high nibbles) as exact float16 codes 0..15
+        return gl.inline_asm_elementwise(_CODES_ASM, "=r,=r,=r,=r,r", [x],  # noqa: F821
+                                         dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
 
     @gluon.jit
     def _dequant(x, sc, zr):
-        # as _codes, then code * scale + zero (one float16 rounding, as the reference's)
-        return gl.inline_asm_elementwise(
-            "{\n"
-            ".reg .b32 a, b, t, c, m, n, k, o;\n"
-            "mov.b32 c, 0x64006400;\n"
-            "mov.b32 m, 0x000f000f;\n"
-            "mov.b32 n, 0x00f000f0;\n"
-            "mov.b32 k, 0x2c002c00;\n"
-            "mov.b32 o, 0xd400d400;\n"
-            "prmt.b32 a, $4, 0, 0x4140;\n"
-            "prmt.b32 b, $4, 0, 0x4342;\n"
-            "lop3.b32 t, a, m, c, 0xea;\n"
-            "sub.f16x2 t, t, c;\n"
-            "fma.rn.f16x2 $0, t, $5, $7;\n"
-            "lop3.b32 t, b, m, c, 0xea;\n"
-            "sub.f16x2 t, t, c;\n"
-            "fma.rn.f16x2 $1, t, $6, $8;\n"
-            "lop3.b32 t, a, n, c, 0xea;\n"
-            "fma.rn.f16x2 t, t, k, o;\n"
-            "fma.rn.f16x2 $2, t, $5, $7;\n"
-            "lop3.b32 t, b, n, c, 0xea;\n"
-            "fma.rn.f16x2 t, t, k, o;\n"
-            "fma.rn.f16x2 $3, t, $6, $8;\n"
-            "}\n",
-            "=r,=r,=r,=r,r,r,r,r,r", [x, sc, zr], dtype=(gl.float16, gl.float16), is_pure=True,
-            pack=4)
+        # as _codes, then code * scale + zero
+        return gl.inline_asm_elementwise(_DEQUANT_ASM, "=r,=r,=r,=r,r,r,r,r,r",  # noqa: F821
+                                         [x, sc, zr], dtype=(gl.float16, gl.float16),
+                                         is_pure=True, pack=4)
 
     @gluon.jit
     def _rows(t0, p1, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, L: gl.constexpr):

@@ -32,23 +32,10 @@ import functools
 def build():
     """The jitted Gluon kernel, built once per process on first use (CUDA, sm_90+)."""
     from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        async_copy,
-        fence_async_shared,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
+    from kvfit.kernels.gluon_hopper import hopper_names
 
-    # cp.async of a pointer tile into shared memory: ``async_load`` from Triton 3.7 on (the
-    # old name raises there), ``async_copy_global_to_shared`` before; the kernels look it up
-    # in this module's globals, as Triton's JIT resolves names
-    globals()["_cp_async"] = getattr(async_copy, "async_load", None) or \
-        async_copy.async_copy_global_to_shared
-    # the CTA barrier: ``gl.barrier`` from Triton 3.7 on, ``gl.thread_barrier`` before
-    globals()["_cta_barrier"] = getattr(gl, "barrier", None) or gl.thread_barrier
-    globals().update(gl=gl, async_copy=async_copy, fence_async_shared=fence_async_shared,
-                     warpgroup_mma=warpgroup_mma, warpgroup_mma_wait=warpgroup_mma_wait)
+    # Triton's JIT resolves the kernels' names in this module's globals
+    globals().update(hopper_names())
 
     @gluon.jit
     def _page_ids(bt_row, n0, hi, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, L: gl.constexpr):
