@@ -137,13 +137,15 @@ print(json.dumps(dict(ptx=k.asm["ptx"], shared=k.metadata.shared)))
                                                (256, 4, 2, False)])
 def test_gluon_kernel_compiles_for_sm90(d, g, stages, single):
     """The installed Triton compiles the kernel for Hopper (in a process of its own: the CPU
-    suite runs Triton's interpreter, which Gluon has not). Per 64-token tile: four logits MMAs
-    (two pages' folded queries over the D channels, and their two bias MMAs), P . V over 64
-    tokens, the nibble conversion of D / 2 bytes a token of K and of V (one asm per four
-    bytes), within 227 KB of shared memory."""
+    suite runs Triton's interpreter, which Gluon has not). Per 64-token tile: the logits' MMAs
+    over the D channels, P . V over 64 tokens, the nibble conversion of D / 2 bytes a token of
+    K and of V (one asm per four bytes, scale and zero applied: two fma.f16x2 a nibble pair),
+    K's scale and zero copied with the codes (cp.async of 4 bytes or more), within 227 KB of
+    shared memory."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     import json
     import os
+    import re
     import subprocess
     import sys
 
@@ -156,10 +158,17 @@ def test_gluon_kernel_compiles_for_sm90(d, g, stages, single):
     got = json.loads(r.stdout.strip().splitlines()[-1])
     ptx = got["ptx"]
     n = max(8, 1 << (g - 1).bit_length())
-    # a tile's logits: 2 pages x D / 16 k-steps, 2 bias MMAs (k = 16); P . V: D / 64 row blocks
-    # x 4 k-steps. The residual page runs the same MMAs once more.
-    tile = 2 * (d // 16) + 2 + (d // 64) * 4
+    # a tile's logits: D / 16 k-steps; P . V: D / 64 row blocks x 4 k-steps. The residual page
+    # runs the same MMAs once more.
+    tile = d // 16 + (d // 64) * 4
     assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16") == 2 * tile
-    # conversions: 64 tokens x D / 2 bytes of K and of V, four bytes an asm
-    assert ptx.count("prmt.b32") == 2 * 2 * (64 * d // 2 // 128 // 4)
+    # conversions: 64 tokens x D / 2 bytes of K and of V, four bytes an asm (two prmt, four
+    # lop3, two sub and six fma a asm: 2 to place the high nibbles, 4 for scale and zero)
+    asms = 2 * (64 * d // 2 // 128 // 4)
+    assert ptx.count("prmt.b32") == 2 * asms
+    assert ptx.count("fma.rn.f16x2") == 6 * asms
+    # cp.async of K's scale and zero: D / 32 halves a thread, never under 4 bytes
+    sizes = {int(m, 0) for m in re.findall(
+        r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^\]]*\], \[[^\]]*\], (\w+)", ptx)}
+    assert sizes and min(sizes) >= 4 and d // 32 * 2 in sizes, sizes
     assert got["shared"] <= 227 * 1024
