@@ -55,8 +55,9 @@ def test_int4_decode_float32_is_exact():
     (9, 3, 64, 1, 2), (9, 3, 64, 4, 3), (16, 8, 128, 1, 2), (16, 8, 128, 3, 3),
     (16, 8, 128, 5, 2), (32, 2, 128, 2, 2), (8, 1, 256, 2, 2), (8, 4, 256, 1, 3)])
 def test_int4_decode_gluon_matches_reference(hq, hkv, d, splits, stages, dtype):
-    """The Gluon kernel (two pages a tile, K's scale folded into the query, heads as the MMAs'
-    N: groups of 3, 2, 16, 8 and 2; 2 and 3 stages) at the Triton kernel's accuracy."""
+    """The Gluon kernel (two pages a tile, K dequantized with its page's scale and zero, heads
+    as the MMAs' N: groups of 3, 2, 16, 8 and 2; 2 and 3 stages) at the Triton kernel's
+    accuracy."""
     from kvfit.kernels.decode_int4 import gluon_available
 
     if not gluon_available():
