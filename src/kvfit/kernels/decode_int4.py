@@ -43,12 +43,15 @@ log = logging.getLogger("kvfit")
 LOG2E = 1.4426950408889634
 PAGE = 32  # the int4 pool's page = K's quantization group
 # the triton backend's int4 decode on Hopper with 16-bit compute: the Gluon kernel
-# (decode_int4_gluon), measured 1.2-2.0x the Triton kernel on the H200 (docs/benchmarks.md)
+# (decode_int4_gluon), measured 1.2-2.0x the Triton kernel on the H200 and 1.45-2.3x on an H100
+# (docs/benchmarks.md)
 GLUON = True
 # the Gluon kernel's launch per head size: (stages, programs per SM in the split rule, register
-# cap), the fastest of the H200 sweep (2026-12-03; sm_90 compile: 128-d 128 registers, 56 KB of
-# shared memory, so 4 programs an SM; 64-d 111 / 30 KB; 256-d 215 / 108 KB, one an SM)
-GLUON_TILES = {64: (2, 3, 128), 128: (2, 4, 128), 256: (2, 1, None)}
+# cap), the fastest of the H200 sweep (2026-12-03) and, for 256-d, of the H100 sweep of the
+# kernel that dequantizes K (2026-12-06: 2 programs an SM, 1.19x the 1-an-SM launch); sm_90
+# compile: 128-d 128 registers, 53 KB of shared memory, so 4 programs an SM; 64-d 112 / 27 KB;
+# 256-d 168 / 105 KB, two an SM
+GLUON_TILES = {64: (2, 3, 128), 128: (2, 4, 128), 256: (2, 2, 168)}
 _gluon_failures: list[str] = []  # the first compile failure of the Gluon kernel, if any
 
 
