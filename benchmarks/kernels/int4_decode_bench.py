@@ -179,12 +179,26 @@ def main() -> None:
     p.add_argument("--gluon-variants", default="",
                    help="STAGES:PER_SM[:MAXNREG],... Gluon launches to time too (stages, "
                         "programs per SM assumed by the split rule, register cap)")
+    p.add_argument("--gluon-from", default=None, metavar="FILE",
+                   help="A/B of kernel versions: the Gluon kernel built by FILE's build() (e.g. "
+                        "`git show REV:src/kvfit/kernels/decode_int4_gluon.py > FILE`) in place "
+                        "of decode_int4_gluon's; the launch is chosen as for the current one")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, TRITON_INTERPRET=1: tiny shapes, every code path once, no timing")
     p.add_argument("--graph", action="store_true",
                    help="time CUDA-graph replays of 4 calls (no host launch time) instead of "
                         "do_bench's launches")
     args = p.parse_args()
+    if args.gluon_from:
+        import importlib.util
+
+        from kvfit.kernels import decode_int4_gluon
+
+        spec = importlib.util.spec_from_file_location("int4_gluon_under_test", args.gluon_from)
+        other = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(other)
+        decode_int4_gluon.build = other.build
+        print(f"Gluon kernel from {args.gluon_from}", flush=True)
     global GRAPH
     GRAPH = args.graph
     dev = torch.device("cpu" if args.smoke else "cuda")
