@@ -50,22 +50,19 @@ def build():
             "mov.b32 k, 0x2c002c00;\nmov.b32 o, 0xd400d400;\n"
             "prmt.b32 a, $4, 0, 0x4140;\nprmt.b32 b, $4, 0, 0x4342;\n")
     low, high = "lop3.b32 t, {}, m, c, 0xea;\n", "lop3.b32 t, {}, n, c, 0xea;\n"
-    # code * scale + zero ($5/$6 scales, $7/$8 zeros of a's and b's halves): one float16
-    # rounding, as the reference's
-    dequant = head + "".join(
-        [low.format(r) + f"sub.f16x2 t, t, c;\nfma.rn.f16x2 ${i}, t, ${5 + i}, ${7 + i};\n"
-         for i, r in enumerate("ab")]
-        + [high.format(r) + f"fma.rn.f16x2 t, t, k, o;\nfma.rn.f16x2 ${i + 2}, t, ${5 + i}, "
-           f"${7 + i};\n" for i, r in enumerate("ab")])
-    # K: the low nibble of a byte is an even channel, the high one an odd channel, each with
-    # its own scale and zero ($5/$6 and $7/$8 the low ones', $9/$10 and $11/$12 the high ones')
-    dequant_k = head + "".join(
-        [low.format(r) + f"sub.f16x2 t, t, c;\nfma.rn.f16x2 ${i}, t, ${5 + i}, ${7 + i};\n"
-         for i, r in enumerate("ab")]
-        + [high.format(r) + f"fma.rn.f16x2 t, t, k, o;\nfma.rn.f16x2 ${i + 2}, t, ${9 + i}, "
-           f"${11 + i};\n" for i, r in enumerate("ab")])
-    globals().update(_DEQUANT_ASM=gl.constexpr(dequant + "}\n"),
-                     _DEQUANT_K_ASM=gl.constexpr(dequant_k + "}\n"))
+
+    def dequant(hi: int) -> str:
+        # code * scale + zero, one float16 rounding as the reference's: $5/$6 the low nibbles'
+        # scales and $7/$8 their zeros (a's and b's halves), the high nibbles' from $hi on
+        # (V: 5, the same scale per token and group; K: 9, an odd channel's own)
+        return head + "".join(
+            [low.format(r) + f"sub.f16x2 t, t, c;\nfma.rn.f16x2 ${i}, t, ${5 + i}, ${7 + i};\n"
+             for i, r in enumerate("ab")]
+            + [high.format(r) + f"fma.rn.f16x2 t, t, k, o;\nfma.rn.f16x2 ${i + 2}, t, "
+               f"${hi + i}, ${hi + 2 + i};\n" for i, r in enumerate("ab")]) + "}\n"
+
+    globals().update(_DEQUANT_ASM=gl.constexpr(dequant(5)),
+                     _DEQUANT_K_ASM=gl.constexpr(dequant(9)))
 
     @gluon.jit
     def _dequant(x, sc, zr):
