@@ -37,7 +37,7 @@ from graph_timing import graph_us  # benchmarks/kernels/, the script's own folde
 
 LAYOUTS = {**LAYOUTS, "d256": (8, 4, 256)}
 CHOOSE_KEYS = ("block_n", "num_warps", "num_stages", "maxnreg", "ctas_per_sm", "use_dot",
-               "heads")
+               "heads", "gluon")  # gluon=1: the Gluon 8-bit kernel (kernels/decode_8bit_gluon.py)
 BENCH_KEYS = ("scales",)  # how the int8 scales are stored (_int8_caches), not a launch choice
 
 

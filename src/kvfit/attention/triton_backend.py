@@ -41,6 +41,7 @@ import torch
 from kvfit.attention.base import AttentionBackend, AttentionMetadata, KVStoreTarget
 from kvfit.attention.triton_int4 import TritonInt4
 from kvfit.attention.triton_mla import TritonMLA
+from kvfit.kernels import decode_8bit_gluon
 from kvfit.kernels.decode import DecodeConfig, choose_config, paged_decode
 from kvfit.kernels.prefill import order_prefill_blocks, paged_prefill, prefill_config
 from kvfit.kernels.prefill_split import SPLIT_MAX_TOKENS, ExtendSplit, wants_split
@@ -75,6 +76,7 @@ class TritonBackend(AttentionBackend):
         self._graph_max_len: Optional[int] = None
         self._scratch: Optional[tuple[torch.Tensor, ...]] = None  # op, lse, merge counts
         self._v_t = pool.v_layout == "HDN"
+        self._gluon8: Optional[bool] = None  # _gluon_decode's answer, decided once
         self._k_means: dict[int, Optional[torch.Tensor]] = {}
         # MLA pools (latent slabs): the MLA kernels own prepare/forward_mla/graph hooks
         self._mla = (TritonMLA(pool, compute_dtype, sm_scale, logit_softcap)
@@ -122,18 +124,33 @@ class TritonBackend(AttentionBackend):
         spec = self.pool.layers[0]
         return spec.num_kv_heads, spec.head_dim
 
-    def _decode_config(self, batch: int, max_len: int) -> DecodeConfig:
+    def _gluon_decode(self) -> bool:
+        """Full-attention decode runs the Gluon 8-bit kernel (kernels/decode_8bit_gluon.py)
+        by default for this pool: its (format, head size) is in ``DEFAULT_ON``, the kernel fits
+        (16-bit queries, token-minor V, no soft-cap) and this is a Hopper GPU."""
+        if self._gluon8 is None:
+            _, d = self._layer_shape()
+            pool = self.pool
+            self._gluon8 = bool(
+                (decode_8bit_gluon.kind(pool.dtype), d) in decode_8bit_gluon.DEFAULT_ON
+                and decode_8bit_gluon.fits(pool.dtype, self.compute_dtype, d, pool.page_size,
+                                           self._v_t, self.logit_softcap) is None
+                and pool.device.type == "cuda" and decode_8bit_gluon.available(pool.device))
+        return self._gluon8
+
+    def _decode_config(self, batch: int, max_len: int, sliding: bool = False) -> DecodeConfig:
         hkv, d = self._layer_shape()
         # the group is fixed by the model; q heads are only known at forward, so prepare on Hkv
         group = 1 if self.num_q_heads is None else self.num_q_heads // hkv
         return choose_config(batch, hkv, group, d, max_len, self.pool.dtype, self.compute_dtype,
-                             v_t=self._v_t, page_size=self.pool.page_size)
+                             v_t=self._v_t, page_size=self.pool.page_size,
+                             gluon=not sliding and self._gluon_decode())
 
     def _prepare_decode(self, meta: AttentionMetadata, max_len: int) -> None:
         self._decode_cfg = self._decode_config(meta.batch_size, max_len)
         if self._window is not None:  # a sliding layer reads at most the window
             self._decode_cfg_swa = self._decode_config(meta.batch_size,
-                                                       min(max_len, self._window))
+                                                       min(max_len, self._window), True)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Mutates self: the step's metadata and launch plan. Host work only (no syncs)."""
@@ -321,13 +338,13 @@ class TritonBackend(AttentionBackend):
         hkv, d = self._layer_shape()
         for layer in range(self.pool.num_layers):  # K means on the device before any capture
             self._k_mean(layer)
-        lens = [self._graph_max_len]
+        lens = [(self._graph_max_len, False)]  # (longest context, sliding layer)
         if self._window is not None:
-            lens.append(min(self._graph_max_len, self._window))
+            lens.append((min(self._graph_max_len, self._window), True))
         most = 1
         for bs in range(1, max_bs + 1):
-            for max_len in lens:
-                most = max(most, bs * self._decode_config(bs, max_len).num_splits)
+            for max_len, sliding in lens:
+                most = max(most, bs * self._decode_config(bs, max_len, sliding).num_splits)
         hq_max = 16 * hkv  # up to 16 query heads per KV head (larger: allocated per call)
         dev = self.pool.device
         self._scratch = (torch.empty((most * hq_max, d), dtype=torch.float32, device=dev),

@@ -11,13 +11,14 @@ Owns nothing; writes ``out`` (and scratch ``op``/``lse`` when splitting).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
-from kvfit.kernels import decode_kernels
+from kvfit.kernels import decode_8bit_gluon, decode_kernels
 from kvfit.kernels.pdl import launch_options
 
 LOG2E = 1.4426950408889634
@@ -74,6 +75,10 @@ class DecodeConfig:
     # kernel (an atomic count per (request, KV head)), no merge launch; the main split kernel
     # only (not pack/heads/CUDA-core)
     fused_merge: bool = False
+    # the Gluon kernel (kernels/decode_8bit_gluon.py: 8-bit pages over token-minor V, 64-token
+    # tiles converted once into shared memory, warp-group MMAs; Hopper, 16-bit queries, no
+    # window or soft-cap); num_stages, maxnreg and num_splits apply, the other tile fields not
+    gluon: bool = False
 
 
 @functools.lru_cache(maxsize=1024)  # a pure function of hashable arguments, called every step
@@ -83,7 +88,7 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
                   num_warps: int | None = None, num_stages: int | None = None,
                   maxnreg: int | None = None, ctas_per_sm: int | None = None,
                   v_t: bool = False, page_size: int | None = None,
-                  heads: int | None = None) -> DecodeConfig:
+                  heads: int | None = None, gluon: bool = False) -> DecodeConfig:
     """Tile, pipeline depth and a wave-aware split count per dtype/layout (docs/kernels.md).
 
     ``batch * kv_heads * splits`` programs run ``ctas_per_sm`` at a time per SM (from each
@@ -101,13 +106,22 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
     tiles, 3 stages, a 168-register cap (3 programs per SM): 3.34-3.43 TB/s fp8 against 2.68 for
     the HND tile (tiles of at most 256 columns, as measured). int8 keys go through int8 MMAs
     (``i8_cvt`` "imma1"), except on HND 64-d tiles ("bias"). ``heads`` None: that choice; 1
-    turns it off.
+    turns it off. ``gluon``: the Gluon kernel's launch (``decode_8bit_gluon.GLUON_TILES``; the
+    caller decides whether it can run: ``decode_8bit_gluon.fits`` and ``available``).
     """
     fp8 = cache_dtype in EIGHT_BIT  # int8 pages take the fp8 tiles (same bytes per element)
     if use_dot is None:
         use_dot = q_dtype in (torch.bfloat16, torch.float16) and cache_dtype != torch.float32
     small = head_dim <= 128
-    if not use_dot:
+    if gluon:
+        if not (fp8 and v_t and use_dot):
+            raise ValueError(f"the Gluon decode reads 8-bit pages over token-minor V with 16-bit "
+                             f"queries, got {cache_dtype} pages, v_t={v_t}, {q_dtype} queries: "
+                             f"use gluon=False")
+        stages, per_sm, nreg = decode_8bit_gluon.GLUON_TILES.get(
+            head_dim, decode_8bit_gluon.GLUON_TILES[256])
+        tile, heads = (64, stages, nreg, per_sm), 1
+    elif not use_dot:
         tile = (16, 2, None, 4)  # block_n, num_stages, maxnreg, ctas_per_sm
     elif fp8 and v_t:
         if head_dim <= 64:
@@ -153,7 +167,8 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
     i8_cvt = "bias" if head_dim <= 64 and not v_t else "imma1"
     return DecodeConfig(splits, block_n, use_dot, num_warps or 4, num_stages, maxnreg or None,
                         v_t, i8_cvt=i8_cvt, pack=pack, heads=heads,
-                        min_split_tokens=MIN_SPLIT_TOKENS, fused_merge=FUSED_MERGE)
+                        min_split_tokens=0 if gluon else MIN_SPLIT_TOKENS,
+                        fused_merge=FUSED_MERGE and not gluon, gluon=gluon)
 
 
 def _min_per(cfg: DecodeConfig) -> int:
@@ -338,6 +353,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     single = op is None
     if single:
         op = lse = out  # unused by the single-split kernel
+    if cfg.gluon:
+        if _gluon_decode(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_scale, cfg,
+                         k_scale, v_scale, softcap, window, _pair(k_scale_cache, v_scale_cache)):
+            return out
+        cfg = dataclasses.replace(cfg, gluon=False)  # this Triton cannot build it (logged)
     kern, grid, args, opts = _split_launch(q, k_cache, v_cache, block_table, kv_lens, out, op,
                                            lse, sm_scale, cfg, k_scale, v_scale, softcap, window,
                                            _pair(k_scale_cache, v_scale_cache), q_bias,
@@ -352,6 +372,30 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         decode_kernels.merge_splits(op, lse, out, v_out, cfg.num_splits,
                                     4 if q.shape[2] >= 128 else 2, live)
     return out
+
+
+def _gluon_decode(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_scale: float,
+                  cfg: DecodeConfig, k_scale: float, v_scale: float, softcap, window,
+                  scale_caches) -> bool:
+    """``paged_decode`` through the Gluon kernel (and the merge): False when this Triton
+    cannot compile it (nothing written)."""
+    why = decode_8bit_gluon.fits(k_cache.dtype, q.dtype, q.shape[2], k_cache.shape[2], cfg.v_t,
+                                 softcap, window)
+    if why is not None:
+        raise ValueError(f"the Gluon decode does not take {why}: use gluon=False")
+    int8 = k_cache.dtype == torch.int8
+    if int8:
+        scale_cache_args(k_cache, scale_caches)  # checks them
+        k_scale = v_scale = 1.0
+    v_out = float(v_scale)
+    if not decode_8bit_gluon.launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse,
+                                    sm_scale * k_scale * LOG2E, v_out, cfg.num_stages,
+                                    cfg.num_splits, cfg.maxnreg, scale_caches):
+        return False
+    if cfg.num_splits > 1:  # the splits are cut as the Triton kernels' (64-token tiles)
+        decode_kernels.merge_splits(op, lse, out, v_out, cfg.num_splits,
+                                    4 if q.shape[2] >= 128 else 2, (kv_lens, 0, None, 64))
+    return True
 
 
 def _pair(k_scale_cache, v_scale_cache):

@@ -1,0 +1,227 @@
+"""The Gluon 8-bit decode on the CPU: its launch choices (``choose_config(gluon=True)``), the
+pages and queries it refuses with a clear error, the argument binding of its launch, the
+fallback to the Triton kernel when the installed Triton cannot compile it, the triton
+backend's default, and its source compiled for sm_90 (nothing executes here:
+tests/gpu/test_decode_8bit_gluon.py proves it against the reference on the GPU)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from kvfit.kernels import decode, decode_8bit_gluon
+from kvfit.kernels.decode import choose_config, paged_decode
+
+
+def test_gluon_launch_choices_per_head_size():
+    for d, (stages, per_sm, maxnreg) in decode_8bit_gluon.GLUON_TILES.items():
+        for dt in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8):
+            cfg = choose_config(64, 8, 2, d, 2048, dt, torch.bfloat16, v_t=True, gluon=True)
+            assert cfg.gluon and cfg.block_n == 64 and cfg.heads == 1 and cfg.pack == 1
+            assert (cfg.num_stages, cfg.maxnreg) == (stages, maxnreg)
+            assert not cfg.fused_merge and cfg.min_split_tokens == 0
+    assert not choose_config(64, 8, 2, 128, 2048, torch.int8, torch.bfloat16, v_t=True).gluon
+
+
+@pytest.mark.parametrize("cache,q,v_t", [(torch.bfloat16, torch.bfloat16, False),
+                                         (torch.float8_e4m3fn, torch.bfloat16, False),
+                                         (torch.int8, torch.float32, True)])
+def test_gluon_choice_refuses_what_it_cannot_read(cache, q, v_t):
+    with pytest.raises(ValueError, match="gluon=False"):
+        choose_config(4, 8, 2, 128, 2048, cache, q, v_t=v_t, gluon=True)
+
+
+def test_fits_names_each_reason():
+    f = decode_8bit_gluon.fits
+    e4 = torch.float8_e4m3fn
+    assert f(e4, torch.bfloat16, 128, 32, True) is None
+    assert f(torch.int8, torch.float16, 64, 16, True) is None
+    assert "bfloat16 pages" in f(torch.bfloat16, torch.bfloat16, 128, 32, True)
+    assert "float32 queries" in f(e4, torch.float32, 128, 32, True)
+    assert "head_dim 96" in f(e4, torch.bfloat16, 96, 32, True)
+    assert "pages of 8" in f(e4, torch.bfloat16, 128, 8, True)
+    assert "token-minor" in f(e4, torch.bfloat16, 128, 32, False)
+    assert "soft-cap" in f(e4, torch.bfloat16, 128, 32, True, softcap=30.0)
+    assert "window" in f(e4, torch.bfloat16, 128, 32, True, window=512)
+
+
+def _problem(dtype=torch.int8, lens=(70, 33, 100), page=32, hkv=2, g=3, d=64):
+    torch.manual_seed(0)
+    b = len(lens)
+    pages = sum(-(-n // page) for n in lens) + 2
+    if dtype == torch.int8:
+        kc = torch.randint(-127, 128, (pages, hkv, page, d), dtype=torch.int8)
+        vc = torch.randint(-127, 128, (pages, hkv, d, page), dtype=torch.int8)
+        scales = dict(k_scale_cache=torch.rand(pages, hkv, page, dtype=torch.float16) / 50,
+                      v_scale_cache=torch.rand(pages, hkv, page, dtype=torch.float16) / 50)
+    else:
+        kc = torch.randn(pages, hkv, page, d).to(dtype)
+        vc = torch.randn(pages, hkv, d, page).to(dtype)
+        scales = dict(k_scale=0.5, v_scale=2.0)
+    perm = torch.randperm(pages)
+    bt = torch.zeros(b, max(-(-n // page) for n in lens), dtype=torch.int32)
+    i = 0
+    for r, n in enumerate(lens):
+        k = -(-n // page)
+        bt[r, :k] = perm[i:i + k]
+        i += k
+    q = torch.randn(b, hkv * g, d, dtype=torch.bfloat16)
+    return q, kc, vc, bt, torch.tensor(lens, dtype=torch.int32), scales
+
+
+def test_gluon_launch_binds_every_kernel_argument(monkeypatch):
+    """``paged_decode`` passes the Gluon kernel exactly its parameters (bound against the jitted
+    function's signature): the grid (requests, KV heads, splits), the page and scale strides,
+    the base-2 softmax scale and the constexprs."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    real = decode_8bit_gluon.build()
+    calls = []
+    options = ("maxnreg",)  # launch options, not kernel parameters
+
+    class Grid:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                bound = inspect.signature(real.fn).bind(
+                    *args, **{k: v for k, v in kwargs.items() if k not in options}).arguments
+                calls.append((grid, {**bound, **{k: kwargs[k] for k in options
+                                                  if k in kwargs}}))
+            return run
+
+    monkeypatch.setattr(decode_8bit_gluon, "build", Grid)
+    monkeypatch.setattr(decode_8bit_gluon, "_failures", [])
+    for dtype in (torch.int8, torch.float8_e5m2):
+        calls.clear()
+        q, kc, vc, bt, lens, sc = _problem(dtype)
+        out = torch.empty_like(q)
+        cfg = decode.DecodeConfig(1, 64, True, 4, 3, 128, v_t=True, gluon=True)
+        paged_decode(q, kc, vc, bt, lens, out, 0.125, cfg, **sc)
+        (grid, a), = calls
+        assert grid == (3, 2, 1)
+        assert a["Q"] is q and a["OUT"] is out and a["KC"] is kc and a["VC"] is vc
+        assert a["stride_cp"] == kc.stride(0) == 2 * 32 * 64 and a["stride_ch"] == 32 * 64
+        assert a["num_splits"] == 1 and a["KVLEN"] is lens and a["BT"] is bt
+        int8 = dtype == torch.int8
+        if int8:
+            assert a["KS"] is sc["k_scale_cache"] and a["VS"] is sc["v_scale_cache"]
+            assert (a["stride_sp"], a["stride_sh"]) == (2 * 32, 32)
+        want = 0.125 * decode.LOG2E * (1.0 if int8 else 0.5)
+        assert abs(a["qk_scale"] - want) < 1e-12
+        assert a["v_out"] == (1.0 if int8 else 2.0)
+        assert (a["G"], a["BLOCK_H"], a["D"], a["PAGE"], a["STAGES"]) == (3, 8, 64, 32, 3)
+        assert a["INT8"] is int8 and a["SINGLE"] and a["num_warps"] == 4 and a["maxnreg"] == 128
+
+
+def test_gluon_refuses_a_window_naming_the_fix():
+    q, kc, vc, bt, lens, sc = _problem(torch.float8_e4m3fn)
+    cfg = decode.DecodeConfig(1, 64, True, 4, 3, v_t=True, gluon=True)
+    with pytest.raises(ValueError, match="gluon=False"):
+        paged_decode(q, kc, vc, bt, lens, torch.empty_like(q), 0.125, cfg, window=40, **sc)
+
+
+def test_gluon_compile_failure_falls_back_to_the_triton_kernel(monkeypatch, caplog):
+    """A Triton that cannot build the Gluon kernel: one warning naming its version, the call
+    runs the Triton kernel (the same output as asking for it), and ``available`` turns off."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+
+    class Broken:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                raise AttributeError("module 'gluon' has no attribute 'async_load'")
+            return run
+
+    monkeypatch.setattr(decode_8bit_gluon, "build", Broken)
+    monkeypatch.setattr(decode_8bit_gluon, "_failures", [])
+    q, kc, vc, bt, lens, sc = _problem(torch.int8, lens=(40, 9))
+    cfg = decode.DecodeConfig(2, 64, True, 4, 3, v_t=True, gluon=True)
+    want = torch.full_like(q, float("nan"))
+    paged_decode(q, kc, vc, bt, lens, want, 0.125, decode.DecodeConfig(2, 64, True, 4, 3,
+                                                                       v_t=True), **sc)
+    got = torch.full_like(q, float("nan"))
+    with caplog.at_level("WARNING", logger="kvfit"):
+        paged_decode(q, kc, vc, bt, lens, got, 0.125, cfg, **sc)
+    assert torch.equal(got, want) and not got.isnan().any()
+    assert len(decode_8bit_gluon._failures) == 1 and "does not compile" in caplog.text
+    assert not decode_8bit_gluon.available()
+
+
+def test_backend_default_follows_default_on(monkeypatch):
+    """The triton backend asks for the kernel only for the (format, head size) pairs of
+    ``DEFAULT_ON`` on a Hopper GPU: never on the CPU."""
+    from kvfit.attention.triton_backend import TritonBackend
+    from kvfit.kvcache.dtypes import kv_format
+    from kvfit.kvcache.pool import MHAKVCache
+    from kvfit.kvcache.spec import KVLayerSpec
+
+    monkeypatch.setattr(decode_8bit_gluon, "DEFAULT_ON", frozenset({("fp8", 128)}))
+    pool = MHAKVCache([KVLayerSpec("full", 8, 128, None)], 8, 32, kv_format("fp8_e4m3"),
+                      torch.device("cpu"), v_layout="HDN")
+    be = TritonBackend(pool, torch.bfloat16, 128 ** -0.5)
+    be.num_q_heads = 16
+    assert not be._gluon_decode()  # no Hopper GPU here
+    assert not be._decode_config(4, 4096).gluon
+
+
+_COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from kvfit.kernels import decode_8bit_gluon
+
+d, g, page, stages, kdt, single = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]),
+                                   int(sys.argv[4]), sys.argv[5], sys.argv[6] == "1")
+fn = decode_8bit_gluon.build()
+ptrs = dict(Q="*bf16", OUT="*bf16", OP="*fp32", LSE="*fp32", KC="*" + kdt, VC="*" + kdt,
+            KS="*fp16", VS="*fp16", BT="*i32", KVLEN="*i32")
+consts = dict(G=g, BLOCK_H=max(8, 1 << (g - 1).bit_length()), D=d, PAGE=page, STAGES=stages,
+              INT8=kdt == "i8", SINGLE=single, num_warps=4)
+sig = {n: ptrs.get(n, "constexpr" if n in consts else
+                   ("fp32" if n in ("qk_scale", "v_out") else "i32")) for n in fn.arg_names}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+         if sig[n].startswith("*") or n.startswith("stride")}
+k = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+print(json.dumps(dict(ptx=k.asm["ptx"], shared=k.metadata.shared)))
+"""
+
+
+@pytest.mark.parametrize("d,g,page,stages,kdt,single", [
+    (128, 2, 32, 3, "fp8e4nv", False), (128, 4, 16, 4, "i8", True),
+    (64, 3, 16, 3, "fp8e5", False), (64, 3, 64, 2, "i8", False),
+    (256, 2, 32, 2, "fp8e4nv", True)])
+def test_gluon_kernel_compiles_for_sm90(d, g, page, stages, kdt, single):
+    """The installed Triton compiles the kernel for Hopper (in a process of its own: the CPU
+    suite runs Triton's interpreter, which Gluon has not). Per 64-token tile: the logits' MMAs
+    over the D channels and P . V over 64 tokens; 64 x D codes of K and of V converted once (fp8
+    e4m3: one packed cvt per two values; int8: two prmt per four); every copy 16 bytes; within
+    227 KB of shared memory."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", _COMPILE, str(d), str(g), str(page), str(stages),
+                        kdt, str(int(single))], env=env, capture_output=True, text=True,
+                       timeout=600)
+    if r.returncode != 0 and "ptxas" in r.stderr.lower() and "not found" in r.stderr.lower():
+        pytest.skip("no ptxas for sm_90 on this machine")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    ptx = got["ptx"]
+    n = max(8, 1 << (g - 1).bit_length())
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16") == (
+        d // 16 + (d // 64) * 4)
+    per_thread = 2 * 64 * d // 128  # K and V codes of a tile, a thread's share
+    if kdt == "fp8e4nv":
+        assert ptx.count("cvt.rn.f16x2.e4m3x2") == per_thread // 2
+    if kdt == "i8":
+        assert ptx.count("prmt.b32") == per_thread // 2
+    sizes = {int(m, 0) for m in re.findall(
+        r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^\]]*\], \[[^\]]*\], (\w+)", ptx)}
+    assert sizes == {16}, sizes
+    assert got["shared"] <= 227 * 1024
