@@ -16,11 +16,11 @@ from kvfit.kernels.decode import choose_config, paged_decode
 
 
 def test_gluon_launch_choices_per_head_size():
-    for d, (stages, per_sm, maxnreg) in decode_8bit_gluon.GLUON_TILES.items():
+    for d, (per_sm, maxnreg) in decode_8bit_gluon.GLUON_TILES.items():
         for dt in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8):
             cfg = choose_config(64, 8, 2, d, 2048, dt, torch.bfloat16, v_t=True, gluon=True)
             assert cfg.gluon and cfg.block_n == 64 and cfg.heads == 1 and cfg.pack == 1
-            assert (cfg.num_stages, cfg.maxnreg) == (stages, maxnreg)
+            assert (cfg.num_stages, cfg.maxnreg) == (1, maxnreg)
             assert not cfg.fused_merge and cfg.min_split_tokens == 0
     assert not choose_config(64, 8, 2, 128, 2048, torch.int8, torch.bfloat16, v_t=True).gluon
 
@@ -109,8 +109,11 @@ def test_gluon_launch_binds_every_kernel_argument(monkeypatch):
         want = 0.125 * decode.LOG2E * (1.0 if int8 else 0.5)
         assert abs(a["qk_scale"] - want) < 1e-12
         assert a["v_out"] == (1.0 if int8 else 2.0)
-        assert (a["G"], a["BLOCK_H"], a["D"], a["PAGE"], a["STAGES"]) == (3, 8, 64, 32, 3)
-        assert a["INT8"] is int8 and a["SINGLE"] and a["num_warps"] == 4 and a["maxnreg"] == 128
+        assert (a["G"], a["BLOCK_H"], a["D"], a["PAGE"]) == (3, 8, 64, 32)
+        assert a["CODE"] == (2 if int8 else 1) and a["SINGLE"] and a["num_warps"] == 4
+        assert a["maxnreg"] == 128
+        assert (a["MMA"], a["LK"], a["LV"], a["LAK"], a["LAV"]) == (
+            decode_8bit_gluon.operand_layouts(64, 32, 8))
 
 
 def test_gluon_refuses_a_window_naming_the_fix():
@@ -146,15 +149,22 @@ def test_gluon_compile_failure_falls_back_to_the_triton_kernel(monkeypatch, capl
     assert not decode_8bit_gluon.available()
 
 
+def test_default_on_is_per_gpu_name():
+    on = decode_8bit_gluon.default_on
+    assert on("fp8", 128, "NVIDIA H100 80GB HBM3") and on("int8", 256, "NVIDIA H100 PCIe")
+    assert not on("int8", 64, "NVIDIA H100 80GB HBM3")  # measured slower there
+    assert not on("fp8", 128, "NVIDIA H200") and not on(None, 128, "NVIDIA H100 80GB HBM3")
+
+
 def test_backend_default_follows_default_on(monkeypatch):
-    """The triton backend asks for the kernel only for the (format, head size) pairs of
-    ``DEFAULT_ON`` on a Hopper GPU: never on the CPU."""
+    """The triton backend asks for the kernel only for the (format, head size) pairs that
+    ``DEFAULT_ON`` lists for a Hopper GPU: never on the CPU."""
     from kvfit.attention.triton_backend import TritonBackend
     from kvfit.kvcache.dtypes import kv_format
     from kvfit.kvcache.pool import MHAKVCache
     from kvfit.kvcache.spec import KVLayerSpec
 
-    monkeypatch.setattr(decode_8bit_gluon, "DEFAULT_ON", frozenset({("fp8", 128)}))
+    monkeypatch.setattr(decode_8bit_gluon, "DEFAULT_ON", {"": frozenset({("fp8", 128)})})
     pool = MHAKVCache([KVLayerSpec("full", 8, 128, None)], 8, 32, kv_format("fp8_e4m3"),
                       torch.device("cpu"), v_layout="HDN")
     be = TritonBackend(pool, torch.bfloat16, 128 ** -0.5)
@@ -170,13 +180,15 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from kvfit.kernels import decode_8bit_gluon
 
-d, g, page, stages, kdt, single = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]),
-                                   int(sys.argv[4]), sys.argv[5], sys.argv[6] == "1")
+d, g, page, kdt, single = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
+                           sys.argv[5] == "1")
 fn = decode_8bit_gluon.build()
 ptrs = dict(Q="*bf16", OUT="*bf16", OP="*fp32", LSE="*fp32", KC="*" + kdt, VC="*" + kdt,
             KS="*fp16", VS="*fp16", BT="*i32", KVLEN="*i32")
-consts = dict(G=g, BLOCK_H=max(8, 1 << (g - 1).bit_length()), D=d, PAGE=page, STAGES=stages,
-              INT8=kdt == "i8", SINGLE=single, num_warps=4)
+bh = max(8, 1 << (g - 1).bit_length())
+mma, lk, lv, lak, lav = decode_8bit_gluon.operand_layouts(d, page, bh)
+consts = dict(G=g, BLOCK_H=bh, D=d, PAGE=page, CODE={"fp8e4nv": 0, "fp8e5": 1, "i8": 2}[kdt],
+              SINGLE=single, MMA=mma, LK=lk, LV=lv, LAK=lak, LAV=lav, num_warps=4)
 sig = {n: ptrs.get(n, "constexpr" if n in consts else
                    ("fp32" if n in ("qk_scale", "v_out") else "i32")) for n in fn.arg_names}
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -187,16 +199,17 @@ print(json.dumps(dict(ptx=k.asm["ptx"], shared=k.metadata.shared)))
 """
 
 
-@pytest.mark.parametrize("d,g,page,stages,kdt,single", [
-    (128, 2, 32, 3, "fp8e4nv", False), (128, 4, 16, 4, "i8", True),
-    (64, 3, 16, 3, "fp8e5", False), (64, 3, 64, 2, "i8", False),
-    (256, 2, 32, 2, "fp8e4nv", True)])
-def test_gluon_kernel_compiles_for_sm90(d, g, page, stages, kdt, single):
+@pytest.mark.parametrize("d,g,page,kdt,single", [
+    (128, 2, 32, "fp8e4nv", False), (128, 4, 16, "i8", True), (64, 3, 16, "fp8e5", False),
+    (64, 3, 64, "i8", False), (256, 2, 32, "fp8e4nv", True)])
+def test_gluon_kernel_compiles_for_sm90(d, g, page, kdt, single):
     """The installed Triton compiles the kernel for Hopper (in a process of its own: the CPU
-    suite runs Triton's interpreter, which Gluon has not). Per 64-token tile: the logits' MMAs
-    over the D channels and P . V over 64 tokens; 64 x D codes of K and of V converted once (fp8
-    e4m3: one packed cvt per two values; int8: two prmt per four); every copy 16 bytes; within
-    227 KB of shared memory."""
+    suite runs Triton's interpreter, which Gluon has not). The tile code twice (the loop's
+    unmasked tile and the split's last, masked one), each: the logits' MMAs over the D
+    channels and P . V over 64 tokens with A operands from registers; 64 x D codes of K and of
+    V converted once (fp8 e4m3: one packed cvt per two values; int8: two prmt per four);
+    the codes loaded as 16-byte vectors; the operands' relabelling moves no data (no shared
+    memory beyond the query and P)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     import json
     import os
@@ -205,23 +218,23 @@ def test_gluon_kernel_compiles_for_sm90(d, g, page, stages, kdt, single):
     import sys
 
     env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", _COMPILE, str(d), str(g), str(page), str(stages),
-                        kdt, str(int(single))], env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run([sys.executable, "-c", _COMPILE, str(d), str(g), str(page), kdt,
+                        str(int(single))], env=env, capture_output=True, text=True, timeout=600)
     if r.returncode != 0 and "ptxas" in r.stderr.lower() and "not found" in r.stderr.lower():
         pytest.skip("no ptxas for sm_90 on this machine")
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     ptx = got["ptx"]
     n = max(8, 1 << (g - 1).bit_length())
-    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16") == (
-        d // 16 + (d // 64) * 4)
+    tile = d // 16 + (d // 64) * 4
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16") == 2 * tile
     per_thread = 2 * 64 * d // 128  # K and V codes of a tile, a thread's share
     if kdt == "fp8e4nv":
-        assert ptx.count("cvt.rn.f16x2.e4m3x2") == per_thread // 2
+        assert ptx.count("cvt.rn.f16x2.e4m3x2") == 2 * per_thread // 2
     if kdt == "i8":
-        assert ptx.count("prmt.b32") == per_thread // 2
-    sizes = {int(m, 0) for m in re.findall(
-        r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^\]]*\], \[[^\]]*\], (\w+)", ptx)}
-    assert sizes == {16}, sizes
-    assert got["shared"] <= 227 * 1024
+        assert ptx.count("prmt.b32") == 2 * per_thread // 2
+    # K's 16-byte vectors: D / 16 bytes... per row; V's one per channel row and page slice
+    assert "ld.global.v4.b32" in ptx
+    # the query [BLOCK_H, D] and P [64, BLOCK_H] in float16 (or the epilogue's float32
+    # [D, BLOCK_H] layout change): the only shared memory
+    assert got["shared"] <= max(2 * (n * d + 64 * n), 4 * d * n) + 1024, got["shared"]

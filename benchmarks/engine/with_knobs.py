@@ -8,8 +8,8 @@ import json
 import sys
 
 for item in filter(None, sys.argv[1].split(";")):
-    mod, rest = item.split(":")
-    attr, val = rest.split("=")
+    mod, rest = item.split(":", 1)
+    attr, val = rest.split("=", 1)
     setattr(importlib.import_module(mod), attr, ast.literal_eval(val))
     print("set", mod, attr, val, flush=True)
 if sys.argv[2] != "-":

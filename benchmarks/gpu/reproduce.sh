@@ -37,6 +37,9 @@
 #   int4-gluon         issue 14's int4 decode in Gluon (seventeenth session): its GPU tests, the
 #                      kernel beside fp8 and the Triton int4 kernel (CUDA-graph replays), int4
 #                      and fp8 end to end with the Gluon kernel on and off, MLA fp8 vs bf16 e2e ~8
+#   gluon-8bit         issue 14's 8-bit decode in Gluon (nineteenth session): its GPU tests,
+#                      the sweep against the Triton kernels (benchmarks/gpu/gluon_8bit.txt),
+#                      fp8 and int8 end to end with the kernel on and off                    ~3
 #   tests              the GPU tests (tests/gpu)                                            ~4
 # Groups: seed = the four seed-*; kernels = decode-page16 decode-page32 decode-page-size prefill.
 set -uo pipefail
@@ -198,6 +201,21 @@ target() {
       run mla_seed_fp8 kvfit bench seed --model benchmarks/gpu/deepseek-v2-lite-8layers.json \
         --kv-dtypes bfloat16,fp8_e4m3 --contexts 16384 --batches 32,64 --steps 10 \
         --prefill-len 1024 ;;
+    gluon-8bit) gpu_env
+      run gluon_8bit_tests python3 -m pytest -q -n 8 -p no:cacheprovider --tb=short -rf \
+        tests/gpu/test_decode_8bit_gluon.py
+      tail -3 "$OUT/gluon_8bit_tests.log"
+      (cd benchmarks/kernels && OUT_DIR="$OUT" run gluon_8bit_sweep python3 decode_sweep.py \
+        --jobs 12 $(grep -v '^#' ../gpu/gluon_8bit.txt))
+      local on="{'H100': {('fp8', 64), ('fp8', 128), ('fp8', 256), ('int8', 128), ('int8', 256)},"
+      on+=" 'H200': {('fp8', 64), ('fp8', 128), ('fp8', 256), ('int8', 128), ('int8', 256)}}"
+      for v in off on; do  # the Triton kernels, then the Gluon kernel for every listed pair
+        K="kvfit.kernels.decode_8bit_gluon:DEFAULT_ON={}"
+        [ $v = on ] && K="kvfit.kernels.decode_8bit_gluon:DEFAULT_ON=$on"
+        run "gluon_8bit_seed_$v" python3 benchmarks/engine/with_knobs.py "$K" - bench seed \
+          --kv-dtypes fp8_e4m3,int8 --contexts 16384 --batches 1,64 --steps 16 \
+          --prefill-len 1024 --attention-backend triton
+      done ;;
     tests) gpu_env
       run gpu_tests python3 -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/gpu
       tail -3 "$OUT/gpu_tests.log" ;;

@@ -126,16 +126,17 @@ class TritonBackend(AttentionBackend):
 
     def _gluon_decode(self) -> bool:
         """Full-attention decode runs the Gluon 8-bit kernel (kernels/decode_8bit_gluon.py)
-        by default for this pool: its (format, head size) is in ``DEFAULT_ON``, the kernel fits
-        (16-bit queries, token-minor V, no soft-cap) and this is a Hopper GPU."""
+        by default for this pool: a Hopper GPU whose ``DEFAULT_ON`` entry lists its (format,
+        head size), and the kernel fits (16-bit queries, token-minor V, no soft-cap)."""
         if self._gluon8 is None:
             _, d = self._layer_shape()
             pool = self.pool
             self._gluon8 = bool(
-                (decode_8bit_gluon.kind(pool.dtype), d) in decode_8bit_gluon.DEFAULT_ON
+                pool.device.type == "cuda" and decode_8bit_gluon.available(pool.device)
+                and decode_8bit_gluon.default_on(decode_8bit_gluon.kind(pool.dtype), d,
+                                                 torch.cuda.get_device_name(pool.device))
                 and decode_8bit_gluon.fits(pool.dtype, self.compute_dtype, d, pool.page_size,
-                                           self._v_t, self.logit_softcap) is None
-                and pool.device.type == "cuda" and decode_8bit_gluon.available(pool.device))
+                                           self._v_t, self.logit_softcap) is None)
         return self._gluon8
 
     def _decode_config(self, batch: int, max_len: int, sliding: bool = False) -> DecodeConfig:

@@ -76,8 +76,8 @@ class DecodeConfig:
     # only (not pack/heads/CUDA-core)
     fused_merge: bool = False
     # the Gluon kernel (kernels/decode_8bit_gluon.py: 8-bit pages over token-minor V, 64-token
-    # tiles converted once into shared memory, warp-group MMAs; Hopper, 16-bit queries, no
-    # window or soft-cap); num_stages, maxnreg and num_splits apply, the other tile fields not
+    # tiles, warp-group MMAs with operands from registers; Hopper, 16-bit queries, no window or
+    # soft-cap); maxnreg and num_splits apply, the other tile fields not
     gluon: bool = False
 
 
@@ -118,9 +118,9 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
             raise ValueError(f"the Gluon decode reads 8-bit pages over token-minor V with 16-bit "
                              f"queries, got {cache_dtype} pages, v_t={v_t}, {q_dtype} queries: "
                              f"use gluon=False")
-        stages, per_sm, nreg = decode_8bit_gluon.GLUON_TILES.get(
-            head_dim, decode_8bit_gluon.GLUON_TILES[256])
-        tile, heads = (64, stages, nreg, per_sm), 1
+        per_sm, nreg = decode_8bit_gluon.GLUON_TILES.get(head_dim,
+                                                         decode_8bit_gluon.GLUON_TILES[256])
+        tile, heads = (64, 1, nreg, per_sm), 1  # (no software pipeline stages: 1)
     elif not use_dot:
         tile = (16, 2, None, 4)  # block_n, num_stages, maxnreg, ctas_per_sm
     elif fp8 and v_t:
@@ -389,8 +389,8 @@ def _gluon_decode(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_sc
         k_scale = v_scale = 1.0
     v_out = float(v_scale)
     if not decode_8bit_gluon.launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse,
-                                    sm_scale * k_scale * LOG2E, v_out, cfg.num_stages,
-                                    cfg.num_splits, cfg.maxnreg, scale_caches):
+                                    sm_scale * k_scale * LOG2E, v_out, cfg.num_splits,
+                                    cfg.maxnreg, scale_caches):
         return False
     if cfg.num_splits > 1:  # the splits are cut as the Triton kernels' (64-token tiles)
         decode_kernels.merge_splits(op, lse, out, v_out, cfg.num_splits,

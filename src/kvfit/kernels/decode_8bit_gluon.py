@@ -1,31 +1,40 @@
-"""The 8-bit (fp8_e4m3, fp8_e5m2, int8) paged decode written in Gluon for Hopper: each tile's
-codes are converted once into float16 shared-memory tiles and both products run on warp-group
-MMAs, as the int4 kernel of ``decode_int4_gluon`` does.
+"""The 8-bit (fp8_e4m3, fp8_e5m2, int8) paged decode written in Gluon for Hopper: warp-group
+MMAs whose A operands (K for the logits, V^T for P.V) come straight from registers, loaded
+from global memory in a layout that becomes the MMA's operand layout after the conversion.
 
-Why. The Triton decode converts 8-bit tiles into the MMA operands' register layouts. For fp8 on
-128-d heads that reads at the copy bandwidth, but int8 (1.13x fp8's time on Qwen3 heads) and
+Why. The Triton decode converts 8-bit tiles into ``mma.sync`` operand layouts. For fp8 on
+128-d heads that reads at the copy bandwidth, but int8 (1.12x fp8's time on Qwen3 heads) and
 64-d heads (fp8 2.8-3.4 TB/s, int8 2.5-3.0) stay short of it (docs/benchmarks.md, "8-bit
-decode"), and the int4 Gluon kernel, which converts into shared memory, ran 1.35x faster than
-the Triton fp8 decode on 64-d heads. A tile's path here:
+decode"). A first Gluon version converted each tile into float16 shared-memory tiles, as the
+int4 kernel (``decode_int4_gluon``) does: 1.4-1.9x the Triton kernels' time on the H200, bound
+by its per-tile chain of shared-memory stores, fences and barriers (docs/benchmarks.md). Here a
+tile's path is registers only, but for P:
 
-    K [pages, P, D], V token-minor [D, pages, P] codes --cp.async--> stage[i % STAGES]
-    K codes --cvt (fp8) or prmt/sub (int8)--> kt [64, D] float16
-    V codes --the same--> vt [D, 64] float16 (dead tokens of a partial tile zeroed)
-    s^T [64, H] = kt . q^T            (warp-group MMAs; q in shared memory all along)
+    K, V codes --16-byte loads of 32-bit words, a tile ahead--> registers
+    words --cvt (e4m3), prmt (e5m2), xor/prmt/sub (int8)--> float16, relabelled (no moves)
+    s^T [64, H] = K . q^T              (A = K from registers; q in shared memory all along)
     int8: s^T rows times their token's K scale; p^T rows times their V scale before P.V
-    o^T [D, H] += vt . p^T
+    o^T [D, H] += V^T . p^T            (A = V^T from registers; p^T in shared memory)
 
-A tile is 64 tokens (64 / P pages; pages of 16, 32 or 64). Heads are the MMAs' N (the query
-group, padded to ``BLOCK_H`` >= 8), tokens their M. The fp8 per-tensor K scale is folded into
-the query's softmax scale, the V scale applied to the output (``v_out``; the merge applies it
-to a split launch). int8 pages carry float16 scales per (page, KV head, token).
+The relabelling (``operand_layouts``): the MMA's k index is a reduction index, so any
+permutation of it applied to both operands gives the same products. K's channels are loaded in
+the order that makes each thread's share of a row contiguous (the query is loaded in the same
+order), and the tile's tokens are numbered so that each thread's share of V's rows is 16
+contiguous tokens (K's rows, P's rows and the masks follow that numbering).
+
+A tile is 64 tokens (64 / P pages; pages of 16, 32 or 64); the loop runs the split's full
+tiles without masks, and its last, partial tile once more with them (its dead tokens: logits
+-inf, V zeroed, since unwritten fp8 codes may be NaN). Heads are the MMAs' N (the query group,
+padded to ``BLOCK_H`` >= 8). The fp8 per-tensor K scale is folded into the query's softmax
+scale, the V scale applied to the output (``v_out``; the merge applies it to a split launch).
+int8 pages carry float16 scales per (page, KV head, token).
 
 Grid ``(batch, kv heads, splits)``; one split writes ``OUT``, several write float32 partials
 ``OP`` (rows ``(b * Hq + head) * splits + s``) and base-2 log-sum-exp ``LSE`` for
 ``decode_kernels``' merge; the context is cut into splits as the Triton kernels cut it
 (``decode_common._split_span``: whole 64-token tiles), an empty split exits at once and the
-merge counts the live ones. No window, soft-cap or q bias (the Triton kernel
-serves those). Owns nothing.
+merge counts the live ones. No window, soft-cap or q bias (the Triton kernel serves those).
+Owns nothing.
 """
 from __future__ import annotations
 
@@ -34,11 +43,63 @@ import logging
 
 import torch
 
-# int8 -> float16, four values an asm: bias each byte by 128 (xor), put it under the float16
-# exponent of 1024 (prmt: 0x64XX = 1024 + XX exactly), subtract 1152 = 1024 + 128
-I8_TO_F16_ASM = ("{\n.reg .b32 a, lo, hi, c;\nxor.b32 a, $2, 0x80808080;\n"
-                 "prmt.b32 lo, a, 0x64646464, 0x4140;\nprmt.b32 hi, a, 0x64646464, 0x4342;\n"
-                 "mov.b32 c, 0x64806480;\nsub.f16x2 $0, lo, c;\nsub.f16x2 $1, hi, c;\n}\n")
+# a 32-bit word of four 8-bit codes -> four float16 values ($0..$3, bytes 0..3), exactly:
+# fp8_e4m3 by two packed cvt; fp8_e5m2 by placing each byte as a float16's high byte (prmt);
+# int8 by biasing each byte by 128 (xor), putting it under the float16 exponent of 1024 (prmt:
+# 0x64XX = 1024 + XX exactly) and subtracting 1152 = 1024 + 128 (no I2F, a quarter-rate unit)
+WORD_TO_F16_ASM = {
+    "fp8_e4m3": ("{\n.reg .b16 l, h;\n.reg .b32 a, b;\nmov.b32 {l, h}, $4;\n"
+                 "cvt.rn.f16x2.e4m3x2 a, l;\ncvt.rn.f16x2.e4m3x2 b, h;\n"
+                 "mov.b32 {$0, $1}, a;\nmov.b32 {$2, $3}, b;\n}\n"),
+    "fp8_e5m2": ("{\n.reg .b32 a, b;\nprmt.b32 a, $4, 0, 0x1404;\nprmt.b32 b, $4, 0, 0x3424;\n"
+                 "mov.b32 {$0, $1}, a;\nmov.b32 {$2, $3}, b;\n}\n"),
+    "int8": ("{\n.reg .b32 a, lo, hi, c;\nxor.b32 a, $4, 0x80808080;\n"
+             "prmt.b32 lo, a, 0x64646464, 0x4140;\nprmt.b32 hi, a, 0x64646464, 0x4342;\n"
+             "mov.b32 c, 0x64806480;\nsub.f16x2 lo, lo, c;\nsub.f16x2 hi, hi, c;\n"
+             "mov.b32 {$0, $1}, lo;\nmov.b32 {$2, $3}, hi;\n}\n"),
+}
+
+
+def _bits(n: int) -> int:
+    return n.bit_length() - 1
+
+
+@functools.lru_cache(maxsize=None)
+def operand_layouts(head_dim: int, page: int, block_h: int):
+    """(MMA, K's load layout, V's load layout, K's and V's A-operand layouts) of the kernel.
+
+    The logits' and P.V's A operands come straight from registers, loaded from global memory
+    as 32-bit words of four codes in a layout that becomes the warp-group MMA's A-operand
+    layout (``DotOperandLayout``, k_width 2) after the conversion, up to a relabelling of its
+    K index, so that each thread's share of a row is contiguous in memory (16-byte loads) and
+    the relabelling costs nothing (join/reshape/permute, checked trivial at compile time):
+    for K's channels, hardware k = 16 ks + 8 b3 + 2 c + b0 holds physical channel
+    c D/4 + 4 ks + 2 b3 + b0 (the query is loaded in the same order); for P.V's tokens the
+    same with 64 tokens, so tile row m (of the logits, of P, and P.V's k) is token
+    16 c + 4 ks + 2 b3 + b0 of the tile. K's words ``[64 rows, D / 4]``; V's ``[D, pages,
+    P / 4]``, the page index its own axis (one gathered page id per 16 contiguous tokens)."""
+    from triton.experimental.gluon import language as gl
+
+    d = head_dim
+    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                    instr_shape=[16, block_h, 16])
+    lane_rows, warp_rows = [[1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]]
+    lk = gl.DistributedLinearLayout(  # D / 16 words of a row a thread, then row + 8
+        reg_bases=[[0, 1 << i] for i in range(_bits(d // 16))] + [[8, 0]],
+        lane_bases=[[0, d // 16], [0, d // 8]] + lane_rows, warp_bases=warp_rows,
+        block_bases=[], shape=[64, d // 4])
+    wpp = page // 4  # words a page row
+
+    def split(b):  # [d, word] -> [d, word // wpp, word % wpp]
+        return [b[0], b[1] // wpp, b[1] % wpp]
+
+    lv = gl.DistributedLinearLayout(  # 4 words (16 tokens) of a channel a thread
+        reg_bases=[split(b) for b in [[0, 1], [0, 2], [8, 0]]
+                   + [[64 << i, 0] for i in range(_bits(d // 64))]],
+        lane_bases=[split(b) for b in [[0, 4], [0, 8]] + lane_rows],
+        warp_bases=[split(b) for b in warp_rows], block_bases=[], shape=[d, 64 // page, wpp])
+    a = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    return mma, lk, lv, a, a
 
 
 @functools.cache
@@ -49,48 +110,69 @@ def build():
 
     # Triton's JIT resolves the kernels' names in this module's globals
     globals().update(hopper_names())
-    globals().update(_I8_ASM=gl.constexpr(I8_TO_F16_ASM))  # noqa: F821
+    globals().update({f"_ASM_{n}": gl.constexpr(WORD_TO_F16_ASM[k])  # noqa: F821
+                      for n, k in (("E4M3", "fp8_e4m3"), ("E5M2", "fp8_e5m2"), ("I8", "int8"))})
 
     @gluon.jit
-    def _to_f16(x, INT8: gl.constexpr):
-        # 8-bit codes -> float16, exactly (int8 by asm: no I2F, a quarter-rate unit)
-        if INT8:
-            y = gl.inline_asm_elementwise(_I8_ASM, "=r,=r,r", [x],  # noqa: F821
-                                          dtype=gl.float16, is_pure=True, pack=4)
+    def _words_to_f16(x, CODE: gl.constexpr):
+        # 32-bit words of four codes [..., W] -> float16 [..., W, 2, 2] ([.., t, i]: byte 2t + i)
+        if CODE == 0:
+            asm: gl.constexpr = _ASM_E4M3  # noqa: F821
+        elif CODE == 1:
+            asm: gl.constexpr = _ASM_E5M2  # noqa: F821
         else:
-            y = x.to(gl.float16)
-        return y
+            asm: gl.constexpr = _ASM_I8  # noqa: F821
+        b0, b1, b2, b3 = gl.inline_asm_elementwise(asm, "=h,=h,=h,=h,r", [x],
+                                                   dtype=(gl.float16,) * 4, is_pure=True,
+                                                   pack=1)
+        return gl.join(gl.join(b0, b2), gl.join(b1, b3))
 
     @gluon.jit
-    def _issue(stage_k, stage_v, KCh, VCh, bt_row, t0, n1, stride_cp, D: gl.constexpr,
-               PAGE: gl.constexpr, NPG: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr):
-        # one commit group of cp.async for the tile's pages from token t0 (pages from n1 on
-        # zero-filled, never read): K [NPG, PAGE, D], V [D, NPG, PAGE] (its pages' [D, PAGE]
-        # rows side by side)
-        LK2: gl.constexpr = gl.SliceLayout(2, LK)
-        fk = t0 + PAGE * gl.arange(0, NPG, layout=gl.SliceLayout(1, LK2))  # pages' first tokens
-        pgk = gl.load(bt_row + fk // PAGE, mask=fk < n1, other=0).to(gl.int64)
-        tk = gl.arange(0, PAGE, layout=gl.SliceLayout(0, LK2))
-        c = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, LK)))
-        rowk = (pgk * stride_cp)[:, None] + (tk * D)[None, :]  # [NPG, PAGE]
-        _cp_async(stage_k, KCh + rowk[:, :, None] + c[None, None, :],  # noqa: F821
-                  mask=(fk < n1)[:, None, None])
-        LV0: gl.constexpr = gl.SliceLayout(0, LV)
-        fv = t0 + PAGE * gl.arange(0, NPG, layout=gl.SliceLayout(1, LV0))
-        pgv = gl.load(bt_row + fv // PAGE, mask=fv < n1, other=0).to(gl.int64)
-        tv = gl.arange(0, PAGE, layout=gl.SliceLayout(0, LV0))
-        dv = gl.arange(0, D, layout=gl.SliceLayout(1, gl.SliceLayout(2, LV)))
-        colv = (pgv * stride_cp)[:, None] + tv[None, :]  # [NPG, PAGE]
-        _cp_async(stage_v, VCh + (dv * PAGE)[:, None, None] + colv[None, :, :],  # noqa: F821
-                  mask=(fv < n1)[:, None][None, :, :])
-        async_copy.commit_group()  # noqa: F821
+    def _token(m):
+        # the tile's token at row m (of the logits, of P, and P.V's k): 16 c + 4 ks + 2 b3 + b0
+        # for m = 16 ks + 8 b3 + 2 c + b0
+        return ((m >> 1) & 3) * 16 + (m >> 4) * 4 + ((m >> 3) & 1) * 2 + (m & 1)
 
     @gluon.jit
-    def _token_scales(KS, VS, bt_row, t0, n1, s_head, stride_sp, BLOCK_N: gl.constexpr,
-                      PAGE: gl.constexpr, L: gl.constexpr):
-        # int8: the K and V scales of the tile's tokens ([BLOCK_N] float32 in layout L, 0 for
-        # tokens from n1 on)
-        tok = t0 + gl.arange(0, BLOCK_N, layout=L)
+    def _hw_k(x, R: gl.constexpr, C: gl.constexpr, LA: gl.constexpr):
+        # x [R, C] with physical column order -> the MMA's k order (a relabelling, no data
+        # moves): column 4 ks + 2 b3 + b0 + (C / 4) c becomes k = 16 ks + 8 b3 + 2 c + b0
+        y = gl.reshape(x, [R, 4, C // 16, 2, 2])
+        y = gl.reshape(gl.permute(y, (0, 2, 3, 1, 4)), [R, C])
+        return gl.convert_layout(y, LA, assert_trivial=True)
+
+    @gluon.jit
+    def _load(KCh, VCh, bt_row, t0, n1, stride_cp, D: gl.constexpr, PAGE: gl.constexpr,
+              NPG: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr):
+        # the tile's codes from token t0 as 32-bit words (rows and pages from n1 on not
+        # loaded: whatever the registers held, masked in the logits, and zeroed in V with a
+        # partial tile's dead tokens): K [64 rows (tokens by _token), D / 4], V [D, NPG,
+        # PAGE / 4]
+        m = gl.arange(0, 64, layout=gl.SliceLayout(1, LK))
+        tok = t0 + _token(m)
+        live = tok < n1
+        pg = gl.load(bt_row + tok // PAGE, mask=live, other=0).to(gl.int64)
+        rows = (KCh + pg * stride_cp + (tok % PAGE) * D).to(gl.pointer_type(gl.int32),
+                                                            bitcast=True)
+        w = gl.arange(0, D // 4, layout=gl.SliceLayout(0, LK))
+        k = gl.load(rows[:, None] + w[None, :], mask=live[:, None])
+        LV2: gl.constexpr = gl.SliceLayout(2, LV)  # [D, NPG]
+        f = t0 + PAGE * gl.arange(0, NPG, layout=gl.SliceLayout(0, LV2))  # pages' first tokens
+        pgv = gl.load(bt_row + f // PAGE, mask=f < n1, other=0).to(gl.int64)
+        dv = gl.arange(0, D, layout=gl.SliceLayout(1, LV2))
+        base = VCh + (dv * PAGE)[:, None] + (pgv * stride_cp)[None, :]  # [D, NPG]
+        wv = gl.arange(0, PAGE // 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, LV)))
+        ptr = (base.to(gl.pointer_type(gl.int32), bitcast=True)[:, :, None]
+               + wv[None, :][None, :, :])
+        v = gl.load(ptr, mask=(f < n1)[None, :][:, :, None])
+        return k, v
+
+    @gluon.jit
+    def _token_scales(KS, VS, bt_row, t0, n1, s_head, stride_sp, PAGE: gl.constexpr,
+                      L: gl.constexpr):
+        # int8: the K and V scales of the tile's rows ([64] float32 in layout L, 0 for tokens
+        # from n1 on)
+        tok = t0 + _token(gl.arange(0, 64, layout=L))
         live = tok < n1
         pg = gl.load(bt_row + tok // PAGE, mask=live, other=0).to(gl.int64)
         off = pg * stride_sp + s_head + tok % PAGE
@@ -98,42 +180,35 @@ def build():
                 gl.load(VS + off, mask=live, other=0.0).to(gl.float32))
 
     @gluon.jit
-    def _convert(stage_k, stage_v, kt, vt, n_live, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                 INT8: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr):
-        # a stage into the float16 tiles; V's columns from n_live on are zeroed when the tile
-        # is partial (the last page's unwritten tokens may hold any bits, NaN included, and
-        # 0 * NaN would reach the output; K's are masked in the logits)
-        k = _to_f16(stage_k.load(LK), INT8)  # [NPG, PAGE, D]
-        kt.store(gl.reshape(k, [BLOCK_N, D]))
-        v = gl.reshape(_to_f16(stage_v.load(LV), INT8), [D, BLOCK_N])  # [D, NPG, PAGE] -> [D, 64]
-        if n_live < BLOCK_N:
-            LV2: gl.constexpr = v.type.layout
-            col = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LV2))
-            v = gl.where((col < n_live)[None, :], v, 0.0)
-        vt.store(v)
-
-    @gluon.jit
-    def _attend(kt, vt, qs, p_s, acc, m_i, l_t, n_live, ks, vs, BLOCK_H: gl.constexpr,
-                INT8: gl.constexpr, MMA: gl.constexpr):
-        # one tile: s^T = kt . q^T (the query holds the base-2 softmax scale), int8 rows times
-        # their K scale; rows >= n_live weigh 0; the online softmax; o^T += vt . p^T, int8 p
-        # rows times their V scale. The running sum stays per row of the tile (l_t [64,
-        # BLOCK_H]), summed once at the end: no cross-warp reduction for it per tile
+    def _tile(k_raw, v_raw, ks, vs, qs, p_s, acc, m_i, l_t, n_live, tok_r, tok_k,
+              D: gl.constexpr, BLOCK_H: gl.constexpr, CODE: gl.constexpr, MASKED: gl.constexpr,
+              MMA: gl.constexpr, LAK: gl.constexpr, LAV: gl.constexpr):
+        # one tile of 64 tokens (MASKED: its tokens from n_live on are dead): s^T = K . q^T
+        # (the query holds the base-2 softmax scale; int8 rows times their K scale), the
+        # online softmax, o^T += V^T . p^T (int8 p rows times their V scale). The running sum
+        # stays per row of the tile (l_t [64, BLOCK_H]), summed once at the end
+        kt = _hw_k(gl.reshape(_words_to_f16(k_raw, CODE), [64, D]), 64, D, LAK)
         zero = gl.zeros([64, BLOCK_H], gl.float32, layout=MMA)
         s_t = warpgroup_mma(kt, qs.permute((1, 0)), zero, use_acc=False,  # noqa: F821
                             is_async=True)
+        # V converted while the logits' MMAs run; a partial tile's unwritten tokens (any
+        # bits, NaN fp8 codes included: 0 * NaN would reach the output) zeroed
+        vt = _hw_k(gl.reshape(_words_to_f16(v_raw, CODE), [D, 64]), D, 64, LAV)
+        if MASKED:
+            vt = gl.where((tok_k < n_live)[None, :], vt, 0.0)
         s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))  # noqa: F821
-        if INT8:
+        if CODE == 2:
             s_t = s_t * ks[:, None]
-        r = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-        s_t = gl.where((r < n_live)[:, None], s_t, float("-inf"))
+        if MASKED:
+            s_t = gl.where((tok_r < n_live)[:, None], s_t, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s_t, axis=0))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_use)
         p_t = gl.exp2(s_t - m_use[None, :])
         l_t = l_t * alpha[None, :] + p_t
-        if INT8:
+        if CODE == 2:
             p_t = p_t * vs[:, None]
+        _cta_barrier()  # noqa: F821 -- the last tile's P.V has read p_s everywhere
         p_s.store(p_t.to(gl.float16))
         fence_async_shared()  # noqa: F821
         _cta_barrier()  # noqa: F821
@@ -146,102 +221,84 @@ def build():
                            stride_qb, stride_qh, stride_ob, stride_oh, stride_cp, stride_ch,
                            stride_sp, stride_sh, stride_bt, qk_scale, v_out, num_splits,
                            G: gl.constexpr, BLOCK_H: gl.constexpr, D: gl.constexpr,
-                           PAGE: gl.constexpr, STAGES: gl.constexpr, INT8: gl.constexpr,
-                           SINGLE: gl.constexpr, num_warps: gl.constexpr):
+                           PAGE: gl.constexpr, CODE: gl.constexpr, SINGLE: gl.constexpr,
+                           MMA: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr,
+                           LAK: gl.constexpr, LAV: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 4, "one warp group")
         gl.static_assert(64 % PAGE == 0, "pages of 16, 32 or 64 tokens")
+        INT8: gl.constexpr = CODE == 2
         b = gl.program_id(0)
         h = gl.program_id(1)
         s = gl.program_id(2)
-        BLOCK_N: gl.constexpr = 64  # tokens a tile: the logits MMAs' M
-        NPG: gl.constexpr = BLOCK_N // PAGE
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BLOCK_H, 16])
-        # K codes [NPG, PAGE, D]: 16 bytes a thread along a row; V codes [D, NPG, PAGE]: 16
-        # bytes a thread along a page's tokens, the 64 tokens of a channel in 4 threads
-        TD: gl.constexpr = D // 16 if D // 16 <= 32 else 32
-        WP: gl.constexpr = NPG if NPG <= 4 else 4
-        LK: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32 // TD, TD], [WP, 4 // WP, 1],
-                                            [2, 1, 0])
-        LV: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, NPG, PAGE // 16], [4, 1, 1],
-                                            [2, 1, 0])
+        NPG: gl.constexpr = 64 // PAGE  # a tile: 64 tokens, the logits MMAs' M
         # the query [BLOCK_H, D] (float32), SPQ values a thread
         SPQ: gl.constexpr = 8 if BLOCK_H * D >= 1024 else BLOCK_H * D // 128
         TPC: gl.constexpr = 32 if D // SPQ >= 32 else D // SPQ
         LQ: gl.constexpr = gl.BlockedLayout([1, SPQ], [32 // TPC, TPC], [4, 1], [1, 0])
         LO: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
-        RAW3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-        stage_k = gl.allocate_shared_memory(KC.dtype.element_ty, [STAGES, NPG, PAGE, D], RAW3)
-        stage_v = gl.allocate_shared_memory(VC.dtype.element_ty, [STAGES, D, NPG, PAGE], RAW3)
-        kt = gl.allocate_shared_memory(
-            gl.float16, [BLOCK_N, D], gl.NVMMASharedLayout.get_default_for([BLOCK_N, D],
-                                                                           gl.float16))
-        vt = gl.allocate_shared_memory(
-            gl.float16, [D, BLOCK_N], gl.NVMMASharedLayout.get_default_for([D, BLOCK_N],
-                                                                           gl.float16))
         qs = gl.allocate_shared_memory(
             gl.float16, [BLOCK_H, D], gl.NVMMASharedLayout.get_default_for([BLOCK_H, D],
                                                                            gl.float16))
         p_s = gl.allocate_shared_memory(
-            gl.float16, [BLOCK_N, BLOCK_H],
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.float16))
+            gl.float16, [64, BLOCK_H], gl.NVMMASharedLayout.get_default_for([64, BLOCK_H],
+                                                                            gl.float16))
 
-        # the query group [BLOCK_H, D] times the base-2 softmax scale (the MMAs' logits come out
-        # scaled), in shared memory for the whole program (the first tile's barrier and fence
-        # publish it)
+        # the query group [BLOCK_H, D] times the base-2 softmax scale, its channels in the
+        # MMA's k order (_hw_k: column k holds channel (D/4) c + 4 ks + 2 b3 + b0), in shared
+        # memory for the whole program (the first tile's fence and barrier publish it)
         hq = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LQ))
-        cq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))
-        qptr = Q + b.to(gl.int64) * stride_qb + (h * G + hq)[:, None] * stride_qh + cq[None, :]
+        kq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))
+        chq = ((kq >> 1) & 3) * (D // 4) + (kq >> 4) * 4 + ((kq >> 3) & 1) * 2 + (kq & 1)
+        qptr = Q + b.to(gl.int64) * stride_qb + (h * G + hq)[:, None] * stride_qh + chq[None, :]
         q = gl.load(qptr, mask=(hq < G)[:, None], other=0.0).to(gl.float32) * qk_scale
         qs.store(q.to(gl.float16))
+        fence_async_shared()  # noqa: F821
+        _cta_barrier()  # noqa: F821
 
-        # split s: tokens [n0, n1), whole tiles
+        # split s: tokens [n0, n1), whole tiles, as decode_common._split_span cuts them
         kv_len = gl.load(KVLEN + b)
-        per = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        per = gl.cdiv(gl.cdiv(kv_len, num_splits), 64) * 64
         n0 = s * per
         n1 = gl.minimum(n0 + per, kv_len)
-        n_tiles = gl.cdiv(gl.maximum(n1 - n0, 0), BLOCK_N)
         if not SINGLE:
-            if n_tiles == 0:  # an empty split writes nothing: the merge counts the live ones
+            if n1 <= n0:  # an empty split writes nothing: the merge counts the live ones
                 return
         bt_row = BT + b.to(gl.int64) * stride_bt
         KCh = KC + h * stride_ch
         VCh = VC + h * stride_ch
         s_head = h * stride_sh
         LR: gl.constexpr = gl.SliceLayout(1, MMA)
+        r = gl.arange(0, 64, layout=LR)
+        tok_r = _token(r)  # the logits rows' tokens in a tile
+        kk = gl.arange(0, 64, layout=gl.SliceLayout(0, LAV))
+        tok_k = _token(kk)  # P.V's k's tokens in a tile
 
-        for t in gl.static_range(STAGES - 1):
-            _issue(stage_k.index(t), stage_v.index(t), KCh, VCh, bt_row, n0 + BLOCK_N * t, n1,
-                   stride_cp, D, PAGE, NPG, LK, LV)
-        ks = qk_scale  # int8: the tile's token scales, loaded into registers a tile ahead
+        k_raw, v_raw = _load(KCh, VCh, bt_row, n0, n1, stride_cp, D, PAGE, NPG, LK, LV)
+        ks = qk_scale  # int8: the tile's token scales
         vs = qk_scale
         if INT8:
-            ks, vs = _token_scales(KS, VS, bt_row, n0, n1, s_head, stride_sp, BLOCK_N, PAGE, LR)
+            ks, vs = _token_scales(KS, VS, bt_row, n0, n1, s_head, stride_sp, PAGE, LR)
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
         l_t = gl.zeros([64, BLOCK_H], gl.float32, layout=MMA)
         acc = gl.zeros([D, BLOCK_H], gl.float32, layout=MMA)
-        for i in range(n_tiles):
-            t0 = n0 + BLOCK_N * i
-            _cta_barrier()  # noqa: F821 -- the last tile's MMAs and reads are done everywhere
-            j = i + STAGES - 1
-            _issue(stage_k.index(j % STAGES), stage_v.index(j % STAGES), KCh, VCh, bt_row,
-                   n0 + BLOCK_N * j, n1, stride_cp, D, PAGE, NPG, LK, LV)
+        n_full = gl.maximum(n1 - n0, 0) // 64
+        for i in range(n_full):
+            k_cur = k_raw
+            v_cur = v_raw
             ks_c = ks
             vs_c = vs
-            if INT8:  # the next tile's scales
-                ks, vs = _token_scales(KS, VS, bt_row, t0 + BLOCK_N, n1, s_head, stride_sp,
-                                       BLOCK_N, PAGE, LR)
-            async_copy.wait_group(STAGES - 1)  # noqa: F821 -- this thread's copies of tile i
-            _cta_barrier()  # noqa: F821 -- and every thread's
-            n_live = gl.minimum(n1 - t0, BLOCK_N)
-            cur = i % STAGES
-            _convert(stage_k.index(cur), stage_v.index(cur), kt, vt, n_live, BLOCK_N, D, INT8,
-                     LK, LV)
-            fence_async_shared()  # noqa: F821
-            _cta_barrier()  # noqa: F821
-            acc, m_i, l_t = _attend(kt, vt, qs, p_s, acc, m_i, l_t, n_live, ks_c, vs_c, BLOCK_H,
-                                    INT8, MMA)
-        async_copy.wait_group(0)  # noqa: F821
+            # the next tile's codes (and scales) into registers while this one is computed
+            t1 = n0 + 64 * (i + 1)
+            k_raw, v_raw = _load(KCh, VCh, bt_row, t1, n1, stride_cp, D, PAGE, NPG, LK, LV)
+            if INT8:
+                ks, vs = _token_scales(KS, VS, bt_row, t1, n1, s_head, stride_sp, PAGE, LR)
+            acc, m_i, l_t = _tile(k_cur, v_cur, ks_c, vs_c, qs, p_s, acc, m_i, l_t,
+                                  64, tok_r, tok_k, D, BLOCK_H, CODE, False, MMA, LAK, LAV)
+        n_live = gl.maximum(n1 - n0, 0) - 64 * n_full
+        if n_live > 0:  # the split's last, partial tile (loaded by the last iteration)
+            acc, m_i, l_t = _tile(k_raw, v_raw, ks, vs, qs, p_s, acc, m_i,
+                                  l_t, n_live, tok_r, tok_k, D, BLOCK_H, CODE, True, MMA, LAK,
+                                  LAV)
 
         # o^T = acc [D, BLOCK_H] / l
         l_i = gl.sum(l_t, axis=0)
@@ -269,11 +326,18 @@ def build():
 # host side
 
 log = logging.getLogger("kvfit")
-# the launch per head size: (stages, programs per SM in the split rule, register cap)
-GLUON_TILES = {64: (3, 4, None), 128: (3, 2, None), 256: (2, 1, None)}
-# (page dtype kind, head size) pairs whose decode runs this kernel by default on Hopper with
-# 16-bit queries (the triton backend's choice; docs/benchmarks.md)
-DEFAULT_ON: frozenset = frozenset()
+# the launch per head size: (programs per SM in the split rule, register cap); sm_90 compile
+# (Triton 3.6): 64-d 76-84 registers (6 an SM), 128-d 119 (fp8) / 127 at the cap (int8) (4 an
+# SM), 256-d 202-212 (2 an SM); a few KB of shared memory (the query and P)
+GLUON_TILES = {64: (6, None), 128: (4, 128), 256: (2, None)}
+# per GPU (a substring of its CUDA device name): the (page kind, head size) pairs whose decode
+# runs this kernel by default (the triton backend's choice), where it measured faster than the
+# Triton kernel (docs/benchmarks.md, H100 80GB HBM3, 2026-12-06: fp8 0.87-0.99x its time at
+# 64/128/256-d and batch 1-128, int8 0.99-1.01x the Triton fp8 time at 128/256-d; int8 on 64-d
+# heads measured 1.34-1.55x, so not listed). A GPU not listed (the H200 included, not measured
+# with this kernel) keeps the Triton kernel.
+DEFAULT_ON: dict = {"H100": frozenset({("fp8", 64), ("fp8", 128), ("fp8", 256), ("int8", 128),
+                                       ("int8", 256)})}
 _failures: list[str] = []  # the first compile failure of the kernel in this process, if any
 
 
@@ -282,6 +346,12 @@ def kind(cache_dtype: torch.dtype) -> str | None:
     if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return "fp8"
     return "int8" if cache_dtype == torch.int8 else None
+
+
+def default_on(page_kind: str | None, head_dim: int, device_name: str) -> bool:
+    """Whether ``DEFAULT_ON`` lists (page kind, head size) for the GPU named ``device_name``."""
+    return any(gpu in device_name and (page_kind, head_dim) in pairs
+               for gpu, pairs in DEFAULT_ON.items())
 
 
 def fits(cache_dtype: torch.dtype, q_dtype: torch.dtype, head_dim: int, page_size: int,
@@ -313,7 +383,7 @@ def available(device=None) -> bool:
 
 
 def launch_args(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, qk_scale: float,
-                v_out: float, stages: int, num_splits: int, scale_caches=None):
+                v_out: float, num_splits: int, scale_caches=None):
     """(grid, positional args, constexprs) of one launch; ``scale_caches`` (K's, V's float16
     ``[pages, Hkv, P]``) for int8 pages, ``qk_scale`` the base-2 softmax scale (times fp8's
     per-tensor K scale), ``v_out`` fp8's V scale for a single split's output (1 otherwise)."""
@@ -327,21 +397,23 @@ def launch_args(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, qk_scal
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
             k_cache.stride(1), ks.stride(0) if int8 else 0, ks.stride(1) if int8 else 0,
             block_table.stride(0), float(qk_scale), float(v_out), num_splits)
-    consts = dict(G=hq // hkv, BLOCK_H=max(8, triton.next_power_of_2(hq // hkv)), D=d,
-                  PAGE=k_cache.shape[2], STAGES=stages, INT8=int8, SINGLE=num_splits == 1,
-                  num_warps=4)
+    block_h = max(8, triton.next_power_of_2(hq // hkv))
+    mma, lk, lv, lak, lav = operand_layouts(d, k_cache.shape[2], block_h)
+    code = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1, torch.int8: 2}[k_cache.dtype]
+    consts = dict(G=hq // hkv, BLOCK_H=block_h, D=d, PAGE=k_cache.shape[2], CODE=code,
+                  SINGLE=num_splits == 1, MMA=mma, LK=lk, LV=lv, LAK=lak, LAV=lav, num_warps=4)
     return (b, hkv, num_splits), args, consts
 
 
 def launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, qk_scale: float,
-           v_out: float, stages: int, num_splits: int, maxnreg: int | None = None,
+           v_out: float, num_splits: int, maxnreg: int | None = None,
            scale_caches=None) -> bool:
     """One launch: True when it ran, False when this Triton cannot compile the kernel (logged
     once, nothing written: the caller runs the Triton kernel)."""
     from kvfit.kernels.mla_gluon import _compile_errors
 
     grid, args, consts = launch_args(q, k_cache, v_cache, block_table, kv_lens, out, op, lse,
-                                     qk_scale, v_out, stages, num_splits, scale_caches)
+                                     qk_scale, v_out, num_splits, scale_caches)
     if maxnreg:
         consts["maxnreg"] = maxnreg
     try:
