@@ -6,11 +6,10 @@ tests/gpu/test_decode_8bit_gluon.py proves it against the reference on the GPU).
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
+from gluon_launch_fakes import Broken, Recording
 from kvfit.kernels import decode, decode_8bit_gluon
 from kvfit.kernels.decode import choose_config, paged_decode
 
@@ -78,18 +77,7 @@ def test_gluon_launch_binds_every_kernel_argument(monkeypatch):
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     real = decode_8bit_gluon.build()
     calls = []
-    options = ("maxnreg",)  # launch options, not kernel parameters
-
-    class Grid:
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                bound = inspect.signature(real.fn).bind(
-                    *args, **{k: v for k, v in kwargs.items() if k not in options}).arguments
-                calls.append((grid, {**bound, **{k: kwargs[k] for k in options
-                                                  if k in kwargs}}))
-            return run
-
-    monkeypatch.setattr(decode_8bit_gluon, "build", Grid)
+    monkeypatch.setattr(decode_8bit_gluon, "build", Recording(real, calls))
     monkeypatch.setattr(decode_8bit_gluon, "_failures", [])
     for dtype in (torch.int8, torch.float8_e5m2):
         calls.clear()
@@ -128,13 +116,7 @@ def test_gluon_compile_failure_falls_back_to_the_triton_kernel(monkeypatch, capl
     runs the Triton kernel (the same output as asking for it), and ``available`` turns off."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
-    class Broken:
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                raise AttributeError("module 'gluon' has no attribute 'async_load'")
-            return run
-
-    monkeypatch.setattr(decode_8bit_gluon, "build", Broken)
+    monkeypatch.setattr(decode_8bit_gluon, "build", Broken())
     monkeypatch.setattr(decode_8bit_gluon, "_failures", [])
     q, kc, vc, bt, lens, sc = _problem(torch.int8, lens=(40, 9))
     cfg = decode.DecodeConfig(2, 64, True, 4, 3, v_t=True, gluon=True)
@@ -211,19 +193,9 @@ def test_gluon_kernel_compiles_for_sm90(d, g, page, kdt, single):
     the codes loaded as 16-byte vectors; the operands' relabelling moves no data (no shared
     memory beyond the query and P)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    import json
-    import os
-    import re
-    import subprocess
-    import sys
+    from gluon_launch_fakes import compile_sm90
 
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", _COMPILE, str(d), str(g), str(page), kdt,
-                        str(int(single))], env=env, capture_output=True, text=True, timeout=600)
-    if r.returncode != 0 and "ptxas" in r.stderr.lower() and "not found" in r.stderr.lower():
-        pytest.skip("no ptxas for sm_90 on this machine")
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = compile_sm90(_COMPILE, d, g, page, kdt, int(single))
     ptx = got["ptx"]
     n = max(8, 1 << (g - 1).bit_length())
     tile = d // 16 + (d // 64) * 4

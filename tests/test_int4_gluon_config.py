@@ -6,11 +6,10 @@ reference on the GPU)."""
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
+from gluon_launch_fakes import Broken, Recording
 from kvfit.kernels import decode_int4
 from kvfit.kernels.decode_int4 import Int4DecodeConfig, choose_config, int4_decode
 
@@ -56,18 +55,7 @@ def test_gluon_launch_binds_every_kernel_argument(monkeypatch):
     real = decode_int4_gluon.build()
     calls = []
 
-    options = ("maxnreg",)  # launch options, not kernel parameters
-
-    class Grid:
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                bound = inspect.signature(real.fn).bind(
-                    *args, **{k: v for k, v in kwargs.items() if k not in options}).arguments
-                calls.append((grid, {**bound, **{k: kwargs[k] for k in options
-                                                  if k in kwargs}}))
-            return run
-
-    monkeypatch.setattr(decode_int4_gluon, "build", Grid)
+    monkeypatch.setattr(decode_int4_gluon, "build", Recording(real, calls))
     monkeypatch.setattr(decode_int4, "_gluon_failures", [])
     q, pool, bt, lens, slots = _problem()
     out = torch.empty_like(q)
@@ -90,13 +78,7 @@ def test_gluon_compile_failure_falls_back_to_the_triton_kernel(monkeypatch, capl
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     from kvfit.kernels import decode_int4_gluon
 
-    class Broken:
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                raise AttributeError("module 'gluon' has no attribute 'async_load'")
-            return run
-
-    monkeypatch.setattr(decode_int4_gluon, "build", Broken)
+    monkeypatch.setattr(decode_int4_gluon, "build", Broken())
     monkeypatch.setattr(decode_int4, "_gluon_failures", [])
     q, pool, bt, lens, slots = _problem()
     want = torch.full_like(q, float("nan"))
@@ -143,19 +125,11 @@ def test_gluon_kernel_compiles_for_sm90(d, g, stages, single):
     K's scale and zero copied with the codes (cp.async of 4 bytes or more), within 227 KB of
     shared memory."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    import json
-    import os
     import re
-    import subprocess
-    import sys
 
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", _COMPILE, str(d), str(g), str(stages),
-                        str(int(single))], env=env, capture_output=True, text=True, timeout=600)
-    if r.returncode != 0 and "ptxas" in r.stderr.lower() and "not found" in r.stderr.lower():
-        pytest.skip("no ptxas for sm_90 on this machine")
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    from gluon_launch_fakes import compile_sm90
+
+    got = compile_sm90(_COMPILE, d, g, stages, int(single))
     ptx = got["ptx"]
     n = max(8, 1 << (g - 1).bit_length())
     # a tile's logits: D / 16 k-steps; P . V: D / 64 row blocks x 4 k-steps. The residual page

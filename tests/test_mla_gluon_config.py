@@ -118,19 +118,9 @@ def test_gluon_kernel_compiles_for_sm90(cdt, stages, single, qfp8, xv):
     over 512 + 64 columns) and the conversion of the 512 latent columns only; the pipelined
     kernel (``stages`` 0 here) has the prologue's tile-0 logits as well (72)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    import json
-    import os
-    import subprocess
-    import sys
+    from gluon_launch_fakes import compile_sm90
 
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", _COMPILE, cdt, str(stages), str(int(single)),
-                        str(int(qfp8)), str(xv)],
-                       env=env, capture_output=True, text=True, timeout=600)
-    if r.returncode != 0 and "ptxas" in r.stderr.lower() and "not found" in r.stderr.lower():
-        pytest.skip("no ptxas for sm_90 on this machine")
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = compile_sm90(_COMPILE, cdt, stages, int(single), int(qfp8), xv)
     ptx = got["ptx"]
     mma = "m64n16k16.f32.f16.f16" if cdt.startswith("fp8") else "m64n16k16.f32.bf16.bf16"
     if qfp8:
@@ -153,20 +143,14 @@ def test_gluon_launch_binds_every_kernel_argument(monkeypatch, pipe, fmt):
     function's signature, nothing executes): the grid (requests x head blocks, splits), the
     scales, the strides, and the constexprs of the plain or the pipelined kernel."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    import inspect
+    from gluon_launch_fakes import Recording
 
     from kvfit.kernels import mla_decode_fp8_pipe, mla_decode_gluon
 
     real = (mla_decode_fp8_pipe if pipe else mla_decode_gluon).build()
     calls = []
-
-    class Grid:
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                calls.append((grid, inspect.signature(real.fn).bind(*args, **kwargs).arguments))
-            return run
-
-    monkeypatch.setattr(mla_decode_fp8_pipe if pipe else mla_decode_gluon, "build", Grid)
+    monkeypatch.setattr(mla_decode_fp8_pipe if pipe else mla_decode_gluon, "build",
+                        Recording(real, calls))
     b, h, pages = 3, 20, 9
     q = torch.randn(b, h, 576, dtype=BF16)
     cache = torch.zeros(pages, 32, 576, dtype=fmt)

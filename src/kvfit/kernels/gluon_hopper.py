@@ -1,5 +1,5 @@
 """The Gluon names the Hopper kernels use (``mla_decode_gluon``, ``decode_int4_gluon``,
-``decode_8bit_gluon``), resolved once for the installed Triton.
+``decode_8bit_gluon_kernel``), resolved once for the installed Triton.
 
 Some names moved between Triton releases: cp.async of a pointer tile into shared memory is
 ``async_load`` from Triton 3.7 on (the old name raises there), ``async_copy_global_to_shared``
