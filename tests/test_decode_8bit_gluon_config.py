@@ -153,6 +153,11 @@ def test_backend_default_follows_default_on(monkeypatch):
     be.num_q_heads = 16
     assert not be._gluon_decode()  # no Hopper GPU here
     assert not be._decode_config(4, 4096).gluon
+    # a pool that names its device by a string (as the interpreter checks build one)
+    pool = MHAKVCache([KVLayerSpec("full", 8, 128, None)], 8, 32, kv_format("int8"), "cpu",
+                      v_layout="HDN")
+    be = TritonBackend(pool, torch.bfloat16, 128 ** -0.5)
+    assert not be._gluon_decode() and not be._decode_config(4, 4096).gluon
 
 
 _COMPILE = """

@@ -131,10 +131,11 @@ class TritonBackend(AttentionBackend):
         if self._gluon8 is None:
             _, d = self._layer_shape()
             pool = self.pool
+            dev = torch.device(pool.device)  # (a pool may name its device by a string)
             self._gluon8 = bool(
-                pool.device.type == "cuda" and decode_8bit_gluon.available(pool.device)
+                dev.type == "cuda" and decode_8bit_gluon.available(dev)
                 and decode_8bit_gluon.default_on(decode_8bit_gluon.kind(pool.dtype), d,
-                                                 torch.cuda.get_device_name(pool.device))
+                                                 torch.cuda.get_device_name(dev))
                 and decode_8bit_gluon.fits(pool.dtype, self.compute_dtype, d, pool.page_size,
                                            self._v_t, self.logit_softcap) is None)
         return self._gluon8
