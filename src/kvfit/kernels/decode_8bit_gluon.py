@@ -11,6 +11,7 @@ import logging
 import torch
 
 from kvfit.kernels.decode_8bit_gluon_kernel import build, operand_layouts
+from kvfit.kernels.gluon_hopper import compile_errors, gluon_available
 
 __all__ = ["build", "operand_layouts", "DEFAULT_ON", "GLUON_TILES", "kind", "default_on",
            "fits", "available", "launch_args", "launch"]
@@ -64,8 +65,6 @@ def fits(cache_dtype: torch.dtype, q_dtype: torch.dtype, head_dim: int, page_siz
 
 def available(device=None) -> bool:
     """A Hopper GPU with Gluon's Hopper module, and no compile failure in this process."""
-    from kvfit.kernels.mla_gluon import gluon_available
-
     if _failures or not torch.cuda.is_available():
         return False
     index = torch.cuda.current_device() if device is None else torch.device(device).index or 0
@@ -100,15 +99,13 @@ def launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, qk_scale: fl
            scale_caches=None) -> bool:
     """One launch: True when it ran, False when this Triton cannot compile the kernel (logged
     once, nothing written: the caller runs the Triton kernel)."""
-    from kvfit.kernels.mla_gluon import _compile_errors
-
     grid, args, consts = launch_args(q, k_cache, v_cache, block_table, kv_lens, out, op, lse,
                                      qk_scale, v_out, num_splits, scale_caches)
     if maxnreg:
         consts["maxnreg"] = maxnreg
     try:
         build()[grid](*args, **consts)
-    except _compile_errors() as e:
+    except compile_errors() as e:
         import triton
 
         _failures.append(f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfit.kernels.decode_int4_kernels import build
+from kvfit.kernels.gluon_hopper import compile_errors
 
 log = logging.getLogger("kvfit")
 LOG2E = 1.4426950408889634
@@ -85,8 +86,8 @@ TILES = {64: (2, 4, 3, None, 2, False), 128: (2, 4, 3, None, 2, True),
 
 def gluon_available(device=None) -> bool:
     """The Gluon kernel can run here: a Hopper GPU with Gluon's Hopper module, no compile
-    failure in this process (``mla_gluon.gluon_available`` decides the first two)."""
-    from kvfit.kernels.mla_gluon import gluon_available as hopper_gluon
+    failure in this process (``gluon_hopper.gluon_available`` decides the first two)."""
+    from kvfit.kernels.gluon_hopper import gluon_available as hopper_gluon
 
     if _gluon_failures or not torch.cuda.is_available():
         return False
@@ -200,7 +201,7 @@ def int4_decode(q: torch.Tensor, pool, layer_id: int, block_table: torch.Tensor,
                                      out, op, lse, sm_scale, cfg)
     try:
         kern[grid](*args, **opts)
-    except _compile_errors() as e:
+    except compile_errors() as e:
         if not cfg.gluon:
             raise
         import triton
@@ -219,10 +220,3 @@ def int4_decode(q: torch.Tensor, pool, layer_id: int, block_table: torch.Tensor,
         # every int4 split writes its partial (an empty one lse -inf): no live count
         merge_splits(op, lse, out, 1.0, cfg.num_splits, 4 if d >= 128 else 2)
     return out
-
-
-def _compile_errors() -> tuple:
-    """The exceptions that mean "this Triton cannot build the Gluon kernel"."""
-    from kvfit.kernels.mla_gluon import _compile_errors as errors
-
-    return errors()

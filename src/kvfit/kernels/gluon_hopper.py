@@ -1,5 +1,8 @@
-"""The Gluon names the Hopper kernels use (``mla_decode_gluon``, ``decode_int4_gluon``,
-``decode_8bit_gluon_kernel``), resolved once for the installed Triton.
+"""What the Hopper Gluon kernels share (``mla_decode_gluon``, ``decode_int4_gluon``,
+``decode_8bit_gluon_kernel``): the Gluon names they use, resolved once for the installed Triton
+(``hopper_names``); whether they can run here (``gluon_available``); and which exceptions mean
+that the installed Triton cannot compile one (``compile_errors``: their hosts then log it once
+and run the Triton kernels).
 
 Some names moved between Triton releases: cp.async of a pointer tile into shared memory is
 ``async_load`` from Triton 3.7 on (the old name raises there), ``async_copy_global_to_shared``
@@ -8,6 +11,39 @@ module puts these names into its globals before defining its ``gluon.jit`` funct
 Triton's JIT resolves the names a kernel uses in its module's globals. Owns nothing.
 """
 from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def gluon_available(device_index: int = 0) -> bool:
+    """Whether the Gluon kernels can run here: a Hopper GPU (sm_90: ``wgmma``) and a Triton
+    with Gluon's Hopper module; not under Triton's CPU interpreter. Cached per device."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or not torch.cuda.is_available():
+        return False
+    if torch.cuda.get_device_capability(device_index)[0] != 9:
+        return False
+    try:
+        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def compile_errors() -> tuple:
+    """The exceptions that mean "this Triton cannot build the kernel" (not a bad launch)."""
+    errors: list = [ImportError, AttributeError, TypeError, NotImplementedError]
+    try:
+        from triton.compiler.errors import CompilationError
+        from triton.runtime.errors import OutOfResources
+
+        errors += [CompilationError, OutOfResources]
+    except ImportError:
+        pass
+    return tuple(errors)
 
 
 def hopper_names() -> dict:

@@ -10,14 +10,13 @@ write ``out`` or the split scratch.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
-import os
 
 import torch
 
 from kvfit.kernels import mla_decode_fp8_pipe, mla_decode_gluon
+from kvfit.kernels.gluon_hopper import compile_errors, gluon_available
 
 log = logging.getLogger("kvfit")
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -31,37 +30,9 @@ def gluon_fits(rank: int, rope: int, cache_dtype: torch.dtype, q_dtype: torch.dt
             and cache_dtype in (torch.bfloat16, torch.float16) + FP8)
 
 
-@functools.cache
-def gluon_available(device_index: int = 0) -> bool:
-    """Whether the Gluon decode kernels can run here: a Hopper GPU (sm_90: ``wgmma``) and a
-    Triton with Gluon's Hopper module; not under Triton's CPU interpreter. Cached per device."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or not torch.cuda.is_available():
-        return False
-    if torch.cuda.get_device_capability(device_index)[0] != 9:
-        return False
-    try:
-        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def usable(device_index: int = 0) -> bool:
     """``gluon_available`` and no compile failure in this process."""
     return not _failures and gluon_available(device_index)
-
-
-def _compile_errors() -> tuple:
-    """The exceptions that mean "this Triton cannot build the kernel" (not a bad launch)."""
-    errors: list = [ImportError, AttributeError, TypeError, NotImplementedError]
-    try:
-        from triton.compiler.errors import CompilationError
-        from triton.runtime.errors import OutOfResources
-
-        errors += [CompilationError, OutOfResources]
-    except ImportError:
-        pass
-    return tuple(errors)
 
 
 def launch(q, cache, block_table, kv_lens, out, op, lse, rank: int, qk_scale: float,
@@ -94,7 +65,7 @@ def launch(q, cache, block_table, kv_lens, out, op, lse, rank: int, qk_scale: fl
             mla_decode_gluon.build()[(b * hblk, cfg.num_splits)](
                 *args, STAGES=cfg.num_stages, CONVERT=cache.dtype in FP8,
                 QFP8=cfg.qfp8 and cache.dtype == torch.float8_e4m3fn, **shape)
-    except _compile_errors() as e:
+    except compile_errors() as e:
         import triton
 
         _failures.append(f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
