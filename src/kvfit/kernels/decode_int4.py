@@ -31,16 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import math
 from dataclasses import dataclass
 
 import torch
 
 from kvfit.kernels.decode_int4_kernels import build
-from kvfit.kernels.gluon_hopper import compile_errors
+from kvfit.kernels.gluon_hopper import launch_or_record
 
-log = logging.getLogger("kvfit")
 LOG2E = 1.4426950408889634
 PAGE = 32  # the int4 pool's page = K's quantization group
 # the triton backend's int4 decode on Hopper with 16-bit compute: the Gluon kernel
@@ -199,17 +197,11 @@ def int4_decode(q: torch.Tensor, pool, layer_id: int, block_table: torch.Tensor,
         cfg = dataclasses.replace(cfg, gluon=False)
     kern, grid, args, opts = _launch(q, pool, layer_id, block_table, kv_lens, residual_slots,
                                      out, op, lse, sm_scale, cfg)
-    try:
+    if not cfg.gluon:
         kern[grid](*args, **opts)
-    except compile_errors() as e:
-        if not cfg.gluon:
-            raise
-        import triton
-
-        _gluon_failures.append(f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
-        log.warning("the Gluon int4 decode kernel does not compile with Triton %s (%s); int4 "
-                    "decode runs the Triton kernel (slower on Hopper: docs/benchmarks.md). "
-                    "Triton 3.6 is known to work.", triton.__version__, _gluon_failures[0])
+    elif not launch_or_record(lambda: kern[grid](*args, **opts), _gluon_failures,
+                              "Gluon int4 decode kernel", "int4 decode runs the Triton kernel "
+                              "(slower on Hopper: docs/benchmarks.md)"):
         kern, grid, args, opts = _launch(q, pool, layer_id, block_table, kv_lens, residual_slots,
                                          out, op, lse, sm_scale,
                                          dataclasses.replace(cfg, gluon=False))

@@ -1,8 +1,8 @@
 """What the Hopper Gluon kernels share (``mla_decode_gluon``, ``decode_int4_gluon``,
 ``decode_8bit_gluon_kernel``): the Gluon names they use, resolved once for the installed Triton
-(``hopper_names``); whether they can run here (``gluon_available``); and which exceptions mean
-that the installed Triton cannot compile one (``compile_errors``: their hosts then log it once
-and run the Triton kernels).
+(``hopper_names``); whether they can run here (``gluon_available``); which exceptions mean
+that the installed Triton cannot compile one (``compile_errors``); and the launch that records
+such a failure and logs it once (``launch_or_record``: the hosts then run the Triton kernels).
 
 Some names moved between Triton releases: cp.async of a pointer tile into shared memory is
 ``async_load`` from Triton 3.7 on (the old name raises there), ``async_copy_global_to_shared``
@@ -13,9 +13,12 @@ Triton's JIT resolves the names a kernel uses in its module's globals. Owns noth
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
+
+log = logging.getLogger("kvfit")
 
 
 @functools.cache
@@ -44,6 +47,25 @@ def compile_errors() -> tuple:
     except ImportError:
         pass
     return tuple(errors)
+
+
+def launch_or_record(launch, failures: list, kernel: str, fallback: str,
+                     known: str = "3.6") -> bool:
+    """Runs ``launch()``: True when it ran; False when the installed Triton cannot compile the
+    kernel. The failure is appended to ``failures`` (the host's record, which turns the kernel
+    off for the process) and the first one is logged as a warning naming ``kernel``, what runs
+    instead (``fallback``) and the Triton releases ``known`` to work. Other errors propagate."""
+    try:
+        launch()
+    except compile_errors() as e:
+        import triton
+
+        failures.append(f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
+        if len(failures) == 1:
+            log.warning("the %s does not compile with Triton %s (%s); %s. Triton %s is known to "
+                        "work.", kernel, triton.__version__, failures[0], fallback, known)
+        return False
+    return True
 
 
 def hopper_names() -> dict:

@@ -10,15 +10,13 @@ write ``out`` or the split scratch.
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
 
 from kvfit.kernels import mla_decode_fp8_pipe, mla_decode_gluon
-from kvfit.kernels.gluon_hopper import compile_errors, gluon_available
+from kvfit.kernels.gluon_hopper import gluon_available, launch_or_record
 
-log = logging.getLogger("kvfit")
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _failures: list[str] = []  # the first compile failure (at most one entry)
 
@@ -58,20 +56,14 @@ def launch(q, cache, block_table, kv_lens, out, op, lse, rank: int, qk_scale: fl
     shape = dict(H=h, RANK=rank, ROPE=slab - rank, SLAB=slab, PAGE=cache.shape[1],
                  BLOCK_H=cfg.block_m, BLOCK_N=cfg.block_n, HBLK=hblk, CHUNK=16, SINGLE=single,
                  XV=cfg.conv_vec, num_warps=cfg.num_warps)
-    try:
+    def run():
         if cfg.pipe:
             mla_decode_fp8_pipe.build()[(b * hblk, cfg.num_splits)](*args, **shape)
         else:
             mla_decode_gluon.build()[(b * hblk, cfg.num_splits)](
                 *args, STAGES=cfg.num_stages, CONVERT=cache.dtype in FP8,
                 QFP8=cfg.qfp8 and cache.dtype == torch.float8_e4m3fn, **shape)
-    except compile_errors() as e:
-        import triton
 
-        _failures.append(f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
-        log.warning("the Gluon MLA decode kernel does not compile with Triton %s (%s); MLA "
-                    "decode runs the Triton kernels (slower on Hopper: docs/benchmarks.md, "
-                    "'MLA decode in Gluon'). Triton 3.6-3.9 are known to work.",
-                    triton.__version__, _failures[0])
-        return False
-    return True
+    return launch_or_record(run, _failures, "Gluon MLA decode kernel",
+                            "MLA decode runs the Triton kernels (slower on Hopper: "
+                            "docs/benchmarks.md, 'MLA decode in Gluon')", known="3.6-3.9")
