@@ -207,8 +207,9 @@ target() {
       tail -3 "$OUT/gluon_8bit_tests.log"
       (cd benchmarks/kernels && OUT_DIR="$OUT" run gluon_8bit_sweep python3 decode_sweep.py \
         --jobs 12 $(grep -v '^#' ../gpu/gluon_8bit.txt))
-      local on="{'H100': {('fp8', 64), ('fp8', 128), ('fp8', 256), ('int8', 128), ('int8', 256)},"
-      on+=" 'H200': {('fp8', 64), ('fp8', 128), ('fp8', 256), ('int8', 128), ('int8', 256)}}"
+      local on="{'H100': {('fp8', 64), ('fp8', 128), ('fp8', 256), ('int8', 64), ('int8', 128),"
+      on+=" ('int8', 256)}, 'H200': {('fp8', 64), ('fp8', 128), ('fp8', 256), ('int8', 64),"
+      on+=" ('int8', 128), ('int8', 256)}}"
       for v in off on; do  # the Triton kernels, then the Gluon kernel for every listed pair
         K="kvfit.kernels.decode_8bit_gluon:DEFAULT_ON={}"
         [ $v = on ] && K="kvfit.kernels.decode_8bit_gluon:DEFAULT_ON=$on"

@@ -1,9 +1,9 @@
 """The Gluon 8-bit decode (kernels/decode_8bit_gluon.py) on a Hopper GPU against the float32
 reference over the dequantized pages: fp8_e4m3 / fp8_e5m2 (with per-tensor scales) and int8
-(per-token scales), head_dim 64/128/256, pages of 16/32/64, 1 to 5 splits,
-lengths ending mid-page, on a tile boundary and inside the first page; every unwritten page
-byte poisoned (NaN fp8 codes, NaN int8 scales) and the output poisoned. Also through the
-triton backend with the kernel on (eager and a CUDA-graph replay)."""
+(per-token scales; int8 keys on s8 MMAs), head_dim 64/128/256, pages of 16/32/64, 1 to 5
+splits, lengths ending mid-page, on a tile boundary and inside the first page; every
+unwritten page byte poisoned (NaN fp8 codes, NaN int8 scales) and the output poisoned. Also
+through the triton backend with the kernel on (eager and a CUDA-graph replay)."""
 
 from __future__ import annotations
 

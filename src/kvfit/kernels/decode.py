@@ -120,6 +120,9 @@ def choose_config(batch: int, num_kv_heads: int, group: int, head_dim: int, max_
                              f"use gluon=False")
         per_sm, nreg = decode_8bit_gluon.GLUON_TILES.get(head_dim,
                                                          decode_8bit_gluon.GLUON_TILES[256])
+        if block_n not in (None, 64):
+            raise ValueError(f"the Gluon decode's tiles hold 64 tokens, not block_n={block_n}: "
+                             f"leave block_n unset")
         tile, heads = (64, 1, nreg, per_sm), 1  # (no software pipeline stages: 1)
     elif not use_dot:
         tile = (16, 2, None, 4)  # block_n, num_stages, maxnreg, ctas_per_sm
@@ -392,9 +395,10 @@ def _gluon_decode(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, sm_sc
                                     sm_scale * k_scale * LOG2E, v_out, cfg.num_splits,
                                     cfg.maxnreg, scale_caches):
         return False
-    if cfg.num_splits > 1:  # the splits are cut as the Triton kernels' (64-token tiles)
+    if cfg.num_splits > 1:  # the splits are cut as the Triton kernels' (whole tiles)
         decode_kernels.merge_splits(op, lse, out, v_out, cfg.num_splits,
-                                    4 if q.shape[2] >= 128 else 2, (kv_lens, 0, None, 64))
+                                    4 if q.shape[2] >= 128 else 2,
+                                    (kv_lens, 0, None, cfg.block_n))
     return True
 
 

@@ -1,34 +1,34 @@
 """The Gluon 8-bit decode's host side: where it runs (``fits``, ``available``, the per-GPU
 ``DEFAULT_ON``), its launch shape per head size (``GLUON_TILES``) and its launch, with the
 fallback when the installed Triton cannot compile it. The kernel and its design are in
-``decode_8bit_gluon_kernel``; ``kernels/decode.py`` launches it for a ``DecodeConfig`` whose
-``gluon`` is set. Owns the process's record of a compile failure (``_failures``).
+``decode_8bit_gluon_kernel``, its register layouts in ``decode_8bit_gluon_layouts``;
+``kernels/decode.py`` launches it for a ``DecodeConfig`` whose ``gluon`` is set. Owns the
+process's record of a compile failure (``_failures``).
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
-from kvfit.kernels.decode_8bit_gluon_kernel import build, operand_layouts
-from kvfit.kernels.gluon_hopper import compile_errors, gluon_available
+from kvfit.kernels.decode_8bit_gluon_kernel import build
+from kvfit.kernels.decode_8bit_gluon_layouts import int8_key_layouts, operand_layouts
+from kvfit.kernels.gluon_hopper import gluon_available, launch_or_record
 
-__all__ = ["build", "operand_layouts", "DEFAULT_ON", "GLUON_TILES", "kind", "default_on",
+__all__ = ["build", "operand_layouts", "int8_key_layouts", "DEFAULT_ON", "GLUON_TILES", "kind", "default_on",
            "fits", "available", "launch_args", "launch"]
 
-log = logging.getLogger("kvfit")
 # the launch per head size: (programs per SM in the split rule, register cap); sm_90 compile
-# (Triton 3.6): 64-d 76-84 registers (6 an SM), 128-d 119 (fp8) / 127 at the cap (int8) (4 an
-# SM), 256-d 202-212 (2 an SM); a few KB of shared memory (the query and P)
-GLUON_TILES = {64: (6, None), 128: (4, 128), 256: (2, None)}
+# (Triton 3.6): 64-d 76 (fp8) / 80 at the cap (int8; 85 uncapped, 5 an SM: 1.33x the time on
+# an H100) registers, 6 an SM; 128-d 119 (fp8) / 127 at the cap (int8), 4 an SM; 256-d 202-233,
+# 2 an SM; a few KB of shared memory (the query and P)
+GLUON_TILES = {64: (6, 80), 128: (4, 128), 256: (2, None)}
 # per GPU (a substring of its CUDA device name): the (page kind, head size) pairs whose decode
 # runs this kernel by default (the triton backend's choice), where it measured faster than the
-# Triton kernel (docs/benchmarks.md, H100 80GB HBM3, 2026-12-06: fp8 0.87-0.99x its time at
-# 64/128/256-d and batch 1-128, int8 0.99-1.01x the Triton fp8 time at 128/256-d; int8 on 64-d
-# heads measured 1.34-1.55x, so not listed). A GPU not listed (the H200 included, not measured
-# with this kernel) keeps the Triton kernel.
-DEFAULT_ON: dict = {"H100": frozenset({("fp8", 64), ("fp8", 128), ("fp8", 256), ("int8", 128),
-                                       ("int8", 256)})}
+# Triton kernel (docs/benchmarks.md, H100 80GB HBM3, 2026-12-06: fp8 0.87-0.99x the Triton fp8
+# kernel's time at 64/128/256-d and batch 1-128; int8 0.97-1.02x the Triton fp8 time at
+# 128/256-d and 0.87-0.95x the Triton int8 time at 64-d, its keys on s8 MMAs). A GPU not
+# listed (the H200 included, not measured with this kernel) keeps the Triton kernel.
+DEFAULT_ON: dict = {"H100": frozenset({("fp8", 64), ("fp8", 128), ("fp8", 256), ("int8", 64),
+                                       ("int8", 128), ("int8", 256)})}
 _failures: list[str] = []  # the first compile failure of the kernel in this process, if any
 
 
@@ -88,9 +88,12 @@ def launch_args(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, qk_scal
             block_table.stride(0), float(qk_scale), float(v_out), num_splits)
     block_h = max(8, triton.next_power_of_2(hq // hkv))
     mma, lk, lv, lak, lav = operand_layouts(d, k_cache.shape[2], block_h)
+    mma_i = mma
+    if int8:  # keys through s8 MMAs
+        mma_i, lk, lak = int8_key_layouts(d, block_h)
     code = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1, torch.int8: 2}[k_cache.dtype]
-    consts = dict(G=hq // hkv, BLOCK_H=block_h, D=d, PAGE=k_cache.shape[2], CODE=code,
-                  SINGLE=num_splits == 1, MMA=mma, LK=lk, LV=lv, LAK=lak, LAV=lav, num_warps=4)
+    consts = dict(G=hq // hkv, BLOCK_H=block_h, D=d, PAGE=k_cache.shape[2], CODE=code, SINGLE=num_splits == 1, MMA=mma, MMA_I=mma_i, LK=lk, LV=lv,
+                  LAK=lak, LAV=lav, num_warps=4)
     return (b, hkv, num_splits), args, consts
 
 
@@ -103,14 +106,5 @@ def launch(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, qk_scale: fl
                                      qk_scale, v_out, num_splits, scale_caches)
     if maxnreg:
         consts["maxnreg"] = maxnreg
-    try:
-        build()[grid](*args, **consts)
-    except compile_errors() as e:
-        import triton
-
-        _failures.append(f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
-        log.warning("the Gluon 8-bit decode kernel does not compile with Triton %s (%s); 8-bit "
-                    "decode runs the Triton kernel. Triton 3.6 is known to work.",
-                    triton.__version__, _failures[0])
-        return False
-    return True
+    return launch_or_record(lambda: build()[grid](*args, **consts), _failures,
+                            "Gluon 8-bit decode kernel", "8-bit decode runs the Triton kernel")

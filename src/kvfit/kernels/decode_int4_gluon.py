@@ -36,10 +36,10 @@ import functools
 def build():
     """The jitted Gluon kernel, built once per process on first use (CUDA, sm_90)."""
     from triton.experimental import gluon
-    from kvfit.kernels.gluon_hopper import hopper_names
+    from kvfit.kernels.gluon_hopper import hopper_names, split_epilogue
 
     # Triton's JIT resolves the kernels' names in this module's globals
-    globals().update(hopper_names())
+    globals().update(hopper_names(), _split_out=split_epilogue())
 
     # packed bytes -> nibbles under the exponent of 1024, four bytes an asm: prmt spreads two
     # bytes into a register's halves (a: bytes 0-1, b: 2-3), lop3 puts a nibble under the
@@ -232,7 +232,6 @@ def build():
         SPQ: gl.constexpr = 8 if BLOCK_H * D >= 1024 else BLOCK_H * D // 128
         TPC: gl.constexpr = 32 if D // SPQ >= 32 else D // SPQ
         LQ: gl.constexpr = gl.BlockedLayout([1, SPQ], [32 // TPC, TPC], [4, 1], [1, 0])
-        LO: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
         RAW3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
         stage_k = gl.allocate_shared_memory(gl.uint8, [STAGES, NPG, PAGE, HALF], RAW3)
         stage_v = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, NG, 16], RAW3)
@@ -320,23 +319,7 @@ def build():
             acc, m_i, l_t = _attend(kt, vt, qs, p_s, acc, m_i, l_t, tail, BLOCK_H, MMA)
 
         # o^T = acc [D, BLOCK_H] / l, rows even-first -> channels in order
-        l_i = gl.sum(l_t, axis=0)
-        safe_l = gl.where(l_i > 0, l_i, 1.0)
-        o_t = gl.convert_layout(acc / safe_l[None, :], LO)
-        r = gl.arange(0, D, layout=gl.SliceLayout(1, LO))
-        ch = gl.where(r < HALF, 2 * r, 2 * (r - HALF) + 1)
-        g = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, LO))
-        omask = (g < G)[None, :] & (r < D)[:, None]
-        if SINGLE:
-            dst = OUT + b.to(gl.int64) * stride_ob + (h * G + g)[None, :] * stride_oh
-            gl.store(dst + ch[:, None], o_t.to(OUT.dtype.element_ty), mask=omask)
-        else:
-            hkv = gl.num_programs(1)
-            orow = (b.to(gl.int64) * (hkv * G) + h * G + g) * num_splits + s  # [BLOCK_H]
-            gl.store(OP + orow[None, :] * D + ch[:, None], o_t, mask=omask)
-            lse = gl.where(l_i > 0, m_i + gl.log2(safe_l), float("-inf"))
-            gh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, MMA))
-            lrow = (b.to(gl.int64) * (hkv * G) + h * G + gh) * num_splits + s
-            gl.store(LSE + lrow, lse, mask=gh < G)
+        _split_out(acc, l_t, m_i, OUT, OP, LSE, b, h, s, num_splits, stride_ob,  # noqa: F821
+                   stride_oh, 1.0, G, BLOCK_H, D, SINGLE, True, MMA)
 
     return _int4_decode_gluon

@@ -1,8 +1,9 @@
 """What the Hopper Gluon kernels share (``mla_decode_gluon``, ``decode_int4_gluon``,
 ``decode_8bit_gluon_kernel``): the Gluon names they use, resolved once for the installed Triton
-(``hopper_names``); whether they can run here (``gluon_available``); which exceptions mean
-that the installed Triton cannot compile one (``compile_errors``); and the launch that records
-such a failure and logs it once (``launch_or_record``: the hosts then run the Triton kernels).
+(``hopper_names``); the split decode's epilogue of the MHA decodes (``split_epilogue``);
+whether they can run here (``gluon_available``); which exceptions mean that the installed
+Triton cannot compile one (``compile_errors``); and the launch that records such a failure and
+logs it once (``launch_or_record``: the hosts then run the Triton kernels).
 
 Some names moved between Triton releases: cp.async of a pointer tile into shared memory is
 ``async_load`` from Triton 3.7 on (the old name raises there), ``async_copy_global_to_shared``
@@ -86,3 +87,49 @@ def hopper_names() -> dict:
         _cp_async=getattr(async_copy, "async_load", None)
         or async_copy.async_copy_global_to_shared,
         _cta_barrier=getattr(gl, "barrier", None) or gl.thread_barrier)
+
+
+@functools.cache
+def split_epilogue():
+    """The jitted epilogue of the int4 and 8-bit Gluon decodes (one program: a request, a KV
+    head, a split; heads as the MMAs' N): ``acc [D, BLOCK_H]`` (o^T, float32, MMA layout)
+    over the per-row running sums ``l_t [T, BLOCK_H]`` and the base-2 running max ``m_i``.
+    One split writes ``OUT`` rows ``b, h * G + g`` (times ``v_out``, in OUT's dtype); several
+    write float32 partials ``OP`` (rows ``(b * Hq + head) * splits + s``) and their base-2
+    log-sum-exp ``LSE`` (-inf for an empty split) for ``decode_kernels``' merge. ``EVEN_FIRST``:
+    acc's rows hold the even channels, then the odd ones (the int4 kernel's order). Built once
+    per process (imports Gluon); a kernel module puts it into its globals."""
+    from triton.experimental import gluon
+
+    globals().update(hopper_names())
+
+    @gluon.jit
+    def _split_out(acc, l_t, m_i, OUT, OP, LSE, b, h, s, num_splits, stride_ob, stride_oh,
+                   v_out, G: gl.constexpr, BLOCK_H: gl.constexpr, D: gl.constexpr,  # noqa: F821
+                   SINGLE: gl.constexpr, EVEN_FIRST: gl.constexpr,  # noqa: F821
+                   MMA: gl.constexpr):  # noqa: F821
+        LO: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])  # noqa: F821
+        l_i = gl.sum(l_t, axis=0)  # noqa: F821
+        safe_l = gl.where(l_i > 0, l_i, 1.0)  # noqa: F821
+        o_t = gl.convert_layout(acc / safe_l[None, :], LO)  # noqa: F821
+        r = gl.arange(0, D, layout=gl.SliceLayout(1, LO))  # noqa: F821
+        if EVEN_FIRST:
+            ch = gl.where(r < D // 2, 2 * r, 2 * (r - D // 2) + 1)  # noqa: F821
+        else:
+            ch = r
+        g = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, LO))  # noqa: F821
+        omask = (g < G)[None, :] & (r < D)[:, None]
+        if SINGLE:
+            dst = OUT + b.to(gl.int64) * stride_ob + (h * G + g)[None, :] * stride_oh  # noqa: F821
+            gl.store(dst + ch[:, None], (o_t * v_out).to(OUT.dtype.element_ty),  # noqa: F821
+                     mask=omask)
+        else:
+            hkv = gl.num_programs(1)  # noqa: F821
+            orow = (b.to(gl.int64) * (hkv * G) + h * G + g) * num_splits + s  # noqa: F821
+            gl.store(OP + orow[None, :] * D + ch[:, None], o_t, mask=omask)  # noqa: F821
+            lse = gl.where(l_i > 0, m_i + gl.log2(safe_l), float("-inf"))  # noqa: F821
+            gh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, MMA))  # noqa: F821
+            lrow = (b.to(gl.int64) * (hkv * G) + h * G + gh) * num_splits + s  # noqa: F821
+            gl.store(LSE + lrow, lse, mask=gh < G)  # noqa: F821
+
+    return _split_out
