@@ -100,8 +100,10 @@ def test_gluon_8bit_decode_equals_the_triton_kernel_closely():
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])
 def test_backend_decode_through_gluon_eager_and_graph(kv_dtype, monkeypatch):
     """The triton backend picks the kernel when ``DEFAULT_ON`` lists the pool's format and head
-    size for this GPU; a decode step eagerly and replayed from a CUDA graph (static metadata, grown
-    contexts) matches the reference."""
+    size for this GPU; its decode (``forward`` over the stored pages) eagerly, and replayed
+    from a CUDA graph captured after ``init_cuda_graph`` / ``prepare_cuda_graph`` (static
+    split scratch, split count fixed by the batch size) with new queries, matches the
+    reference."""
     _needs_hopper()
     from kvfit.attention.triton_backend import TritonBackend
 
@@ -115,28 +117,17 @@ def test_backend_decode_through_gluon_eager_and_graph(kv_dtype, monkeypatch):
     assert be._gluon_decode()
     be.prepare(meta)
     assert be._decode_cfg.gluon
-    out = poison_(torch.empty_like(q))
-    pd = paged_decode
-    ks = vs = None
-    if kv_dtype == "int8":
-        ks, vs = pool.k_scale_caches[0], pool.v_scale_caches[0]
-    pd(q, pool.k_caches[0], pool.v_caches[0], meta.block_table, meta.kv_lens, out, d ** -0.5,
-       be._decode_cfg, pool.k_scales[0] if kv_dtype != "int8" else 1.0,
-       pool.v_scales[0] if kv_dtype != "int8" else 1.0, k_scale_cache=ks, v_scale_cache=vs)
+    out = be.forward(q, None, None, 0, kv_stored=True)
     assert rel_err(out, ref) < BOUND[torch.bfloat16]
-    # a graph captured once replays new queries over the same pages
-    g_out = poison_(torch.empty_like(q))
+    be.init_cuda_graph(len(lens), meta.block_table.shape[1])
+    be.prepare_cuda_graph(meta)
+    assert be._decode_cfg.gluon and be._scratch is not None
     g_q = q.clone()
-    cfg = be._decode_cfg
-    kw = (dict(k_scale_cache=ks, v_scale_cache=vs) if kv_dtype == "int8"
-          else dict(k_scale=pool.k_scales[0], v_scale=pool.v_scales[0]))
-    pd(g_q, pool.k_caches[0], pool.v_caches[0], meta.block_table, meta.kv_lens, g_out,
-       d ** -0.5, cfg, **kw)  # compiled before capture
+    be.forward(g_q, None, None, 0, kv_stored=True)  # compiled before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        pd(g_q, pool.k_caches[0], pool.v_caches[0], meta.block_table, meta.kv_lens, g_out,
-           d ** -0.5, cfg, **kw)
+        g_out = be.forward(g_q, None, None, 0, kv_stored=True)
     for seed in range(3):
         torch.manual_seed(100 + seed)
         q2 = torch.randn_like(q)

@@ -32,11 +32,14 @@ DEFAULT_ON: dict = {"H100": frozenset({("fp8", 64), ("fp8", 128), ("fp8", 256), 
 _failures: list[str] = []  # the first compile failure of the kernel in this process, if any
 
 
+# the page dtypes it reads: (their kind in DEFAULT_ON, the kernel's CODE)
+PAGE_CODES = {torch.float8_e4m3fn: ("fp8", 0), torch.float8_e5m2: ("fp8", 1),
+              torch.int8: ("int8", 2)}
+
+
 def kind(cache_dtype: torch.dtype) -> str | None:
     """"fp8", "int8" or None (a page dtype this kernel does not read)."""
-    if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return "fp8"
-    return "int8" if cache_dtype == torch.int8 else None
+    return PAGE_CODES.get(cache_dtype, (None, None))[0]
 
 
 def default_on(page_kind: str | None, head_dim: int, device_name: str) -> bool:
@@ -91,7 +94,7 @@ def launch_args(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, qk_scal
     mma_i = mma
     if int8:  # keys through s8 MMAs
         mma_i, lk, lak = int8_key_layouts(d, block_h)
-    code = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1, torch.int8: 2}[k_cache.dtype]
+    code = PAGE_CODES[k_cache.dtype][1]
     consts = dict(G=hq // hkv, BLOCK_H=block_h, D=d, PAGE=k_cache.shape[2], CODE=code, SINGLE=num_splits == 1, MMA=mma, MMA_I=mma_i, LK=lk, LV=lv,
                   LAK=lak, LAV=lav, num_warps=4)
     return (b, hkv, num_splits), args, consts
