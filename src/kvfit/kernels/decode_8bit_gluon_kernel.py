@@ -98,12 +98,16 @@ def build():
         return gl.convert_layout(y, LA, assert_trivial=True)
 
     @gluon.jit
-    def _load(KCh, VCh, bt_row, t0, n1, stride_cp, D: gl.constexpr, PAGE: gl.constexpr,
-              TOK: gl.constexpr, INT8: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr):
+    def _load(KCh, VCh, KS, VS, bt_row, t0, n1, stride_cp, s_head, stride_sp, q_f,
+              D: gl.constexpr, PAGE: gl.constexpr, TOK: gl.constexpr, INT8: gl.constexpr,
+              LK: gl.constexpr, LV: gl.constexpr, LR: gl.constexpr):
         # the tile's codes from token t0 (rows and pages from n1 on not loaded: whatever the
         # registers held, masked in the logits, and zeroed in V with a partial tile's dead
         # tokens) as 32-bit words: K [TOK rows (tokens by _token), D / 4] (INT8: in the
-        # slice of int8_key_layouts' 3-D layout), V [D, TOK / PAGE, PAGE / 4]
+        # slice of int8_key_layouts' 3-D layout), V [D, TOK / PAGE, PAGE / 4]; int8: the
+        # rows' K scales times the query's factor q_f and their V scales ([TOK] float32 in
+        # the logits' row layout LR, 0 from n1 on), through the K rows' page ids (q_f twice
+        # otherwise)
         NPG: gl.constexpr = TOK // PAGE
         if INT8:
             LKW: gl.constexpr = gl.SliceLayout(2, LK)
@@ -126,19 +130,15 @@ def build():
         ptr = (base.to(gl.pointer_type(gl.int32), bitcast=True)[:, :, None]
                + wv[None, :][None, :, :])
         v = gl.load(ptr, mask=(f < n1)[None, :][:, :, None])
-        return k, v
-
-    @gluon.jit
-    def _token_scales(KS, VS, bt_row, t0, n1, s_head, stride_sp, q_f, PAGE: gl.constexpr,
-                      TOK: gl.constexpr, L: gl.constexpr):
-        # int8: the K scales of the tile's rows times the query's factor q_f, and their V
-        # scales ([TOK] float32 in layout L, 0 for tokens from n1 on)
-        tok = t0 + _token(gl.arange(0, TOK, layout=L), TOK)
-        live = tok < n1
-        pg = gl.load(bt_row + tok // PAGE, mask=live, other=0).to(gl.int64)
-        off = pg * stride_sp + s_head + tok % PAGE
-        return (gl.load(KS + off, mask=live, other=0.0).to(gl.float32) * q_f,
-                gl.load(VS + off, mask=live, other=0.0).to(gl.float32))
+        ks = q_f
+        vs = q_f
+        if INT8:  # the K rows' threads hold the logits rows: the layout change moves nothing
+            off = pg * stride_sp + s_head + tok % PAGE
+            ks = gl.convert_layout(gl.load(KS + off, mask=live, other=0.0).to(gl.float32) * q_f,
+                                   LR, assert_trivial=True)
+            vs = gl.convert_layout(gl.load(VS + off, mask=live, other=0.0).to(gl.float32), LR,
+                                   assert_trivial=True)
+        return k, v, ks, vs
 
     @gluon.jit
     def _tile(k_raw, v_raw, ks, vs, qs, q_lo, p_s, acc, m_i, l_t, n_live, tok_r, tok_k,
@@ -268,12 +268,8 @@ def build():
         kk = gl.arange(0, TOK, layout=gl.SliceLayout(0, LAV))
         tok_k = _token(kk, TOK)  # P.V's k's tokens in a tile
 
-        k_raw, v_raw = _load(KCh, VCh, bt_row, n0, n1, stride_cp, D, PAGE, TOK, INT8, LK, LV)
-        ks = qk_scale  # int8: the tile's token scales
-        vs = qk_scale
-        if INT8:
-            ks, vs = _token_scales(KS, VS, bt_row, n0, n1, s_head, stride_sp, q_f, PAGE, TOK,
-                                   LR)
+        k_raw, v_raw, ks, vs = _load(KCh, VCh, KS, VS, bt_row, n0, n1, stride_cp, s_head,
+                                     stride_sp, q_f, D, PAGE, TOK, INT8, LK, LV, LR)
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
         l_t = gl.zeros([TOK, BLOCK_H], gl.float32, layout=MMA)
         acc = gl.zeros([D, BLOCK_H], gl.float32, layout=MMA)
@@ -285,11 +281,8 @@ def build():
             vs_c = vs
             # the next tile's codes (and scales) into registers while this one is computed
             t1 = n0 + TOK * (i + 1)
-            k_raw, v_raw = _load(KCh, VCh, bt_row, t1, n1, stride_cp, D, PAGE, TOK, INT8, LK,
-                                 LV)
-            if INT8:
-                ks, vs = _token_scales(KS, VS, bt_row, t1, n1, s_head, stride_sp, q_f, PAGE,
-                                       TOK, LR)
+            k_raw, v_raw, ks, vs = _load(KCh, VCh, KS, VS, bt_row, t1, n1, stride_cp, s_head,
+                                         stride_sp, q_f, D, PAGE, TOK, INT8, LK, LV, LR)
             acc, m_i, l_t = _tile(k_cur, v_cur, ks_c, vs_c, qs, q_lo, p_s, acc, m_i, l_t, TOK,
                                   tok_r, tok_k, D, BLOCK_H, TOK, CODE, False, MMA, MMA_I, LK,
                                   LAK, LAV)
