@@ -85,6 +85,9 @@ def launch_args(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, qk_scal
     hkv = k_cache.shape[1]
     int8 = k_cache.dtype == torch.int8
     ks, vs = scale_caches if int8 else (k_cache, k_cache)
+    if int8 and max(ks.numel(), vs.numel()) >= 2 ** 31:  # the kernel's 32-bit scale offsets
+        raise ValueError(f"int8 scale caches of {ks.numel():,} elements: the Gluon decode "
+                         f"indexes them with 32-bit offsets (< 2^31); use gluon=False")
     args = (q, out, op, lse, k_cache, v_cache, ks, vs, block_table, kv_lens,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
             k_cache.stride(1), ks.stride(0) if int8 else 0, ks.stride(1) if int8 else 0,

@@ -107,23 +107,28 @@ def build():
         # slice of int8_key_layouts' 3-D layout), V [D, TOK / PAGE, PAGE / 4]; int8: the
         # rows' K scales times the query's factor q_f and their V scales ([TOK] float32 in
         # the logits' row layout LR, 0 from n1 on), through the K rows' page ids (q_f twice
-        # otherwise)
+        # otherwise). t0 is a multiple of the page size (splits and tiles are whole 64-token
+        # tiles): a row's page is t0 / P plus its tile token's, its slot the tile token's
         NPG: gl.constexpr = TOK // PAGE
+        SHIFT: gl.constexpr = 4 if PAGE == 16 else (5 if PAGE == 32 else 6)  # log2(P)
+        p0 = t0 >> SHIFT
         if INT8:
             LKW: gl.constexpr = gl.SliceLayout(2, LK)
         else:
             LKW: gl.constexpr = LK
         m = gl.arange(0, TOK, layout=gl.SliceLayout(1, LKW))
-        tok = t0 + _token(m, TOK)
-        live = tok < n1
-        pg = gl.load(bt_row + tok // PAGE, mask=live, other=0).to(gl.int64)
-        rows = (KCh + pg * stride_cp + (tok % PAGE) * D).to(gl.pointer_type(gl.int32),
-                                                            bitcast=True)
+        tl = _token(m, TOK)  # the rows' tokens in the tile
+        live = t0 + tl < n1
+        slot = tl & (PAGE - 1)
+        pg32 = gl.load(bt_row + (p0 + (tl >> SHIFT)), mask=live, other=0)
+        rows = (KCh + pg32.to(gl.int64) * stride_cp + slot * D).to(gl.pointer_type(gl.int32),
+                                                                   bitcast=True)
         w = gl.arange(0, D // 4, layout=gl.SliceLayout(0, LKW))
         k = gl.load(rows[:, None] + w[None, :], mask=live[:, None])
         LV2: gl.constexpr = gl.SliceLayout(2, LV)  # [D, NPG]
-        f = t0 + PAGE * gl.arange(0, NPG, layout=gl.SliceLayout(0, LV2))  # pages' first tokens
-        pgv = gl.load(bt_row + f // PAGE, mask=f < n1, other=0).to(gl.int64)
+        j = gl.arange(0, NPG, layout=gl.SliceLayout(0, LV2))  # the tile's pages
+        f = t0 + PAGE * j  # their first tokens
+        pgv = gl.load(bt_row + (p0 + j), mask=f < n1, other=0).to(gl.int64)
         dv = gl.arange(0, D, layout=gl.SliceLayout(1, LV2))
         base = VCh + (dv * PAGE)[:, None] + (pgv * stride_cp)[None, :]  # [D, NPG]
         wv = gl.arange(0, PAGE // 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, LV)))
@@ -133,7 +138,7 @@ def build():
         ks = q_f
         vs = q_f
         if INT8:  # the K rows' threads hold the logits rows: the layout change moves nothing
-            off = pg * stride_sp + s_head + tok % PAGE
+            off = pg32 * stride_sp + s_head + slot  # < 2^31: launch_args checks
             ks = gl.convert_layout(gl.load(KS + off, mask=live, other=0.0).to(gl.float32) * q_f,
                                    LR, assert_trivial=True)
             vs = gl.convert_layout(gl.load(VS + off, mask=live, other=0.0).to(gl.float32), LR,
