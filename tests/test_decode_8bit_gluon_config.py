@@ -112,6 +112,17 @@ def test_gluon_launch_binds_every_kernel_argument(monkeypatch):
             mma, mma_i, lk, lv, lak, lav)
 
 
+def test_gluon_refuses_scale_caches_past_32_bit_offsets():
+    """The kernel indexes int8 scale caches with 32-bit offsets: caches of 2^31 elements or
+    more are refused naming the fix (expanded views: no memory)."""
+    q, kc, vc, bt, lens, _ = _problem(torch.int8)
+    huge = torch.ones(1, 1, 1, dtype=torch.float16).expand(2 ** 26, 2, 2 ** 4)
+    assert huge.numel() == 2 ** 31
+    with pytest.raises(ValueError, match="32-bit offsets.*gluon=False"):
+        decode_8bit_gluon.launch_args(q, kc, vc, bt, lens, torch.empty_like(q), None, None,
+                                      0.1, 1.0, 1, scale_caches=(huge, huge))
+
+
 def test_gluon_refuses_a_window_naming_the_fix():
     q, kc, vc, bt, lens, sc = _problem(torch.float8_e4m3fn)
     cfg = decode.DecodeConfig(1, 64, True, 4, 3, v_t=True, gluon=True)
