@@ -13,8 +13,8 @@ from kvfit.kernels.decode_8bit_gluon_kernel import build
 from kvfit.kernels.decode_8bit_gluon_layouts import int8_key_layouts, operand_layouts
 from kvfit.kernels.gluon_hopper import gluon_available, launch_or_record
 
-__all__ = ["build", "operand_layouts", "int8_key_layouts", "DEFAULT_ON", "GLUON_TILES", "kind", "default_on",
-           "fits", "available", "launch_args", "launch"]
+__all__ = ["build", "operand_layouts", "int8_key_layouts", "DEFAULT_ON", "GLUON_TILES",
+           "PAGE_CODES", "kind", "default_on", "fits", "available", "launch_args", "launch"]
 
 # the launch per head size: (programs per SM in the split rule, register cap); sm_90 compile
 # (Triton 3.6): 64-d 76 (fp8) / 80 at the cap (int8; 85 uncapped, 5 an SM: 1.33x the time on
@@ -24,8 +24,8 @@ GLUON_TILES = {64: (6, 80), 128: (4, 128), 256: (2, None)}
 # per GPU (a substring of its CUDA device name): the (page kind, head size) pairs whose decode
 # runs this kernel by default (the triton backend's choice), where it measured faster than the
 # Triton kernel (docs/benchmarks.md, H100 80GB HBM3, 2026-12-06: fp8 0.87-0.99x the Triton fp8
-# kernel's time at 64/128/256-d and batch 1-128; int8 0.97-1.02x the Triton fp8 time at
-# 128/256-d and 0.87-0.95x the Triton int8 time at 64-d, its keys on s8 MMAs). A GPU not
+# kernel's time at 64/128/256-d and batch 1-128; int8 0.98-1.02x the Triton fp8 time at
+# 128/256-d and 0.86-0.95x the Triton int8 time at 64-d, its keys on s8 MMAs). A GPU not
 # listed (the H200 included, not measured with this kernel) keeps the Triton kernel.
 DEFAULT_ON: dict = {"H100": frozenset({("fp8", 64), ("fp8", 128), ("fp8", 256), ("int8", 64),
                                        ("int8", 128), ("int8", 256)})}
@@ -98,8 +98,9 @@ def launch_args(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, qk_scal
     if int8:  # keys through s8 MMAs
         mma_i, lk, lak = int8_key_layouts(d, block_h)
     code = PAGE_CODES[k_cache.dtype][1]
-    consts = dict(G=hq // hkv, BLOCK_H=block_h, D=d, PAGE=k_cache.shape[2], CODE=code, SINGLE=num_splits == 1, MMA=mma, MMA_I=mma_i, LK=lk, LV=lv,
-                  LAK=lak, LAV=lav, num_warps=4)
+    consts = dict(G=hq // hkv, BLOCK_H=block_h, D=d, PAGE=k_cache.shape[2], CODE=code,
+                  SINGLE=num_splits == 1, MMA=mma, MMA_I=mma_i, LK=lk, LV=lv, LAK=lak,
+                  LAV=lav, num_warps=4)
     return (b, hkv, num_splits), args, consts
 
 

@@ -49,10 +49,10 @@ from kvfit.kernels.decode_8bit_gluon_layouts import WORD_TO_F16_ASM
 def build():
     """The jitted Gluon kernel, built once per process on first use (CUDA, sm_90)."""
     from triton.experimental import gluon
-    from kvfit.kernels.gluon_hopper import hopper_names, split_epilogue
+    from kvfit.kernels.gluon_hopper import hopper_names, mha_decode_parts
 
     # Triton's JIT resolves the kernels' names in this module's globals
-    globals().update(hopper_names(), _split_out=split_epilogue())
+    globals().update(hopper_names(), **mha_decode_parts())
     globals().update({f"_ASM_{n}": gl.constexpr(WORD_TO_F16_ASM[k])  # noqa: F821
                       for n, k in (("E4M3", "fp8_e4m3"), ("E5M2", "fp8_e5m2"), ("I8", "int8"))})
 
@@ -181,11 +181,7 @@ def build():
             s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))  # noqa: F821
         if MASKED:
             s_t = gl.where((tok_r < n_live)[:, None], s_t, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s_t, axis=0))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p_t = gl.exp2(s_t - m_use[None, :])
-        l_t = l_t * alpha[None, :] + p_t
+        m_new, alpha, p_t, l_t = _online_softmax(s_t, m_i, l_t)  # noqa: F821
         if CODE == 2:
             p_t = p_t * vs[:, None]
         _cta_barrier()  # noqa: F821 -- the last tile's P.V has read p_s everywhere
@@ -201,9 +197,10 @@ def build():
                            stride_qb, stride_qh, stride_ob, stride_oh, stride_cp, stride_ch,
                            stride_sp, stride_sh, stride_bt, qk_scale, v_out, num_splits,
                            G: gl.constexpr, BLOCK_H: gl.constexpr, D: gl.constexpr,
-                           PAGE: gl.constexpr, CODE: gl.constexpr, SINGLE: gl.constexpr, MMA: gl.constexpr, MMA_I: gl.constexpr,
-                           LK: gl.constexpr, LV: gl.constexpr, LAK: gl.constexpr,
-                           LAV: gl.constexpr, num_warps: gl.constexpr):
+                           PAGE: gl.constexpr, CODE: gl.constexpr, SINGLE: gl.constexpr,
+                           MMA: gl.constexpr, MMA_I: gl.constexpr, LK: gl.constexpr,
+                           LV: gl.constexpr, LAK: gl.constexpr, LAV: gl.constexpr,
+                           num_warps: gl.constexpr):
         gl.static_assert(num_warps == 4, "one warp group")
         TOK: gl.constexpr = 64  # a tile's tokens: the logits MMAs' M
         gl.static_assert(TOK % PAGE == 0, "pages of 16, 32 or 64 tokens")

@@ -36,10 +36,10 @@ import functools
 def build():
     """The jitted Gluon kernel, built once per process on first use (CUDA, sm_90)."""
     from triton.experimental import gluon
-    from kvfit.kernels.gluon_hopper import hopper_names, split_epilogue
+    from kvfit.kernels.gluon_hopper import hopper_names, mha_decode_parts
 
     # Triton's JIT resolves the kernels' names in this module's globals
-    globals().update(hopper_names(), _split_out=split_epilogue())
+    globals().update(hopper_names(), **mha_decode_parts())
 
     # packed bytes -> nibbles under the exponent of 1024, four bytes an asm: prmt spreads two
     # bytes into a register's halves (a: bytes 0-1, b: 2-3), lop3 puts a nibble under the
@@ -145,11 +145,7 @@ def build():
         s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
         r = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
         s_t = gl.where((r < n_live)[:, None], s_t, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s_t, axis=0))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p_t = gl.exp2(s_t - m_use[None, :])
-        l_t = l_t * alpha[None, :] + p_t
+        m_new, alpha, p_t, l_t = _online_softmax(s_t, m_i, l_t)  # noqa: F821
         p_s.store(p_t.to(gl.float16))
         fence_async_shared()
         _cta_barrier()  # noqa: F821

@@ -1,6 +1,7 @@
 """What the Hopper Gluon kernels share (``mla_decode_gluon``, ``decode_int4_gluon``,
 ``decode_8bit_gluon_kernel``): the Gluon names they use, resolved once for the installed Triton
-(``hopper_names``); the split decode's epilogue of the MHA decodes (``split_epilogue``);
+(``hopper_names``); the online-softmax step and the split epilogue of the MHA decodes
+(``mha_decode_parts``);
 whether they can run here (``gluon_available``); which exceptions mean that the installed
 Triton cannot compile one (``compile_errors``); and the launch that records such a failure and
 logs it once (``launch_or_record``: the hosts then run the Triton kernels).
@@ -90,18 +91,34 @@ def hopper_names() -> dict:
 
 
 @functools.cache
-def split_epilogue():
-    """The jitted epilogue of the int4 and 8-bit Gluon decodes (one program: a request, a KV
-    head, a split; heads as the MMAs' N): ``acc [D, BLOCK_H]`` (o^T, float32, MMA layout)
-    over the per-row running sums ``l_t [T, BLOCK_H]`` and the base-2 running max ``m_i``.
-    One split writes ``OUT`` rows ``b, h * G + g`` (times ``v_out``, in OUT's dtype); several
-    write float32 partials ``OP`` (rows ``(b * Hq + head) * splits + s``) and their base-2
-    log-sum-exp ``LSE`` (-inf for an empty split) for ``decode_kernels``' merge. ``EVEN_FIRST``:
-    acc's rows hold the even channels, then the odd ones (the int4 kernel's order). Built once
-    per process (imports Gluon); a kernel module puts it into its globals."""
+def mha_decode_parts() -> dict:
+    """The jitted pieces the int4 and 8-bit Gluon decodes share (one program: a request, a KV
+    head, a split; tokens as the logits MMAs' M, heads as their N), by the names the kernels
+    call them; built once per process (imports Gluon), a kernel module puts them into its
+    globals.
+
+    ``_online_softmax(s_t, m_i, l_t)``: one tile's base-2 logits ``s_t [T, BLOCK_H]`` (dead
+    rows -inf) against the running max ``m_i [BLOCK_H]`` -> (new max, the rescale ``alpha`` of
+    the accumulator, ``p_t``, the per-row running sums ``l_t [T, BLOCK_H]`` rescaled and
+    added: summed over the rows once, at the end, so no cross-warp reduction per tile).
+
+    ``_split_out(...)``: the epilogue, ``acc [D, BLOCK_H]`` (o^T, float32, MMA layout) over
+    ``l_t`` summed. One split writes ``OUT`` rows ``b, h * G + g`` (times ``v_out``, in OUT's
+    dtype); several write float32 partials ``OP`` (rows ``(b * Hq + head) * splits + s``) and
+    their base-2 log-sum-exp ``LSE`` (-inf for an empty split) for ``decode_kernels``' merge.
+    ``EVEN_FIRST``: acc's rows hold the even channels, then the odd ones (the int4 kernel's
+    order)."""
     from triton.experimental import gluon
 
     globals().update(hopper_names())
+
+    @gluon.jit
+    def _online_softmax(s_t, m_i, l_t):
+        m_new = gl.maximum(m_i, gl.max(s_t, axis=0))  # noqa: F821
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # noqa: F821
+        alpha = gl.exp2(m_i - m_use)  # noqa: F821
+        p_t = gl.exp2(s_t - m_use[None, :])  # noqa: F821
+        return m_new, alpha, p_t, l_t * alpha[None, :] + p_t
 
     @gluon.jit
     def _split_out(acc, l_t, m_i, OUT, OP, LSE, b, h, s, num_splits, stride_ob, stride_oh,
@@ -132,4 +149,4 @@ def split_epilogue():
             lrow = (b.to(gl.int64) * (hkv * G) + h * G + gh) * num_splits + s  # noqa: F821
             gl.store(LSE + lrow, lse, mask=gh < G)  # noqa: F821
 
-    return _split_out
+    return dict(_online_softmax=_online_softmax, _split_out=_split_out)

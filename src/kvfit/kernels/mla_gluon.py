@@ -56,6 +56,7 @@ def launch(q, cache, block_table, kv_lens, out, op, lse, rank: int, qk_scale: fl
     shape = dict(H=h, RANK=rank, ROPE=slab - rank, SLAB=slab, PAGE=cache.shape[1],
                  BLOCK_H=cfg.block_m, BLOCK_N=cfg.block_n, HBLK=hblk, CHUNK=16, SINGLE=single,
                  XV=cfg.conv_vec, num_warps=cfg.num_warps)
+
     def run():
         if cfg.pipe:
             mla_decode_fp8_pipe.build()[(b * hblk, cfg.num_splits)](*args, **shape)
