@@ -13,14 +13,14 @@ from kvfit.kvcache.int4_pool import Int4KVCache
 from kvfit.kvcache.spec import KVLayerSpec
 
 
-def filled_pool(kv_lens, hkv, d, device, dtype, seed=0, chunk=45):
+def filled_pool(kv_lens, hkv, d, device, dtype, seed=0, chunk=45, v_layout="HND"):
     """An int4 pool holding ``len(kv_lens)`` requests of random K/V (prefilled in chunks that
     cross pages, so pages are completed from the residual), one residual slot each."""
     g = torch.Generator().manual_seed(seed)
     b = len(kv_lens)
     pages_each = [-(-n // 32) for n in kv_lens]
     pool = Int4KVCache([KVLayerSpec("full", hkv, d)], sum(pages_each) + 1, 32, kv_format("int4"),
-                       device, num_slots=b, residual_dtype=dtype)
+                       device, num_slots=b, residual_dtype=dtype, v_layout=v_layout)
     perm = torch.randperm(sum(pages_each), generator=g).tolist()  # scattered pages
     tables, at = [], 0
     for n in pages_each:
@@ -50,10 +50,11 @@ def reference(q, pool, tables, kv_lens, sm_scale):
 
 
 def run_check(device, dtype, kv_lens, hq, hkv, d, rtol, num_splits=1, pages_per_tile=2,
-              asm=True, num_warps=4, num_stages=2, fold_k=False, ks_tokens=False, gluon=False):
+              asm=True, num_warps=4, num_stages=2, fold_k=False, ks_tokens=False, gluon=False,
+              v_layout="HND", maxnreg=None, ks_ahead=False):
     from kvfit.kernels.decode_int4 import Int4DecodeConfig, int4_decode
 
-    pool, tables = filled_pool(kv_lens, hkv, d, device, dtype)
+    pool, tables = filled_pool(kv_lens, hkv, d, device, dtype, v_layout=v_layout)
     b = len(kv_lens)
     q = torch.randn(b, hq, d, generator=torch.Generator().manual_seed(1)).to(device, dtype)
     width = max(len(t) for t in tables)
@@ -65,7 +66,8 @@ def run_check(device, dtype, kv_lens, hq, hkv, d, rtol, num_splits=1, pages_per_
     int4_decode(q, pool, 0, bt.to(device), torch.tensor(kv_lens, dtype=torch.int32).to(device),
                 torch.arange(b, dtype=torch.int32).to(device), out, sm,
                 Int4DecodeConfig(num_splits, pages_per_tile, num_warps, num_stages, asm,
-                                 fold_k=fold_k, ks_tokens=ks_tokens, gluon=gluon))
+                                 maxnreg=maxnreg, fold_k=fold_k, ks_tokens=ks_tokens,
+                                 gluon=gluon, ks_ahead=ks_ahead))
     want = reference(q, pool, tables, kv_lens, sm)
     got = out.double().cpu()
     assert torch.isfinite(got).all()

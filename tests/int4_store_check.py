@@ -17,10 +17,10 @@ NAMES = ("k_caches", "v_caches", "k_scale_caches", "k_zero_caches", "v_scale_cac
          "v_zero_caches", "k_residual", "v_residual")
 
 
-def run_store_check(device, dtype, hkv=2, d=64, steps=40, seed=0) -> list[str]:
+def run_store_check(device, dtype, hkv=2, d=64, steps=40, seed=0, v_layout="HND") -> list[str]:
     """Names of the pool tensors that differ (empty: bit-exact)."""
     pools = [Int4KVCache([KVLayerSpec("full", hkv, d)], 16, 32, kv_format("int4"), device,
-                         num_slots=4, residual_dtype=dtype) for _ in range(2)]
+                         num_slots=4, residual_dtype=dtype, v_layout=v_layout) for _ in range(2)]
     for p in pools:
         for n in NAMES:
             getattr(p, n)[0].zero_()

@@ -155,7 +155,9 @@ def test_default_on_is_per_gpu_name():
     assert on("fp8", 128, "NVIDIA H100 80GB HBM3") and on("int8", 256, "NVIDIA H100 PCIe")
     assert on("int8", 64, "NVIDIA H100 80GB HBM3")  # s8 keys, 80 registers: faster there
     assert not on("int8", 96, "NVIDIA H100 80GB HBM3")  # a pair not listed
-    assert not on("fp8", 128, "NVIDIA H200") and not on(None, 128, "NVIDIA H100 80GB HBM3")
+    assert on("fp8", 128, "NVIDIA H200") and on("int8", 64, "NVIDIA H200")  # measured there
+    assert not on("fp8", 128, "NVIDIA A100-SXM4-80GB")  # not Hopper: not listed
+    assert not on(None, 128, "NVIDIA H100 80GB HBM3")
 
 
 def test_backend_default_follows_default_on(monkeypatch):

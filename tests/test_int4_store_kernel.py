@@ -16,10 +16,11 @@ pytest.importorskip("triton")
 HERE = Path(__file__).parent
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_int4_decode_store_kernel_equals_the_torch_store(dtype):
+@pytest.mark.parametrize("dtype,v_layout", [("float32", "HND"), ("bfloat16", "HND"),
+                                            ("bfloat16", "HDN")])
+def test_int4_decode_store_kernel_equals_the_torch_store(dtype, v_layout):
     code = ("import torch; from int4_store_check import run_store_check; "
-            f"bad = run_store_check(torch.device('cpu'), torch.{dtype}); "
+            f"bad = run_store_check(torch.device('cpu'), torch.{dtype}, v_layout='{v_layout}'); "
             "assert not bad, bad")
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))

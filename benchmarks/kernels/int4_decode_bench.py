@@ -9,7 +9,8 @@ tokens). Prints one table; --json writes the rows.
 asm or cast nibble conversion, programs per SM assumed by the split rule) per shape and prints
 the compiled registers and shared memory of each, plus each variant's largest difference from
 the cast variant's output (a check that the asm conversion computes the same values).
-``--compile-only --part I --parts N`` compiles the I-th of N slices of the same launches without
+``--gluon`` and ``--regs`` time the Gluon kernels (the register one over the same pages with
+token-minor V). ``--compile-only --part I --parts N`` compiles the I-th of N slices of the same launches without
 timing them (run N of those in parallel first: the timed run then hits Triton's cache).
 
 Bytes are what one call must read: fp8 2 x D per token and head; int4 the packed codes, K's
@@ -29,6 +30,7 @@ SHAPES = [  # (name, Hq, Hkv, D, batch, context)
     ("qwen3-1.7b-like", 16, 8, 128, 16, 8192),
     ("smollm2-like", 9, 3, 64, 64, 2048),
     ("gemma3-like", 4, 1, 256, 128, 1024),
+    ("qwen3-1.7b-like", 16, 8, 128, 4, 32768),
 ]
 # per head size: (pages per tile, warps, stages, asm, programs per SM in the split rule,
 # register cap, K's scale folded into q, K's scale loaded per token); the first (cast) is the
@@ -79,6 +81,7 @@ def setup_int4(hq, hkv, d, batch, ctx, dev, g):
     from kvfit.kernels import decode_int4
     from kvfit.kvcache.dtypes import kv_format
     from kvfit.kvcache.int4_pool import Int4KVCache
+    from kvfit.kvcache.kivi import v_token_minor
     from kvfit.kvcache.spec import KVLayerSpec
 
     full = ctx // 32
@@ -96,17 +99,30 @@ def setup_int4(hq, hkv, d, batch, ctx, dev, g):
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
     slots = torch.arange(batch, dtype=torch.int32, device=dev)
 
+    # the same pages with token-minor V (the register kernel's pool, v_layout "HDN")
+    tm = Int4KVCache([KVLayerSpec("full", hkv, d)], n, 32, kv_format("int4"), dev,
+                     num_slots=batch, residual_dtype=torch.bfloat16, v_layout="HDN")
+    for name in ("k_caches", "k_scale_caches", "k_zero_caches", "k_residual", "v_residual"):
+        getattr(tm, name)[0].copy_(getattr(pool, name)[0])
+    for dst, src in zip((tm.v_caches, tm.v_scale_caches, tm.v_zero_caches),
+                        v_token_minor(pool.v_caches[0], pool.v_scale_caches[0],
+                                      pool.v_zero_caches[0])):
+        dst[0].copy_(src)
+
+    def pool_of(cfg):
+        return tm if cfg in REGS else pool
+
     def run(cfg):
         out = torch.empty_like(q)
-        decode_int4.int4_decode(q, pool, 0, bt, lens, slots, out, d ** -0.5, cfg)
+        decode_int4.int4_decode(q, pool_of(cfg), 0, bt, lens, slots, out, d ** -0.5, cfg)
         return out
 
     def compiled(cfg):
         out = torch.empty_like(q)
         op = torch.empty((batch * hq * cfg.num_splits, d), dtype=torch.float32, device=dev)
         lse = torch.empty((batch * hq * cfg.num_splits,), dtype=torch.float32, device=dev)
-        kern, grid, args, opts = decode_int4._launch(q, pool, 0, bt, lens, slots, out, op, lse,
-                                                     d ** -0.5, cfg)
+        kern, grid, args, opts = decode_int4._launch(q, pool_of(cfg), 0, bt, lens, slots, out,
+                                                     op, lse, d ** -0.5, cfg)
         return kern.warmup(*args, grid=grid, **opts)
 
     tail = ctx - full * 32
@@ -121,6 +137,15 @@ def variant_cfg(variant, batch, hkv, d, ctx, sms):
         return choose_config(batch, hkv, d, ctx, sms)
     if variant == "gluon":
         return choose_config(batch, hkv, d, ctx, sms, gluon=True)
+    if variant[0] == "regs":  # ("regs"[, programs per SM, register cap, K scales ahead])
+        cfg = choose_config(batch, hkv, d, ctx, sms, gluon=True, v_t=True)
+        if len(variant) > 1:
+            per_sm, maxnreg, ahead = (list(variant[1:]) + [0, 0])[:3]
+            cfg = choose_config(batch, hkv, d, ctx, sms, ctas_per_sm=per_sm, gluon=True,
+                                v_t=True)
+            cfg = dataclasses.replace(cfg, maxnreg=maxnreg or None, ks_ahead=bool(ahead))
+        REGS.add(cfg)
+        return cfg
     if variant[0] == "gluon":  # ("gluon", stages, programs per SM[, register cap])
         stages, per_sm, maxnreg = (list(variant[1:]) + [0])[:3]
         cfg = choose_config(batch, hkv, d, ctx, sms, None, None, stages, per_sm, gluon=True)
@@ -147,6 +172,7 @@ def _resources(ck) -> tuple:
     return getattr(ck, "n_regs", 0), ck.metadata.shared / 1024
 
 
+REGS: set = set()  # the launch configs that run over the token-minor V pool
 GRAPH = False  # --graph: time CUDA-graph replays (GPU time only, as the engine's decode runs)
 
 
@@ -183,6 +209,10 @@ def main() -> None:
                    help="A/B of kernel versions: the Gluon kernel built by FILE's build() (e.g. "
                         "`git show REV:src/kvfit/kernels/decode_int4_gluon.py > FILE`) in place "
                         "of decode_int4_gluon's; the launch is chosen as for the current one")
+    p.add_argument("--regs", default=None, nargs="?", const="",
+                   help="time the register kernel (decode_int4_regs_kernel) over the same pages "
+                        "with token-minor V; optional PER_SM:MAXNREG[:AHEAD],... launches to "
+                        "time too (AHEAD 1: K's scales loaded a tile ahead)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, TRITON_INTERPRET=1: tiny shapes, every code path once, no timing")
     p.add_argument("--graph", action="store_true",
@@ -211,8 +241,10 @@ def main() -> None:
     sms = _sms(dev)
     def variants_of(shape):
         gv = [("gluon", *map(int, x.split(":"))) for x in args.gluon_variants.split(",") if x]
+        rv = ([("regs",)] + [("regs", *map(int, x.split(":"))) for x in args.regs.split(",") if x]
+              if args.regs is not None else [])
         return ((VARIANTS[shape[3]] if args.sweep else [None]) + (["gluon"] if args.gluon else [])
-                + gv)
+                + gv + rv)
 
     jobs = [(s, None) for s in SHAPES] + [(s, v) for s in SHAPES for v in variants_of(s)]
     if args.compile_only:  # jobs: fp8 per shape, then the int4 variants; every parts-th
@@ -253,11 +285,12 @@ def main() -> None:
                 print(f"no compiled kernel for {cfg}: {type(e).__name__}: {e}")
                 ck = None
             regs, smem = _resources(ck)
-            launch = ("gluon " if cfg.gluon else "") + (
+            launch = ("regs " if cfg in REGS else "gluon " if cfg.gluon else "") + (
                       f"S={cfg.num_splits} NPG={cfg.pages_per_tile} w={cfg.num_warps} "
                       f"st={cfg.num_stages} {'asm' if cfg.asm else 'cast'}"
                       + (f" r{cfg.maxnreg}" if cfg.maxnreg else "")
-                      + (" foldK" if cfg.fold_k else "") + (" ksT" if cfg.ks_tokens else ""))
+                      + (" foldK" if cfg.fold_k else "") + (" ksT" if cfg.ks_tokens else "")
+                      + (" ksA" if cfg.ks_ahead else ""))
             row = dict(shape=name, hq=hq, hkv=hkv, d=d, batch=b, context=ctx, fp8_page=ps,
                        launch=launch, fp8_us=f_ms * 1e3, int4_us=i_ms * 1e3,
                        fp8_tbs=f_bytes / f_ms / 1e9, int4_tbs=i_bytes / i_ms / 1e9,

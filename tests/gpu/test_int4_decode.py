@@ -66,3 +66,32 @@ def test_int4_decode_gluon_matches_reference(hq, hkv, d, splits, stages, dtype):
                     num_stages=stages, gluon=True)
     print(f"gluon hq={hq} hkv={hkv} d={d} splits={splits} stages={stages} {dtype}: rel error "
           f"{err:.2e}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d,splits,flip", [
+    (9, 3, 64, 1, False), (9, 3, 64, 4, True), (16, 8, 128, 1, False), (16, 8, 128, 3, True),
+    (16, 8, 128, 5, False), (32, 2, 128, 2, False), (8, 1, 256, 2, False),
+    (8, 4, 256, 1, True)])
+def test_int4_decode_regs_matches_reference(hq, hkv, d, splits, flip, dtype):
+    """The register int4 kernel over token-minor V pages (decode_int4_regs_kernel: K and V^T
+    converted straight into the MMAs' A operands; splits ending on one page of a tile, the
+    residual page as an extra tile) at the Triton kernel's accuracy, with its default launch
+    (REGS_TILES) and, ``flip``, K's scales loaded the other way (ahead or at their tile)."""
+    from kvfit.kernels.decode_int4 import REGS_TILES, gluon_available
+
+    if not gluon_available():
+        pytest.skip("the Gluon int4 decode needs a Hopper GPU and Gluon's Hopper module")
+    _, maxnreg, ahead = REGS_TILES[d]
+    err = run_check(torch.device("cuda"), dtype, LENS, hq, hkv, d, 5e-3, num_splits=splits,
+                    gluon=True, v_layout="HDN", maxnreg=maxnreg, ks_ahead=ahead != flip)
+    print(f"regs hq={hq} hkv={hkv} d={d} splits={splits} ahead={ahead != flip} {dtype}: rel "
+          f"error {err:.2e}")
+
+
+@pytest.mark.parametrize("hq,hkv,d,splits", [(9, 3, 64, 2), (16, 8, 128, 3), (8, 1, 256, 1)])
+def test_int4_decode_triton_reads_token_minor_v(hq, hkv, d, splits):
+    """The Triton kernel (the register kernel's fallback) over token-minor V pages."""
+    err = run_check(torch.device("cuda"), torch.bfloat16, LENS, hq, hkv, d, 5e-3,
+                    num_splits=splits, num_warps=8 if d >= 256 else 4, v_layout="HDN")
+    print(f"triton HDN hq={hq} hkv={hkv} d={d} splits={splits}: rel error {err:.2e}")

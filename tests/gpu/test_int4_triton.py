@@ -33,13 +33,23 @@ def test_triton_int4_steps_match_the_torch_backend(dtype, d, tol):
     assert err < tol
 
 
-def _generate(path, backend, eager):
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_triton_int4_token_minor_steps_match_the_torch_backend(d):
+    """bfloat16 steps over token-minor V pages: the decode store kernel writes them, decode
+    steps run the register kernel (decode_int4_regs_kernel) on Hopper, prefill reads them."""
+    err = run_steps(torch.device("cuda"), torch.bfloat16, hq=8, hkv=2, d=d, v_layout="HDN")
+    print(f"HDN bf16 d={d}: largest relative difference {err:.2e}")
+    assert err < 2e-2
+
+
+def _generate(path, backend, eager, dtype=None):
     from kvfit.llm import LLM
     from kvfit.sampling_params import SamplingParams
 
+    extra = {} if dtype is None else dict(dtype=dtype)
     llm = LLM(str(path), load_format="dummy", attention_backend=backend, kv_dtype="int4",
               device="cuda", enforce_eager=eager, num_pages=64, max_model_len=512,
-              max_num_seqs=8)
+              max_num_seqs=8, **extra)
     prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((5, 33, 70))]
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
     outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -75,9 +85,38 @@ def test_int4_greedy_tokens_triton_equal_torch(tmp_path):
         assert worst < 0.02, (eager, worst)
 
 
+def test_int4_register_kernel_engine_matches_token_major_pools(tmp_path, monkeypatch):
+    """bfloat16 engines, CUDA graphs on: a pool with token-minor V decoded by the register
+    kernel (REGS_DEFAULT_ON listing every GPU) against the token-major pool's Gluon kernel
+    (REGS_DEFAULT_ON empty), the same
+    greedy tokens up to near-ties and logprobs within bfloat16 noise."""
+    from kvfit.kernels import decode_int4
+
+    if not decode_int4.gluon_available():
+        pytest.skip("the register int4 decode needs a Hopper GPU and Gluon's Hopper module")
+    (tmp_path / "config.json").write_text(json.dumps(CFG))
+    path = tmp_path / "config.json"
+    monkeypatch.setattr(decode_int4, "REGS_DEFAULT_ON", {})  # token-major V, the first kernel
+    ref, _ = _generate(path, "triton", False, "bfloat16")
+    monkeypatch.setattr(decode_int4, "REGS_DEFAULT_ON", {"": frozenset({64})})
+    got, graphs = _generate(path, "triton", False, "bfloat16")
+    assert graphs is not None
+    worst = 0.0
+    for (rt, rlp), (gt, glp) in zip(ref, got):
+        i = next((j for j, (a, b) in enumerate(zip(rt, gt)) if a != b), None)
+        for j in range(len(rt) if i is None else i):
+            worst = max(worst, abs(rlp[j][rt[j]] - glp[j][gt[j]]))
+        if i is not None:
+            gap = sorted(rlp[i].values(), reverse=True)
+            assert gap[0] - gap[1] < 0.1, (i, rt, gt, rlp[i], glp[i])
+    print(f"largest logprob difference before a divergence {worst:.1e}")
+    assert worst < 0.1
+
+
 @pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 64), (torch.bfloat16, 128),
                                      (torch.float32, 256)])
 def test_int4_decode_store_kernel_equals_the_torch_store(dtype, d):
     from int4_store_check import run_store_check
 
     assert not run_store_check(torch.device("cuda"), dtype, d=d)
+    assert not run_store_check(torch.device("cuda"), dtype, d=d, v_layout="HDN")

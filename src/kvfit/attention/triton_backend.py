@@ -41,7 +41,7 @@ import torch
 from kvfit.attention.base import AttentionBackend, AttentionMetadata, KVStoreTarget
 from kvfit.attention.triton_int4 import TritonInt4
 from kvfit.attention.triton_mla import TritonMLA
-from kvfit.kernels import decode_8bit_gluon
+from kvfit.kernels import decode_8bit_gluon, decode_int4
 from kvfit.kernels.decode import DecodeConfig, choose_config, paged_decode
 from kvfit.kernels.prefill import order_prefill_blocks, paged_prefill, prefill_config
 from kvfit.kernels.prefill_split import SPLIT_MAX_TOKENS, ExtendSplit, wants_split
@@ -99,6 +99,8 @@ class TritonBackend(AttentionBackend):
         HND tile); HND for 16/32-bit pools and smaller heads (docs/kernels.md)."""
         if pool_name == "MLAKVCache":  # one latent slab per token: no separate V pages
             return "HND"
+        if pool_name == "Int4KVCache":  # token-minor where the register int4 decode is default
+            return "HDN" if decode_int4.regs_default_here(head_dim) else "HND"
         pow2 = page_size > 0 and page_size & (page_size - 1) == 0
         return "HDN" if _eight_bit(kv_dtype) and pow2 and head_dim >= 64 else "HND"
 

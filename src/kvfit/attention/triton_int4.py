@@ -36,7 +36,7 @@ from kvfit.kernels import decode_int4
 from kvfit.kernels.decode_int4 import Int4DecodeConfig, choose_config, int4_decode
 from kvfit.kernels.int4_store import int4_store_decode
 from kvfit.kernels.prefill import order_prefill_blocks, paged_prefill, prefill_config
-from kvfit.kvcache.kivi import channel_order, dequantize_k_page, dequantize_v_tokens
+from kvfit.kvcache.kivi import channel_order, dequantize_k_page
 from kvfit.transfer import to_device
 
 @dataclass
@@ -100,9 +100,7 @@ class PrefillPages:
             k[self.full_dst] = dequantize_k_page(
                 pool.k_caches[layer_id][pages], channel_order(pool.k_scale_caches[layer_id][pages]),
                 channel_order(pool.k_zero_caches[layer_id][pages]), dtype)
-            v[self.full_dst] = dequantize_v_tokens(pool.v_caches[layer_id][pages],
-                                                   pool.v_scale_caches[layer_id][pages],
-                                                   pool.v_zero_caches[layer_id][pages], dtype)
+            v[self.full_dst] = pool.dequantize_v(layer_id, pages, dtype)
         if self.part_dst.numel():
             k[self.part_dst] = pool.k_residual[layer_id][self.part_slot].to(dtype)
             v[self.part_dst] = pool.v_residual[layer_id][self.part_slot].to(dtype)
@@ -141,7 +139,7 @@ class TritonInt4:
     def _config(self, batch: int, max_len: int) -> Int4DecodeConfig:
         spec = self.pool.layers[0]
         return choose_config(batch, spec.num_kv_heads, spec.head_dim, max_len, self._num_sms,
-                             gluon=self._gluon)
+                             gluon=self._gluon, v_t=self.pool.v_layout == "HDN")
 
     def prepare(self, meta) -> None:
         """Mutates self: the step's metadata and launch plan. Host work only (no syncs)."""

@@ -296,6 +296,6 @@ def build():
 
         # o^T = acc [D, BLOCK_H] / l
         _split_out(acc, l_t, m_i, OUT, OP, LSE, b, h, s, num_splits, stride_ob,  # noqa: F821
-                   stride_oh, v_out, G, BLOCK_H, D, SINGLE, False, MMA)
+                   stride_oh, v_out, G, BLOCK_H, D, SINGLE, 0, MMA)
 
     return _decode_8bit_gluon

@@ -51,6 +51,17 @@ GLUON = True
 # compile: 128-d 128 registers, 53 KB of shared memory, so 4 programs an SM; 64-d 112 / 27 KB;
 # 256-d 168 / 105 KB, two an SM
 GLUON_TILES = {64: (2, 3, 128), 128: (2, 4, 128), 256: (2, 2, 168)}
+# the register int4 kernel (decode_int4_regs_kernel, token-minor V pages) per head size:
+# (programs per SM in the split rule, register cap, K's scales loaded a tile ahead), the fastest
+# of the H200 sweep (2026-12-06, docs/benchmarks.md); sm_90 compile (Triton 3.6): 64-d 96
+# registers (5 an SM), 128-d 128 with K's scales loaded at their tile (4 an SM, no spills;
+# loaded ahead: 160, 3 an SM), 256-d 255 (2 an SM)
+REGS_TILES = {64: (5, 96, False), 128: (4, 128, False), 256: (2, None, True)}
+# per GPU (a substring of its CUDA device name): the head sizes whose int4 pools store
+# token-minor V and decode with the register kernel by default (the triton backend's choice,
+# ``regs_default``): measured 1.2-1.6x the shared-memory Gluon kernel at 64/128/256-d on the
+# H100 and the H200 (docs/benchmarks.md, 2026-12-06)
+REGS_DEFAULT_ON: dict = {"H100": frozenset({64, 128, 256}), "H200": frozenset({64, 128, 256})}
 _gluon_failures: list[str] = []  # the first compile failure of the Gluon kernel, if any
 
 
@@ -71,8 +82,12 @@ class Int4DecodeConfig:
     # the codes' register layout) instead of once per page (one value per thread)
     ks_tokens: bool = False
     # the Gluon kernel (decode_int4_gluon: two pages a tile, 4 warps, num_stages copies in
-    # flight, maxnreg; 16-bit queries and residual, sm_90); the other tile fields do not apply
+    # flight, maxnreg; 16-bit queries and residual, sm_90; over token-minor V pages the
+    # register kernel, decode_int4_regs_kernel); the other tile fields do not apply
     gluon: bool = False
+    # the register kernel: K's scales and zeros loaded a tile ahead with the codes (more
+    # registers carried) instead of at their tile
+    ks_ahead: bool = False
 
 
 # per head size: (pages per tile, warps, stages, register cap, programs per SM in the split
@@ -97,15 +112,21 @@ def gluon_available(device=None) -> bool:
 def choose_config(batch: int, num_kv_heads: int, head_dim: int, max_kv_len: int,
                   num_sms: int = 132, pages_per_tile: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
-                  ctas_per_sm: int | None = None, gluon: bool = False) -> Int4DecodeConfig:
+                  ctas_per_sm: int | None = None, gluon: bool = False,
+                  v_t: bool = False) -> Int4DecodeConfig:
     """Tile and a wave-aware split count: ``batch * kv_heads * splits`` programs on
     ``num_sms * ctas_per_sm`` slots, the split count minimising waves per unit of work with
     splits of >= 4 tiles and a 1%-per-split merge cost (as the fp8 decode's rule). An explicit
     tile (pages, warps, stages) runs without the register cap of the measured default.
     ``gluon``: the Gluon kernel's launch (two pages a tile, 4 warps, ``GLUON_TILES``); the
-    caller decides whether it can run (``gluon_available``, 16-bit queries)."""
+    caller decides whether it can run (``gluon_available``, 16-bit queries); with ``v_t``
+    (token-minor V pages) the register kernel's (``REGS_TILES``)."""
     npg, warps, stages, maxnreg, per_sm, asm = TILES.get(head_dim, TILES[256])
-    if gluon:
+    ks_ahead = False
+    if gluon and v_t:
+        per_sm, maxnreg, ks_ahead = REGS_TILES.get(head_dim, REGS_TILES[256])
+        npg, warps, stages = 2, 4, 1
+    elif gluon:
         stages, per_sm, maxnreg = GLUON_TILES.get(head_dim, GLUON_TILES[256])
         npg, warps, stages = 2, 4, num_stages or stages
     elif (pages_per_tile, num_warps, num_stages) != (None, None, None):
@@ -121,7 +142,8 @@ def choose_config(batch: int, num_kv_heads: int, head_dim: int, max_kv_len: int,
         cost = math.ceil(programs * sp / slots) / sp * (1 + 0.01 * sp)
         if cost < best[0] - 1e-12:
             best = (cost, sp)
-    return Int4DecodeConfig(best[1], npg, warps, stages, asm, maxnreg, gluon=gluon)
+    return Int4DecodeConfig(best[1], npg, warps, stages, asm, maxnreg, gluon=gluon,
+                            ks_ahead=ks_ahead)
 
 
 def _launch(q, pool, layer_id, block_table, kv_lens, residual_slots, out, op, lse,
@@ -136,6 +158,10 @@ def _launch(q, pool, layer_id, block_table, kv_lens, residual_slots, out, op, ls
     kr, vr = pool.k_residual[layer_id], pool.v_residual[layer_id]
     hkv = kc.shape[1]
     group = hq // hkv
+    v_t = pool.v_layout == "HDN"  # token-minor V pages (kvcache/int4_pool.py)
+    if v_t and cfg.fold_k:
+        raise ValueError("fold_k reads token-major V pages: the pool stores token-minor V "
+                         "(v_layout 'HDN'); use fold_k=False")
     # float16 products for 16-bit queries (as the fp8 kernels: 11-bit mantissa, K up to ~220 in
     # real models is far inside its range); exact float32 when the query or residual is float32
     f32 = torch.float32 in (q.dtype, kr.dtype)
@@ -148,6 +174,8 @@ def _launch(q, pool, layer_id, block_table, kv_lens, residual_slots, out, op, ls
         if f32 or q.dtype != kr.dtype:
             raise ValueError(f"the Gluon int4 decode takes 16-bit queries and residual of one "
                              f"dtype, got {q.dtype} / {kr.dtype}: use gluon=False")
+        if v_t:
+            return _launch_regs(args, b, hkv, group, d, cfg)
         from kvfit.kernels import decode_int4_gluon
 
         opts = dict(G=group, BLOCK_H=max(8, triton.next_power_of_2(group)), D=d,
@@ -159,10 +187,46 @@ def _launch(q, pool, layer_id, block_table, kv_lens, residual_slots, out, op, ls
     opts = dict(G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d,
                 PAGE=pool.page_size, NPG=1 if cfg.fold_k else cfg.pages_per_tile, F32=f32,
                 ASM=cfg.asm and not f32, KFOLD=cfg.fold_k, KS_TOKENS=cfg.ks_tokens,
-                SINGLE=cfg.num_splits == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                SINGLE=cfg.num_splits == 1, V_T=v_t, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
     if cfg.maxnreg:
         opts["maxnreg"] = cfg.maxnreg
     return build(), (b, hkv, cfg.num_splits), args, opts
+
+
+def regs_default(head_dim: int, device_name: str) -> bool:
+    """Whether ``REGS_DEFAULT_ON`` lists ``head_dim`` for the GPU named ``device_name``."""
+    return any(gpu in device_name and head_dim in dims for gpu, dims in REGS_DEFAULT_ON.items())
+
+
+def regs_default_here(head_dim: int) -> bool:
+    """Whether an int4 pool on this process's GPU stores token-minor V for the register kernel
+    by default: a Hopper GPU that ``REGS_DEFAULT_ON`` lists for this head size (the triton
+    backend's ``v_layout``)."""
+    if not GLUON or not torch.cuda.is_available():
+        return False
+    index = torch.cuda.current_device()
+    return regs_default(head_dim, torch.cuda.get_device_name(index)) and gluon_available(index)
+
+
+def _launch_regs(args, b: int, hkv: int, group: int, d: int, cfg: Int4DecodeConfig):
+    """(kernel, grid, args, options) of the register kernel over token-minor V pages."""
+    import triton
+
+    from kvfit.kernels import decode_int4_regs_kernel
+    from kvfit.kernels.decode_int4_regs_layouts import layouts
+
+    if d not in REGS_TILES:
+        raise ValueError(f"the register int4 decode takes head_dim {sorted(REGS_TILES)}, got "
+                         f"{d}: use gluon=False")
+    bh = max(8, triton.next_power_of_2(group))
+    mma, lk, lk4, lks, lv4, lvs, lak, lav = layouts(d, bh)
+    opts = dict(G=group, BLOCK_H=bh, D=d, PAGE=PAGE, SINGLE=cfg.num_splits == 1, MMA=mma, LK=lk,
+                LK4=lk4, LKS=lks, LV4=lv4, LVS=lvs, LAK=lak, LAV=lav, KS_AHEAD=cfg.ks_ahead,
+                num_warps=4)
+    if cfg.maxnreg:
+        opts["maxnreg"] = cfg.maxnreg
+    return decode_int4_regs_kernel.build(), (b, hkv, cfg.num_splits), args, opts
 
 
 def int4_decode(q: torch.Tensor, pool, layer_id: int, block_table: torch.Tensor,
@@ -183,7 +247,7 @@ def int4_decode(q: torch.Tensor, pool, layer_id: int, block_table: torch.Tensor,
                          f"{pool.page_size}")
     if cfg is None:
         cfg = choose_config(b, pool.k_caches[layer_id].shape[1], d,
-                            block_table.shape[1] * PAGE)
+                            block_table.shape[1] * PAGE, v_t=pool.v_layout == "HDN")
     single = cfg.num_splits == 1
     if single:
         op = lse = out  # unused

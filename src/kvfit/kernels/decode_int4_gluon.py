@@ -316,6 +316,6 @@ def build():
 
         # o^T = acc [D, BLOCK_H] / l, rows even-first -> channels in order
         _split_out(acc, l_t, m_i, OUT, OP, LSE, b, h, s, num_splits, stride_ob,  # noqa: F821
-                   stride_oh, 1.0, G, BLOCK_H, D, SINGLE, True, MMA)
+                   stride_oh, 1.0, G, BLOCK_H, D, SINGLE, 1, MMA)
 
     return _int4_decode_gluon

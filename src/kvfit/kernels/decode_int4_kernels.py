@@ -71,7 +71,7 @@ def build():
                             G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                             PAGE: tl.constexpr, NPG: tl.constexpr, F32: tl.constexpr,
                             ASM: tl.constexpr, KFOLD: tl.constexpr, KS_TOKENS: tl.constexpr,
-                            SINGLE: tl.constexpr):
+                            SINGLE: tl.constexpr, V_T: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -111,6 +111,11 @@ def build():
         v_off = (t[None, :, None, None] * HALF + grp[None, None, :, None] * 16
                  + c16[None, None, None, :])
         vs_off = t[None, :, None, None] * NG + grp[None, None, :, None]  # [1, PAGE, NG, 1]
+        # token-minor V (V_T) [NPG, D, PAGE/2] (page, channel, token pair) and the even
+        # tokens' scale/zero offsets (group-major rows of PAGE tokens)
+        tp = tl.arange(0, PAGE // 2)
+        vt_off = d[None, :, None] * (PAGE // 2) + tp[None, None, :]
+        vst_off = (d // 32)[None, :, None] * PAGE + 2 * tp[None, None, :]
         bt_row = BT + b.to(tl.int64) * stride_bt
         if KFOLD:  # one page a step, K's scale folded into q: logits = (q*s) . codes + q . z
             q_e32 = q_e.to(tl.float32)
@@ -165,14 +170,26 @@ def build():
                 kt_o = tl.reshape(_dequant(kb, ks_o, kz_o, True, F32, ASM), (HALF, N))
                 qk = tl.dot(q_e, kt_e, input_precision=PREC)
                 qk = tl.dot(q_o, kt_o, qk, input_precision=PREC)  # [G_PAD, N]
-                lv = live[:, None, None, None]
-                vb = tl.load(VC + cb[:, None, None, None] + v_off, mask=lv, other=0)
-                vso = (pg * stride_vp + h * stride_vh)[:, None, None, None] + vs_off
-                vs = tl.load(VS + vso, mask=lv, other=0.0)  # [NPG, PAGE, NG, 1]
-                vz = tl.load(VZ + vso, mask=lv, other=0.0)
-                v_e = _dequant(vb, vs, vz, False, F32, ASM)
-                v_o = _dequant(vb, vs, vz, True, F32, ASM)
-                v = tl.reshape(tl.join(v_e, v_o), (N, D))  # channels back in order
+                if V_T:  # token-minor pages: a byte holds tokens (2i, 2i + 1) of a channel
+                    lt = live[:, None, None]
+                    vb = tl.load(VC + cb[:, None, None] + vt_off, mask=lt, other=0)
+                    vso = (pg * stride_vp + h * stride_vh)[:, None, None] + vst_off
+                    vs_e = tl.load(VS + vso, mask=lt, other=0.0)  # [NPG, D, PAGE/2]
+                    vz_e = tl.load(VZ + vso, mask=lt, other=0.0)
+                    vs_o = tl.load(VS + vso + 1, mask=lt, other=0.0)
+                    vz_o = tl.load(VZ + vso + 1, mask=lt, other=0.0)
+                    v = tl.join(_dequant(vb, vs_e, vz_e, False, F32, ASM),
+                                _dequant(vb, vs_o, vz_o, True, F32, ASM))  # [.., PAGE/2, 2]
+                    v = tl.reshape(tl.permute(tl.reshape(v, (NPG, D, PAGE)), (0, 2, 1)), (N, D))
+                else:
+                    lv = live[:, None, None, None]
+                    vb = tl.load(VC + cb[:, None, None, None] + v_off, mask=lv, other=0)
+                    vso = (pg * stride_vp + h * stride_vh)[:, None, None, None] + vs_off
+                    vs = tl.load(VS + vso, mask=lv, other=0.0)  # [NPG, PAGE, NG, 1]
+                    vz = tl.load(VZ + vso, mask=lv, other=0.0)
+                    v_e = _dequant(vb, vs, vz, False, F32, ASM)
+                    v_o = _dequant(vb, vs, vz, True, F32, ASM)
+                    v = tl.reshape(tl.join(v_e, v_o), (N, D))  # channels back in order
                 col = tl.reshape(tl.broadcast_to(live[:, None], (NPG, PAGE)), (N,))
                 qk = tl.where(col[None, :], qk * qk_scale, float("-inf"))
                 acc, m_i, l_i = _online(qk, v, acc, m_i, l_i, PREC)

@@ -106,8 +106,9 @@ def mha_decode_parts() -> dict:
     ``l_t`` summed. One split writes ``OUT`` rows ``b, h * G + g`` (times ``v_out``, in OUT's
     dtype); several write float32 partials ``OP`` (rows ``(b * Hq + head) * splits + s``) and
     their base-2 log-sum-exp ``LSE`` (-inf for an empty split) for ``decode_kernels``' merge.
-    ``EVEN_FIRST``: acc's rows hold the even channels, then the odd ones (the int4 kernel's
-    order)."""
+    ``CHMAP``: which channel acc's row r holds: 0 channel r; 1 the even channels, then the odd
+    ones (the shared-memory int4 kernel's order); 2 ``(8 w + l) D/32 + 2 i + h`` for
+    r = 64 i + 16 w + 8 h + l (the register int4 kernel's, ``decode_int4_regs_layouts``)."""
     from triton.experimental import gluon
 
     globals().update(hopper_names())
@@ -123,15 +124,17 @@ def mha_decode_parts() -> dict:
     @gluon.jit
     def _split_out(acc, l_t, m_i, OUT, OP, LSE, b, h, s, num_splits, stride_ob, stride_oh,
                    v_out, G: gl.constexpr, BLOCK_H: gl.constexpr, D: gl.constexpr,  # noqa: F821
-                   SINGLE: gl.constexpr, EVEN_FIRST: gl.constexpr,  # noqa: F821
+                   SINGLE: gl.constexpr, CHMAP: gl.constexpr,  # noqa: F821
                    MMA: gl.constexpr):  # noqa: F821
         LO: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])  # noqa: F821
         l_i = gl.sum(l_t, axis=0)  # noqa: F821
         safe_l = gl.where(l_i > 0, l_i, 1.0)  # noqa: F821
         o_t = gl.convert_layout(acc / safe_l[None, :], LO)  # noqa: F821
         r = gl.arange(0, D, layout=gl.SliceLayout(1, LO))  # noqa: F821
-        if EVEN_FIRST:
+        if CHMAP == 1:
             ch = gl.where(r < D // 2, 2 * r, 2 * (r - D // 2) + 1)  # noqa: F821
+        elif CHMAP == 2:
+            ch = (((r >> 4) & 3) * 8 + (r & 7)) * (D // 32) + (r >> 6) * 2 + ((r >> 3) & 1)
         else:
             ch = r
         g = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, LO))  # noqa: F821

@@ -2,7 +2,8 @@
 
 Program (b, h) writes request b's new K/V row of KV head h into its residual slot at offset
 ``(kv_len - 1) % 32``; when that fills the page (offset 31) it quantizes the whole page into
-the request's pool page ``block_table[b, (kv_len - 1) // 32]`` (kvcache/kivi.py's format, the
+the request's pool page ``block_table[b, (kv_len - 1) // 32]`` (kvcache/kivi.py's format, either
+V layout of the pool, the
 same bytes as ``Int4KVCache.store_step``: IEEE float32 division, round half to even, float16
 scale and zero clamped as there; K's scale/zero stored even channels first). The page's earlier
 rows are read from the residual slot, the new row from registers (it is not written there). Rows
@@ -52,7 +53,8 @@ def build():
     def _int4_store_decode(K, V, KR, VR, KC, VC, KS, KZ, VS, VZ, BT, KVLEN, SLOTS,
                            stride_kt, stride_kh, stride_vt, stride_vh, stride_rs, stride_rh,
                            stride_cp, stride_ch, stride_kp, stride_kh2, stride_vp, stride_vh2,
-                           stride_bt, D: tl.constexpr, PAGE: tl.constexpr):
+                           stride_bt, D: tl.constexpr, PAGE: tl.constexpr,
+                           V_T: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         slot = tl.load(SLOTS + b)
@@ -101,11 +103,21 @@ def build():
                 lo = tl.minimum(tl.min(ve3, 2), tl.min(vo3, 2))  # [PAGE, NG]
                 hi = tl.maximum(tl.max(ve3, 2), tl.max(vo3, 2))
                 vs, vz = _scale_zero(lo, hi)
-                vq = _codes(ve3, vs[:, :, None], vz[:, :, None]) | (
-                    _codes(vo3, vs[:, :, None], vz[:, :, None]) << 4)
-                tl.store(VC + cbase, tl.reshape(vq, (PAGE, HALF)))
+                vqe = _codes(ve3, vs[:, :, None], vz[:, :, None])
+                vqo = _codes(vo3, vs[:, :, None], vz[:, :, None])
                 g = tl.arange(0, NG)
-                vb = page * stride_vp + h * stride_vh2 + t[:, None] * NG + g[None, :]
+                if V_T:  # token-minor: a byte holds tokens (2i, 2i + 1) of a channel
+                    vc = tl.reshape(tl.join(vqe, vqo), (PAGE // 2, 2, D))  # [tokens, channels]
+                    tok_e, tok_o = tl.split(tl.permute(vc, (0, 2, 1)))  # [PAGE/2, D] each
+                    i = tl.arange(0, PAGE // 2)
+                    d = tl.arange(0, D)
+                    vaddr = (page * stride_cp + h * stride_ch + d[None, :] * (PAGE // 2)
+                             + i[:, None])
+                    tl.store(VC + vaddr, tok_e | (tok_o << 4))
+                    vb = page * stride_vp + h * stride_vh2 + g[None, :] * PAGE + t[:, None]
+                else:
+                    tl.store(VC + cbase, tl.reshape(vqe | (vqo << 4), (PAGE, HALF)))
+                    vb = page * stride_vp + h * stride_vh2 + t[:, None] * NG + g[None, :]
                 tl.store(VS + vb, vs)
                 tl.store(VZ + vb, vz)
 
@@ -131,4 +143,5 @@ def int4_store_decode(pool, layer_id: int, k: torch.Tensor, v: torch.Tensor,
         k, v, kr, vr, kc, vc, ks, kz, vs, vz, block_table, kv_lens, slots,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), kr.stride(0), kr.stride(1),
         kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
-        block_table.stride(0), D=d, PAGE=pool.page_size, num_warps=4 if d <= 128 else 8)
+        block_table.stride(0), D=d, PAGE=pool.page_size, V_T=pool.v_layout == "HDN",
+        num_warps=4 if d <= 128 else 8)

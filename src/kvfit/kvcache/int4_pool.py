@@ -6,7 +6,10 @@ Per layer (HND, pages of 32 tokens = the K quantization group; kvcache/kivi.py q
   ``[num_pages, Hkv, D]`` (K per channel over the page's 32 tokens), the even channels' first,
   then the odd ones' (``kivi.evens_first``: what the low, then the high nibbles need);
 * ``v_caches``  uint8 ``[num_pages, Hkv, P, D/2]``, ``v_scale_caches``/``v_zero_caches`` float16
-  ``[num_pages, Hkv, P, D/32]`` (V per token in groups of 32 channels);
+  ``[num_pages, Hkv, P, D/32]`` (V per token in groups of 32 channels); with ``v_layout="HDN"``
+  (token-minor V, what the register int4 decode reads: ``kernels/decode_int4_regs_kernel.py``)
+  ``[num_pages, Hkv, D, P/2]`` (a byte holds two tokens of a channel, the even one in the low
+  nibble) and ``[num_pages, Hkv, D/32, P]`` (``kivi.v_token_minor``);
 * ``k_residual``/``v_residual`` ``[num_slots, Hkv, P, D]`` in the compute dtype: each running
   request's last, partial page (one slot per request, ``residual_slots``, assigned by the
   scheduler). A pool page is written once, when its 32 tokens are known, so only full
@@ -28,7 +31,8 @@ from kvfit.errors import KVBudgetError
 from kvfit.kvcache.dtypes import KVFormat
 from kvfit.kvcache.int4_residual import ResidualPlan, ResidualSlots
 from kvfit.kvcache.kivi import (GROUP, channel_order, dequantize_k_page, dequantize_v_tokens,
-                                evens_first, quantize_k_page, quantize_v_tokens)
+                                evens_first, quantize_k_page, quantize_v_tokens,
+                                v_token_major, v_token_minor)
 from kvfit.kvcache.pool import KVPool
 from kvfit.kvcache.sizing import GiB, PoolSizing, SizingLimits
 from kvfit.kvcache.spec import (KVLayerSpec, residual_bytes, solve_num_pages,
@@ -63,7 +67,7 @@ class Int4KVCache(KVPool):
     name = "Int4KVCache"
     layer_kinds = frozenset({"full"})
     supported_kv_dtypes = frozenset({"int4"})
-    v_layouts = frozenset({"HND"})
+    v_layouts = frozenset({"HND", "HDN"})
     # the page is the K quantization group: only full pages are quantized
     page_size_required: ClassVar[Optional[int]] = GROUP
 
@@ -116,11 +120,14 @@ class Int4KVCache(KVPool):
             u8 = dict(dtype=torch.uint8, device=device)
             f16 = dict(dtype=torch.float16, device=device)
             self.k_caches.append(torch.empty((n, h, page_size, d // 2), **u8))
-            self.v_caches.append(torch.empty((n, h, page_size, d // 2), **u8))
+            hdn = self.v_layout == "HDN"
+            self.v_caches.append(torch.empty((n, h, d, page_size // 2) if hdn
+                                             else (n, h, page_size, d // 2), **u8))
             self.k_scale_caches.append(torch.empty((n, h, d), **f16))
             self.k_zero_caches.append(torch.empty((n, h, d), **f16))
-            self.v_scale_caches.append(torch.empty((n, h, page_size, d // GROUP), **f16))
-            self.v_zero_caches.append(torch.empty((n, h, page_size, d // GROUP), **f16))
+            vs = (n, h, d // GROUP, page_size) if hdn else (n, h, page_size, d // GROUP)
+            self.v_scale_caches.append(torch.empty(vs, **f16))
+            self.v_zero_caches.append(torch.empty(vs, **f16))
             res = (num_slots, h, page_size, d)
             self.k_residual.append(torch.empty(res, dtype=residual_dtype, device=device))
             self.v_residual.append(torch.empty(res, dtype=residual_dtype, device=device))
@@ -158,6 +165,8 @@ class Int4KVCache(KVPool):
             ks, vs = ks.transpose(1, 2), vs.transpose(1, 2)  # [F, P, H, D] -> [F, H, P, D]
             kq, kscale, kzero = quantize_k_page(ks)
             vq, vscale, vzero = quantize_v_tokens(vs)
+            if self.v_layout == "HDN":
+                vq, vscale, vzero = v_token_minor(vq, vscale, vzero)
             pages = plan.full_pages
             self.k_caches[layer_id][pages] = kq
             self.k_scale_caches[layer_id][pages] = evens_first(kscale)
@@ -169,6 +178,15 @@ class Int4KVCache(KVPool):
         vres[plan.tail_slot, :, plan.tail_off] = v[plan.tail_tok].to(vres.dtype)
 
     # -- read (torch reference) ------------------------------------------------------------
+    def dequantize_v(self, layer_id: int, pages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """V of full pool pages ``pages`` of layer ``layer_id``, ``[n, Hkv, P, D]`` in ``dtype``
+        (either V layout)."""
+        vq, vs, vz = (self.v_caches[layer_id][pages], self.v_scale_caches[layer_id][pages],
+                      self.v_zero_caches[layer_id][pages])
+        if self.v_layout == "HDN":
+            vq, vs, vz = v_token_major(vq, vs, vz)
+        return dequantize_v_tokens(vq, vs, vz, dtype)
+
     def gather_kv(self, layer_id: int, pages: torch.Tensor, length: int, dtype: torch.dtype,
                   residual_slot: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``length`` tokens of a request (page list ``pages``, residual slot
@@ -182,9 +200,7 @@ class Int4KVCache(KVPool):
                               channel_order(self.k_scale_caches[layer_id][full]),
                               channel_order(self.k_zero_caches[layer_id][full]),
                               dtype)  # [n, H, P, D]
-        v = dequantize_v_tokens(self.v_caches[layer_id][full],
-                                self.v_scale_caches[layer_id][full],
-                                self.v_zero_caches[layer_id][full], dtype)
+        v = self.dequantize_v(layer_id, full, dtype)
         h, d = k.shape[1], k.shape[3]
         k = k.transpose(1, 2).reshape(-1, h, d)  # [n, H, P, D] -> [n*P, H, D]
         v = v.transpose(1, 2).reshape(-1, h, d)

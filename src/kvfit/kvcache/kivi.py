@@ -12,6 +12,8 @@ Beyond the contract's formula, scale and zero are clamped to float16's finite ra
 finite input gives finite scales (a range wider than 65504 saturates instead of storing Inf).
 
 Codes are packed two per byte, the even channel in the low nibble: ``byte = q[2i] | q[2i+1] << 4``.
+Token-minor V pages (the pool's ``v_layout`` "HDN", ``v_token_minor``) pack two tokens of a channel
+instead, the even token in the low nibble, and keep V's scales and zeros per group, then token.
 """
 
 from __future__ import annotations
@@ -34,6 +36,21 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     lo = packed & 0x0F
     hi = packed >> 4
     return torch.stack((lo, hi), dim=-1).flatten(-2)  # [..., D/2, 2] -> [..., D]
+
+
+def v_token_minor(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
+    """Token-major V pages -> token-minor ones (the same codes, scales and zeros reordered):
+    packed ``[..., P, D/2]`` (a byte: two channels of a token) -> ``[..., D, P/2]`` (a byte: two
+    tokens of a channel, the even token in the low nibble); scale, zero ``[..., P, D/32]`` ->
+    ``[..., D/32, P]``."""
+    codes = unpack_nibbles(packed).transpose(-1, -2)  # [..., P, D] -> [..., D, P]
+    return pack_nibbles(codes), scale.transpose(-1, -2), zero.transpose(-1, -2)
+
+
+def v_token_major(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
+    """Inverse of ``v_token_minor``."""
+    codes = unpack_nibbles(packed).transpose(-1, -2)  # [..., D, P] -> [..., P, D]
+    return pack_nibbles(codes), scale.transpose(-1, -2), zero.transpose(-1, -2)
 
 
 def evens_first(x: torch.Tensor) -> torch.Tensor:
