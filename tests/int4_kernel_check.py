@@ -39,6 +39,19 @@ def filled_pool(kv_lens, hkv, d, device, dtype, seed=0, chunk=45, v_layout="HND"
     return pool, tables
 
 
+def decode_problem(dtype=torch.bfloat16, residual=None, lens=(70, 33, 100), v_layout="HND"):
+    """A small CPU decode call: (q [3, 6, 64], a filled pool of 2 KV heads, block table,
+    kv lens, residual slots)."""
+    pool, tables = filled_pool(list(lens), 2, 64, torch.device("cpu"), residual or dtype,
+                               v_layout=v_layout)
+    b = len(lens)
+    q = torch.randn(b, 6, 64, dtype=dtype)
+    bt = torch.zeros(b, max(len(t) for t in tables), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = torch.tensor(t)
+    return q, pool, bt, torch.tensor(lens, dtype=torch.int32), torch.arange(b, dtype=torch.int32)
+
+
 def reference(q, pool, tables, kv_lens, sm_scale):
     """float64 attention over the pool's dequantized pages + residual (what the kernel reads)."""
     out = torch.empty(q.shape, dtype=torch.float64)

@@ -13,7 +13,7 @@ from gluon_launch_fakes import Broken, Recording
 from kvfit.kernels import decode_int4
 from kvfit.kernels.decode_int4 import Int4DecodeConfig, choose_config, int4_decode
 
-from int4_kernel_check import filled_pool
+from int4_kernel_check import decode_problem
 
 
 def test_gluon_launch_choices_per_head_size():
@@ -28,14 +28,8 @@ def test_gluon_launch_choices_per_head_size():
     assert not choose_config(16, 8, 128, 8192, 132).gluon
 
 
-def _problem(dtype=torch.bfloat16, residual=torch.bfloat16, lens=(70, 33, 100)):
-    pool, tables = filled_pool(list(lens), 2, 64, torch.device("cpu"), residual)
-    b = len(lens)
-    q = torch.randn(b, 6, 64, dtype=dtype)
-    bt = torch.zeros(b, max(len(t) for t in tables), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        bt[i, :len(t)] = torch.tensor(t)
-    return q, pool, bt, torch.tensor(lens, dtype=torch.int32), torch.arange(b, dtype=torch.int32)
+def _problem(dtype=torch.bfloat16, residual=torch.bfloat16):
+    return decode_problem(dtype, residual)
 
 
 def test_gluon_refuses_float32_naming_the_fix():

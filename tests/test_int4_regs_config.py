@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gluon_launch_fakes import Broken, Recording
-from int4_kernel_check import filled_pool
+from int4_kernel_check import decode_problem, filled_pool
 from kvfit.kernels import decode_int4
 from kvfit.kernels.decode_int4 import Int4DecodeConfig, choose_config, int4_decode
 from kvfit.kvcache.kivi import quantize_v_tokens, v_token_major, v_token_minor
@@ -42,14 +42,8 @@ def test_pools_of_either_v_layout_read_back_the_same_kv():
             assert torch.equal(a, b)
 
 
-def _problem(dtype=torch.bfloat16, lens=(70, 33, 100)):
-    pool, tables = filled_pool(list(lens), 2, 64, torch.device("cpu"), dtype, v_layout="HDN")
-    b = len(lens)
-    q = torch.randn(b, 6, 64, dtype=dtype)
-    bt = torch.zeros(b, max(len(t) for t in tables), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        bt[i, :len(t)] = torch.tensor(t)
-    return q, pool, bt, torch.tensor(lens, dtype=torch.int32), torch.arange(b, dtype=torch.int32)
+def _problem():
+    return decode_problem(v_layout="HDN")
 
 
 def test_regs_launch_choices_per_head_size():

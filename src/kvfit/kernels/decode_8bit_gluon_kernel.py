@@ -184,13 +184,7 @@ def build():
         m_new, alpha, p_t, l_t = _online_softmax(s_t, m_i, l_t)  # noqa: F821
         if CODE == 2:
             p_t = p_t * vs[:, None]
-        _cta_barrier()  # noqa: F821 -- the last tile's P.V has read p_s everywhere
-        p_s.store(p_t.to(gl.float16))
-        fence_async_shared()  # noqa: F821
-        _cta_barrier()  # noqa: F821
-        acc = warpgroup_mma(vt, p_s, acc * alpha[None, :], is_async=True)  # noqa: F821
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # noqa: F821
-        return acc, m_new, l_t
+        return _pv_step(p_t, vt, p_s, acc, alpha), m_new, l_t  # noqa: F821
 
     @gluon.jit
     def _decode_8bit_gluon(Q, OUT, OP, LSE, KC, VC, KS, VS, BT, KVLEN,

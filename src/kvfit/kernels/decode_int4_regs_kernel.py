@@ -209,13 +209,7 @@ def build():
             vt = gl.where((tok_k < n_live)[None, :], vt, 0.0)
             s_t = gl.where((tok_r < n_live)[:, None], s_t, float("-inf"))
         m_new, alpha, p_t, l_t = _online_softmax(s_t, m_i, l_t)  # noqa: F821
-        _cta_barrier()  # noqa: F821 -- the last tile's P.V has read p_s everywhere
-        p_s.store(p_t.to(gl.float16))
-        fence_async_shared()  # noqa: F821
-        _cta_barrier()  # noqa: F821
-        acc = warpgroup_mma(vt, p_s, acc * alpha[None, :], is_async=True)  # noqa: F821
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # noqa: F821
-        return acc, m_new, l_t
+        return _pv_step(p_t, vt, p_s, acc, alpha), m_new, l_t  # noqa: F821
 
     @gluon.jit
     def _int4_decode_regs(Q, OUT, OP, LSE, KC, VC, KS, KZ, VS, VZ, KR, VR, BT, KVLEN, RSLOT,

@@ -102,6 +102,10 @@ def mha_decode_parts() -> dict:
     the accumulator, ``p_t``, the per-row running sums ``l_t [T, BLOCK_H]`` rescaled and
     added: summed over the rows once, at the end, so no cross-warp reduction per tile).
 
+    ``_pv_step(p_t, vt, p_s, acc, alpha)``: P [T, BLOCK_H] through the shared tile ``p_s``
+    (after a barrier: the last tile's P.V has read it everywhere) and ``acc * alpha + vt . p``
+    (warp-group MMA, A = V^T from registers), waited.
+
     ``_split_out(...)``: the epilogue, ``acc [D, BLOCK_H]`` (o^T, float32, MMA layout) over
     ``l_t`` summed. One split writes ``OUT`` rows ``b, h * G + g`` (times ``v_out``, in OUT's
     dtype); several write float32 partials ``OP`` (rows ``(b * Hq + head) * splits + s``) and
@@ -152,4 +156,13 @@ def mha_decode_parts() -> dict:
             lrow = (b.to(gl.int64) * (hkv * G) + h * G + gh) * num_splits + s  # noqa: F821
             gl.store(LSE + lrow, lse, mask=gh < G)  # noqa: F821
 
-    return dict(_online_softmax=_online_softmax, _split_out=_split_out)
+    @gluon.jit
+    def _pv_step(p_t, vt, p_s, acc, alpha):
+        _cta_barrier()  # noqa: F821 -- the last tile's P.V has read p_s everywhere
+        p_s.store(p_t.to(gl.float16))  # noqa: F821
+        fence_async_shared()  # noqa: F821
+        _cta_barrier()  # noqa: F821
+        acc = warpgroup_mma(vt, p_s, acc * alpha[None, :], is_async=True)  # noqa: F821
+        return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # noqa: F821
+
+    return dict(_online_softmax=_online_softmax, _split_out=_split_out, _pv_step=_pv_step)
