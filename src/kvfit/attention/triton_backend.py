@@ -132,14 +132,10 @@ class TritonBackend(AttentionBackend):
         head size), and the kernel fits (16-bit queries, token-minor V, no soft-cap)."""
         if self._gluon8 is None:
             _, d = self._layer_shape()
-            pool = self.pool
-            dev = torch.device(pool.device)  # (a pool may name its device by a string)
-            self._gluon8 = bool(
-                dev.type == "cuda" and decode_8bit_gluon.available(dev)
-                and decode_8bit_gluon.default_on(decode_8bit_gluon.kind(pool.dtype), d,
-                                                 torch.cuda.get_device_name(dev))
-                and decode_8bit_gluon.fits(pool.dtype, self.compute_dtype, d, pool.page_size,
-                                           self._v_t, self.logit_softcap) is None)
+            pool = self.pool  # (a pool may name its device by a string)
+            self._gluon8 = decode_8bit_gluon.engine_default(
+                pool.dtype, self.compute_dtype, d, pool.page_size, self._v_t, pool.device,
+                self.logit_softcap)
         return self._gluon8
 
     def _decode_config(self, batch: int, max_len: int, sliding: bool = False) -> DecodeConfig:

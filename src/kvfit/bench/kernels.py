@@ -1,4 +1,8 @@
-"""``kvfit bench kernels``: our Triton decode/prefill kernels vs FlashInfer's on identical inputs.
+"""``kvfit bench kernels``: our decode/prefill kernels vs FlashInfer's on identical inputs.
+
+"Ours" is the kernel the triton backend runs: the Triton kernels, or the Gluon 8-bit decode
+(``kernels/decode_8bit_gluon.py``) where its ``DEFAULT_ON`` lists the GPU (``ours_cfg`` says
+which).
 
 For each head layout x KV dtype x (batch, context) point it fills random HND pages (pages of a
 request scattered at random over the pool), rotates among several copies of the cache so the
@@ -127,6 +131,7 @@ def time_fi_decode(kv: KVSet, hq, hkv, d, use_tc) -> float:
 def run_decode(args, device, copy_bw, results):
     import torch
 
+    from kvfit.kernels import decode_8bit_gluon
     from kvfit.kernels.decode import choose_config
 
     layouts = args.layouts.split(",")
@@ -151,7 +156,11 @@ def run_decode(args, device, copy_bw, results):
                            "page_size": kv.page_size}
                     v_t = ours_v_layout(kv) == "HDN"
                     rec["ours_v_layout"] = ours_v_layout(kv)
-                    cfg = choose_config(b, hkv, hq // hkv, d, ctx, dt, torch.bfloat16, v_t=v_t)
+                    # the engine's kernel: the Gluon 8-bit decode where it is the default
+                    gluon = decode_8bit_gluon.engine_default(dt, torch.bfloat16, d,
+                                                             kv.page_size, v_t, device)
+                    cfg = choose_config(b, hkv, hq // hkv, d, ctx, dt, torch.bfloat16, v_t=v_t,
+                                        page_size=kv.page_size, gluon=gluon)
                     rec["ours_us"] = time_ours_decode(kv, hq, d, cfg)
                     rec["ours_cfg"] = str(cfg)
                     window = WINDOWS.get(layout)

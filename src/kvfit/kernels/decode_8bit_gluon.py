@@ -14,7 +14,8 @@ from kvfit.kernels.decode_8bit_gluon_layouts import int8_key_layouts, operand_la
 from kvfit.kernels.gluon_hopper import gluon_available, launch_or_record
 
 __all__ = ["build", "operand_layouts", "int8_key_layouts", "DEFAULT_ON", "GLUON_TILES",
-           "PAGE_CODES", "kind", "default_on", "fits", "available", "launch_args", "launch"]
+           "PAGE_CODES", "kind", "default_on", "engine_default", "fits", "available",
+           "launch_args", "launch"]
 
 # the launch per head size: (programs per SM in the split rule, register cap); sm_90 compile
 # (Triton 3.6): 64-d 76 (fp8) / 80 at the cap (int8; 85 uncapped, 5 an SM: 1.33x the time on
@@ -67,6 +68,16 @@ def fits(cache_dtype: torch.dtype, q_dtype: torch.dtype, head_dim: int, page_siz
     if softcap is not None or window is not None:
         return "a soft-cap or a sliding window"
     return None
+
+
+def engine_default(cache_dtype: torch.dtype, q_dtype: torch.dtype, head_dim: int,
+                   page_size: int, v_t: bool, device, softcap=None) -> bool:
+    """Whether the triton backend decodes these pages with this kernel: a Hopper GPU whose
+    ``DEFAULT_ON`` entry lists (page kind, head size), and the kernel fits."""
+    dev = torch.device(device)
+    return bool(dev.type == "cuda" and available(dev)
+                and default_on(kind(cache_dtype), head_dim, torch.cuda.get_device_name(dev))
+                and fits(cache_dtype, q_dtype, head_dim, page_size, v_t, softcap) is None)
 
 
 def available(device=None) -> bool:
