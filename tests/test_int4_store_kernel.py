@@ -27,3 +27,19 @@ def test_int4_decode_store_kernel_equals_the_torch_store(dtype, v_layout):
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype,v_layout", [("float32", "HND"), ("float16", "HDN")])
+def test_int4_prefill_store_and_dequant_kernels_equal_the_torch_pool(dtype, v_layout):
+    """``int4_store_pages`` writes the torch quantizer's bytes, ``int4_dequant_pages`` reads back
+    the torch reader's values (both V layouts; a constant page; rows not listed untouched).
+    Not bfloat16 here: the interpreter casts float32 to bfloat16 by truncation, the GPU and
+    torch round to nearest even (tests/gpu/test_int4_triton.py checks bfloat16 there)."""
+    code = ("import torch; from int4_store_check import run_pages_check; "
+            f"bad = run_pages_check(torch.device('cpu'), torch.{dtype}, '{v_layout}'); "
+            "assert not bad, bad")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]

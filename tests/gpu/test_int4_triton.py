@@ -120,3 +120,13 @@ def test_int4_decode_store_kernel_equals_the_torch_store(dtype, d):
 
     assert not run_store_check(torch.device("cuda"), dtype, d=d)
     assert not run_store_check(torch.device("cuda"), dtype, d=d, v_layout="HDN")
+
+
+@pytest.mark.parametrize("v_layout", ["HND", "HDN"])
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 64), (torch.bfloat16, 128),
+                                     (torch.float16, 256), (torch.float32, 128)])
+def test_int4_prefill_store_and_dequant_kernels_equal_the_torch_pool(dtype, d, v_layout):
+    from int4_store_check import run_pages_check
+
+    bad = run_pages_check(torch.device("cuda"), dtype, v_layout, d=d)
+    assert not bad, bad

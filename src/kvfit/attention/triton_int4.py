@@ -6,16 +6,17 @@ Per step, ``prepare`` (host work only): a decode step picks the int4 decode laun
 lists the pages its requests read (``PrefillPages``). Per layer, ``forward``:
 
 * store: a decode step in one launch (kernels/int4_store.py: the new row to the residual slot,
-  or, when it completes a page, the page quantized into the pool); other steps through
-  ``pool.store_step`` with the step's residual plan (``meta.residual``; torch on the device):
-  pages that fill are quantized whole, their earlier tokens read from the residual slot, the
-  other new tokens go to the residual slot (the same bytes either way);
+  or, when it completes a page, the page quantized into the pool); other steps by the step's
+  residual plan (``meta.residual``): the pages that fill are staged (``pool.stage_pages``, their
+  earlier tokens from the residual slot) and quantized whole in one launch
+  (``int4_store_pages``), the other new tokens go to the residual slot (``pool.store_tail``);
+  the same bytes as the torch store, ``pool.store_step``;
 * decode (every request has one new token): the int4 decode kernel over the packed pages and
   each request's full-precision residual page, dequantized in registers;
 * prefill and mixed steps: each request's pages dequantized into a compact paged cache in the
-  compute dtype (full pages from the pool, the partial page from the residual slot: the values
-  the torch reference attends over), then the 16-bit paged prefill kernel over it. This costs a
-  pass over the requests' pages per layer and step; it is correct, not fast.
+  compute dtype (full pages from the pool in one launch, kernels/int4_dequant.py; the partial
+  page from the residual slot: the values the torch reference attends over), then the 16-bit
+  paged prefill kernel over it. This costs a pass over the requests' pages per layer and step.
 
 CUDA graphs: decode steps are captured (``init_cuda_graph``, ``prepare_cuda_graph``): the
 store and the decode kernels read the step's lengths, block table and residual slots from static
@@ -34,9 +35,9 @@ import torch
 
 from kvfit.kernels import decode_int4
 from kvfit.kernels.decode_int4 import Int4DecodeConfig, choose_config, int4_decode
-from kvfit.kernels.int4_store import int4_store_decode
+from kvfit.kernels.int4_dequant import int4_dequant_pages
+from kvfit.kernels.int4_store import int4_store_decode, int4_store_pages
 from kvfit.kernels.prefill import order_prefill_blocks, paged_prefill, prefill_config
-from kvfit.kvcache.kivi import channel_order, dequantize_k_page
 from kvfit.transfer import to_device
 
 @dataclass
@@ -95,12 +96,9 @@ class PrefillPages:
         shape = (self.num_pages, h, p, 2 * half)
         k = torch.empty(shape, dtype=dtype, device=block_table.device)
         v = torch.empty_like(k)
-        if self.full_dst.numel():
-            pages = block_table[self.full_req, self.full_col].long()
-            k[self.full_dst] = dequantize_k_page(
-                pool.k_caches[layer_id][pages], channel_order(pool.k_scale_caches[layer_id][pages]),
-                channel_order(pool.k_zero_caches[layer_id][pages]), dtype)
-            v[self.full_dst] = pool.dequantize_v(layer_id, pages, dtype)
+        if self.full_dst.numel():  # one launch (kernels/int4_dequant.py)
+            int4_dequant_pages(pool, layer_id, block_table[self.full_req, self.full_col],
+                               self.full_dst, k, v)
         if self.part_dst.numel():
             k[self.part_dst] = pool.k_residual[layer_id][self.part_slot].to(dtype)
             v[self.part_dst] = pool.v_residual[layer_id][self.part_slot].to(dtype)
@@ -190,8 +188,11 @@ class TritonInt4:
             v = v if v.stride(-1) == 1 else v.contiguous()
             int4_store_decode(pool, layer_id, k, v, meta.block_table, meta.kv_lens,
                               meta.residual.slots)
-        else:
-            pool.store_step(layer_id, k, v, meta.residual)
+        else:  # pages that fill: staged (torch), quantized in one launch; then the tail
+            staged = pool.stage_pages(layer_id, k, v, meta.residual)
+            if staged is not None:
+                int4_store_pages(pool, layer_id, *staged, meta.residual.full_pages)
+            pool.store_tail(layer_id, k, v, meta.residual)
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty_like(q)

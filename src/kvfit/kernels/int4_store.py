@@ -1,20 +1,23 @@
-"""The int4 pool's decode-step store in one Triton launch (one new token per request).
+"""The int4 pool's stores in Triton: a decode step's in one launch (one new token per request,
+``int4_store_decode``), and whole staged pages of a prefill step in one launch
+(``int4_store_pages``).
 
-Program (b, h) writes request b's new K/V row of KV head h into its residual slot at offset
-``(kv_len - 1) % 32``; when that fills the page (offset 31) it quantizes the whole page into
-the request's pool page ``block_table[b, (kv_len - 1) // 32]`` (kvcache/kivi.py's format, either
-V layout of the pool, the
-same bytes as ``Int4KVCache.store_step``: IEEE float32 division, round half to even, float16
-scale and zero clamped as there; K's scale/zero stored even channels first). The page's earlier
-rows are read from the residual slot, the new row from registers (it is not written there). Rows
-whose slot is negative (CUDA-graph padding) store nothing. The grid depends only on (batch,
-kv heads): no host syncs, no data-dependent shapes. Owns nothing; mutates the pool's residual
-and pages.
+Decode: program (b, h) writes request b's new K/V row of KV head h into its residual slot at
+offset ``(kv_len - 1) % 32``; when that fills the page (offset 31) it quantizes the whole page
+into the request's pool page ``block_table[b, (kv_len - 1) // 32]``. The page's earlier rows are
+read from the residual slot, the new row from registers (it is not written there). Rows whose
+slot is negative (CUDA-graph padding) store nothing. The grid depends only on (batch, kv
+heads): no host syncs, no data-dependent shapes. Pages: program (f, h) quantizes staged page f.
+Both write kvcache/kivi.py's format in either V layout of the pool, the same bytes as
+``Int4KVCache.store_step``'s torch quantizer (IEEE float32 division, round half to even,
+float16 scale and zero clamped as there; K's scale/zero stored even channels first). Owns
+nothing; mutates the pool's residual and pages.
 """
 
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 
@@ -23,8 +26,9 @@ from kvfit.kernels.interpret import expose_for_interpreter
 
 
 @functools.cache
-def build():
-    """The jitted store kernel, built once per process on first use."""
+def build() -> types.SimpleNamespace:
+    """The jitted store kernels (``decode``, ``pages``), built once per process on first
+    use."""
     import triton
     import triton.language as tl
 
@@ -48,6 +52,72 @@ def build():
         # float32 x with float16 scale/zero (broadcast) -> codes 0..15 (uint8)
         c = round_half_even(tl.math.div_rn(x - z.to(tl.float32), s.to(tl.float32)))
         return tl.minimum(tl.maximum(c, 0.0), 15.0).to(tl.uint8)
+
+    @triton.jit
+    def _quantize_page(ke, ko, ve, vo, KC, VC, KS, KZ, VS, VZ, page, h, stride_cp, stride_ch,
+                       stride_kp, stride_kh2, stride_vp, stride_vh2, D: tl.constexpr,
+                       PAGE: tl.constexpr, V_T: tl.constexpr):
+        # one full page of KV head h, its even and odd channels' float32 values [PAGE, D/2]
+        # (ke, ko, ve, vo), quantized into pool page ``page``: codes, scales and zeros
+        HALF: tl.constexpr = D // 2
+        NG: tl.constexpr = D // 32
+        j = tl.arange(0, HALF)
+        t = tl.arange(0, PAGE)
+        # K: per channel over the page's tokens
+        kse, kze = _scale_zero(tl.min(ke, 0), tl.max(ke, 0))  # [D/2]
+        kso, kzo = _scale_zero(tl.min(ko, 0), tl.max(ko, 0))
+        kq = (_codes(ke, kse[None, :], kze[None, :])
+              | (_codes(ko, kso[None, :], kzo[None, :]) << 4))
+        cbase = page * stride_cp + h * stride_ch + t[:, None] * HALF + j[None, :]
+        tl.store(KC + cbase, kq)
+        sb = page * stride_kp + h * stride_kh2
+        tl.store(KS + sb + j, kse)
+        tl.store(KS + sb + HALF + j, kso)
+        tl.store(KZ + sb + j, kze)
+        tl.store(KZ + sb + HALF + j, kzo)
+        # V: per token in groups of 32 channels (16 pairs), [PAGE, NG, 16]
+        ve3 = tl.reshape(ve, (PAGE, NG, 16))
+        vo3 = tl.reshape(vo, (PAGE, NG, 16))
+        lo = tl.minimum(tl.min(ve3, 2), tl.min(vo3, 2))  # [PAGE, NG]
+        hi = tl.maximum(tl.max(ve3, 2), tl.max(vo3, 2))
+        vs, vz = _scale_zero(lo, hi)
+        vqe = _codes(ve3, vs[:, :, None], vz[:, :, None])
+        vqo = _codes(vo3, vs[:, :, None], vz[:, :, None])
+        g = tl.arange(0, NG)
+        if V_T:  # token-minor: a byte holds tokens (2i, 2i + 1) of a channel
+            vc = tl.reshape(tl.join(vqe, vqo), (PAGE // 2, 2, D))  # [tokens, channels]
+            tok_e, tok_o = tl.split(tl.permute(vc, (0, 2, 1)))  # [PAGE/2, D] each
+            i = tl.arange(0, PAGE // 2)
+            d = tl.arange(0, D)
+            vaddr = (page * stride_cp + h * stride_ch + d[None, :] * (PAGE // 2)
+                     + i[:, None])
+            tl.store(VC + vaddr, tok_e | (tok_o << 4))
+            vb = page * stride_vp + h * stride_vh2 + g[None, :] * PAGE + t[:, None]
+        else:
+            tl.store(VC + cbase, tl.reshape(vqe | (vqo << 4), (PAGE, HALF)))
+            vb = page * stride_vp + h * stride_vh2 + t[:, None] * NG + g[None, :]
+        tl.store(VS + vb, vs)
+        tl.store(VZ + vb, vz)
+
+    @triton.jit
+    def _int4_store_pages(KS_, VS_, PAGES, KC, VC, KS, KZ, VS, VZ, stride_sf, stride_sp,
+                          stride_sh, stride_cp, stride_ch, stride_kp, stride_kh2, stride_vp,
+                          stride_vh2, D: tl.constexpr, PAGE: tl.constexpr, V_T: tl.constexpr):
+        # program (f, h): staged page f ([PAGE, D] of K_/V_ at f, h; strides of [F, P, H, D])
+        # quantized into pool page PAGES[f]
+        f = tl.program_id(0)
+        h = tl.program_id(1)
+        j = tl.arange(0, D // 2)
+        t = tl.arange(0, PAGE)
+        row = (f.to(tl.int64) * stride_sf + h * stride_sh + t[:, None] * stride_sp
+               + 2 * j[None, :])
+        ke = tl.load(KS_ + row).to(tl.float32)
+        ko = tl.load(KS_ + row + 1).to(tl.float32)
+        ve = tl.load(VS_ + row).to(tl.float32)
+        vo = tl.load(VS_ + row + 1).to(tl.float32)
+        page = tl.load(PAGES + f).to(tl.int64)
+        _quantize_page(ke, ko, ve, vo, KC, VC, KS, KZ, VS, VZ, page, h, stride_cp, stride_ch,
+                       stride_kp, stride_kh2, stride_vp, stride_vh2, D, PAGE, V_T)
 
     @triton.jit
     def _int4_store_decode(K, V, KR, VR, KC, VC, KS, KZ, VS, VZ, BT, KVLEN, SLOTS,
@@ -85,44 +155,12 @@ def build():
                 ve = tl.where(new, v_e[None, :], tl.load(rv)).to(tl.float32)
                 vo = tl.where(new, v_o[None, :], tl.load(rv + 1)).to(tl.float32)
                 page = tl.load(BT + b.to(tl.int64) * stride_bt + pos // PAGE).to(tl.int64)
-                # K: per channel over the page's tokens
-                kse, kze = _scale_zero(tl.min(ke, 0), tl.max(ke, 0))  # [D/2]
-                kso, kzo = _scale_zero(tl.min(ko, 0), tl.max(ko, 0))
-                kq = _codes(ke, kse[None, :], kze[None, :]) | (
-                    _codes(ko, kso[None, :], kzo[None, :]) << 4)
-                cbase = page * stride_cp + h * stride_ch + t[:, None] * HALF + j[None, :]
-                tl.store(KC + cbase, kq)
-                sb = page * stride_kp + h * stride_kh2
-                tl.store(KS + sb + j, kse)
-                tl.store(KS + sb + HALF + j, kso)
-                tl.store(KZ + sb + j, kze)
-                tl.store(KZ + sb + HALF + j, kzo)
-                # V: per token in groups of 32 channels (16 pairs), [PAGE, NG, 16]
-                ve3 = tl.reshape(ve, (PAGE, NG, 16))
-                vo3 = tl.reshape(vo, (PAGE, NG, 16))
-                lo = tl.minimum(tl.min(ve3, 2), tl.min(vo3, 2))  # [PAGE, NG]
-                hi = tl.maximum(tl.max(ve3, 2), tl.max(vo3, 2))
-                vs, vz = _scale_zero(lo, hi)
-                vqe = _codes(ve3, vs[:, :, None], vz[:, :, None])
-                vqo = _codes(vo3, vs[:, :, None], vz[:, :, None])
-                g = tl.arange(0, NG)
-                if V_T:  # token-minor: a byte holds tokens (2i, 2i + 1) of a channel
-                    vc = tl.reshape(tl.join(vqe, vqo), (PAGE // 2, 2, D))  # [tokens, channels]
-                    tok_e, tok_o = tl.split(tl.permute(vc, (0, 2, 1)))  # [PAGE/2, D] each
-                    i = tl.arange(0, PAGE // 2)
-                    d = tl.arange(0, D)
-                    vaddr = (page * stride_cp + h * stride_ch + d[None, :] * (PAGE // 2)
-                             + i[:, None])
-                    tl.store(VC + vaddr, tok_e | (tok_o << 4))
-                    vb = page * stride_vp + h * stride_vh2 + g[None, :] * PAGE + t[:, None]
-                else:
-                    tl.store(VC + cbase, tl.reshape(vqe | (vqo << 4), (PAGE, HALF)))
-                    vb = page * stride_vp + h * stride_vh2 + t[:, None] * NG + g[None, :]
-                tl.store(VS + vb, vs)
-                tl.store(VZ + vb, vz)
+                _quantize_page(ke, ko, ve, vo, KC, VC, KS, KZ, VS, VZ, page, h, stride_cp,
+                               stride_ch, stride_kp, stride_kh2, stride_vp, stride_vh2, D, PAGE,
+                               V_T)
 
     expose_for_interpreter(globals(), locals())
-    return _int4_store_decode
+    return types.SimpleNamespace(decode=_int4_store_decode, pages=_int4_store_pages)
 
 
 def int4_store_decode(pool, layer_id: int, k: torch.Tensor, v: torch.Tensor,
@@ -139,9 +177,29 @@ def int4_store_decode(pool, layer_id: int, k: torch.Tensor, v: torch.Tensor,
     kc, vc = pool.k_caches[layer_id], pool.v_caches[layer_id]
     ks, kz = pool.k_scale_caches[layer_id], pool.k_zero_caches[layer_id]
     vs, vz = pool.v_scale_caches[layer_id], pool.v_zero_caches[layer_id]
-    build()[(b, hkv)](
+    build().decode[(b, hkv)](
         k, v, kr, vr, kc, vc, ks, kz, vs, vz, block_table, kv_lens, slots,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), kr.stride(0), kr.stride(1),
         kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         block_table.stride(0), D=d, PAGE=pool.page_size, V_T=pool.v_layout == "HDN",
         num_warps=4 if d <= 128 else 8)
+
+
+def int4_store_pages(pool, layer_id: int, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                     pages: torch.Tensor) -> None:
+    """Quantize whole staged pages into layer ``layer_id`` of an ``Int4KVCache``, one launch:
+    ``k_pages``, ``v_pages`` ``[F, P, Hkv, D]`` (the residual's dtype, any strides with D
+    contiguous), ``pages [F]`` the pool pages they become (the same bytes as
+    ``Int4KVCache.store_step``'s torch quantizer). Mutates the pool's pages and scales."""
+    f, p, hkv, d = k_pages.shape
+    if p != GROUP or pool.page_size != GROUP:
+        raise ValueError(f"the int4 store writes pages of {GROUP} tokens, got {p}")
+    if k_pages.stride() != v_pages.stride() or k_pages.stride(-1) != 1:
+        raise ValueError("k_pages and v_pages need the same strides, D contiguous")
+    kc, vc = pool.k_caches[layer_id], pool.v_caches[layer_id]
+    ks, kz = pool.k_scale_caches[layer_id], pool.k_zero_caches[layer_id]
+    vs, vz = pool.v_scale_caches[layer_id], pool.v_zero_caches[layer_id]
+    build().pages[(f, hkv)](
+        k_pages, v_pages, pages, kc, vc, ks, kz, vs, vz, k_pages.stride(0), k_pages.stride(1),
+        k_pages.stride(2), kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), vs.stride(0),
+        vs.stride(1), D=d, PAGE=p, V_T=pool.v_layout == "HDN", num_warps=4 if d <= 128 else 8)

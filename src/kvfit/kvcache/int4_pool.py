@@ -150,30 +150,50 @@ class Int4KVCache(KVPool):
         are quantized whole (their earlier tokens read from the residual slot), the tokens of a
         new partial page go to the residual slot. Mutates this layer's pages, scales and
         residual; the staged pages are read before the residual is overwritten."""
+        staged = self.stage_pages(layer_id, k, v, plan)
+        if staged is not None:
+            self.quantize_pages(layer_id, *staged, plan.full_pages)
+        self.store_tail(layer_id, k, v, plan)
+
+    def stage_pages(self, layer_id: int, k: torch.Tensor, v: torch.Tensor,
+                    plan: ResidualPlan) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The step's pages that fill, K and V ``[F, P, Hkv, D]`` in the residual's dtype (their
+        earlier tokens from the residual slots, the rest from k, v), or None."""
+        if not plan.num_full_pages:
+            return None
         kres, vres = self.k_residual[layer_id], self.v_residual[layer_id]
-        if plan.num_full_pages:
-            f, (_, h, p, d) = plan.num_full_pages, kres.shape
-            ks = torch.empty((f, p, h, d), dtype=kres.dtype, device=kres.device)  # staged pages
-            vs = torch.empty_like(ks)
-            # advanced indices around a slice: residual[slot, :, off] is [R, H, D]
-            ks[plan.stage_res_page, plan.stage_res_off] = kres[plan.stage_res_slot, :,
-                                                                plan.stage_res_off]
-            vs[plan.stage_res_page, plan.stage_res_off] = vres[plan.stage_res_slot, :,
-                                                                plan.stage_res_off]
-            ks[plan.stage_new_page, plan.stage_new_off] = k[plan.stage_new_tok].to(ks.dtype)
-            vs[plan.stage_new_page, plan.stage_new_off] = v[plan.stage_new_tok].to(vs.dtype)
-            ks, vs = ks.transpose(1, 2), vs.transpose(1, 2)  # [F, P, H, D] -> [F, H, P, D]
-            kq, kscale, kzero = quantize_k_page(ks)
-            vq, vscale, vzero = quantize_v_tokens(vs)
-            if self.v_layout == "HDN":
-                vq, vscale, vzero = v_token_minor(vq, vscale, vzero)
-            pages = plan.full_pages
-            self.k_caches[layer_id][pages] = kq
-            self.k_scale_caches[layer_id][pages] = evens_first(kscale)
-            self.k_zero_caches[layer_id][pages] = evens_first(kzero)
-            self.v_caches[layer_id][pages] = vq
-            self.v_scale_caches[layer_id][pages] = vscale
-            self.v_zero_caches[layer_id][pages] = vzero
+        f, (_, h, p, d) = plan.num_full_pages, kres.shape
+        ks = torch.empty((f, p, h, d), dtype=kres.dtype, device=kres.device)  # staged pages
+        vs = torch.empty_like(ks)
+        # advanced indices around a slice: residual[slot, :, off] is [R, H, D]
+        ks[plan.stage_res_page, plan.stage_res_off] = kres[plan.stage_res_slot, :,
+                                                            plan.stage_res_off]
+        vs[plan.stage_res_page, plan.stage_res_off] = vres[plan.stage_res_slot, :,
+                                                            plan.stage_res_off]
+        ks[plan.stage_new_page, plan.stage_new_off] = k[plan.stage_new_tok].to(ks.dtype)
+        vs[plan.stage_new_page, plan.stage_new_off] = v[plan.stage_new_tok].to(vs.dtype)
+        return ks, vs
+
+    def quantize_pages(self, layer_id: int, ks: torch.Tensor, vs: torch.Tensor,
+                       pages: torch.Tensor) -> None:
+        """Staged pages ``[F, P, Hkv, D]`` quantized into pool pages ``pages [F]`` (torch; the
+        triton backend runs kernels/int4_store.py's ``int4_store_pages``, the same bytes)."""
+        ks, vs = ks.transpose(1, 2), vs.transpose(1, 2)  # [F, P, H, D] -> [F, H, P, D]
+        kq, kscale, kzero = quantize_k_page(ks)
+        vq, vscale, vzero = quantize_v_tokens(vs)
+        if self.v_layout == "HDN":
+            vq, vscale, vzero = v_token_minor(vq, vscale, vzero)
+        self.k_caches[layer_id][pages] = kq
+        self.k_scale_caches[layer_id][pages] = evens_first(kscale)
+        self.k_zero_caches[layer_id][pages] = evens_first(kzero)
+        self.v_caches[layer_id][pages] = vq
+        self.v_scale_caches[layer_id][pages] = vscale
+        self.v_zero_caches[layer_id][pages] = vzero
+
+    def store_tail(self, layer_id: int, k: torch.Tensor, v: torch.Tensor,
+                   plan: ResidualPlan) -> None:
+        """The tokens of the step's new partial pages into their residual slots."""
+        kres, vres = self.k_residual[layer_id], self.v_residual[layer_id]
         kres[plan.tail_slot, :, plan.tail_off] = k[plan.tail_tok].to(kres.dtype)
         vres[plan.tail_slot, :, plan.tail_off] = v[plan.tail_tok].to(vres.dtype)
 
