@@ -10,8 +10,9 @@ asm or cast nibble conversion, programs per SM assumed by the split rule) per sh
 the compiled registers and shared memory of each, plus each variant's largest difference from
 the cast variant's output (a check that the asm conversion computes the same values).
 ``--gluon`` and ``--regs`` time the Gluon kernels (the register one over the same pages with
-token-minor V). ``--compile-only --part I --parts N`` compiles the I-th of N slices of the same launches without
-timing them (run N of those in parallel first: the timed run then hits Triton's cache).
+token-minor V). ``--compile-only --part I --parts N`` compiles the I-th of N slices of the same
+launches without timing them (run N of those in parallel first: the timed run then hits
+Triton's cache).
 
 Bytes are what one call must read: fp8 2 x D per token and head; int4 the packed codes, K's
 scale/zero per page and V's per token group (5D/4 per token and head) plus the residual page.
