@@ -1,8 +1,7 @@
 """The triton backend's int4 path (attention/triton_int4.py: the residual-plan store, the int4
 decode kernel, prefill over dequantized pages) against the torch reference backend on the same
-steps, under the Triton interpreter (CPU, float32), over token-major and token-minor V
-pages. Runs in a subprocess because TRITON_INTERPRET
-must be set before Triton is imported."""
+steps, under the Triton interpreter (CPU, float32), over token-major and token-minor V pages.
+Runs in a subprocess because TRITON_INTERPRET must be set before Triton is imported."""
 
 from __future__ import annotations
 
