@@ -8,16 +8,11 @@ subprocess because TRITON_INTERPRET must be set before Triton is imported."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-pytest.importorskip("triton")
+from interpret_run import run_interpreted
 
-HERE = Path(__file__).parent
+pytest.importorskip("triton")
 
 
 @pytest.mark.parametrize("dtype,splits,npg,variant,rtol", [
@@ -30,9 +25,4 @@ def test_int4_decode_kernel_matches_reference_in_the_interpreter(dtype, splits, 
     code = ("import torch; from int4_kernel_check import run_check; "
             f"print(run_check(torch.device('cpu'), torch.{dtype}, [77, 64, 5, 33, 130], 4, 2, "
             f"64, {rtol}, num_splits={splits}, pages_per_tile={npg}, {variant}))")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    print("relative error", r.stdout.strip())
+    print("relative error", run_interpreted(code).strip())

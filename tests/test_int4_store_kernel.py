@@ -4,16 +4,11 @@ TRITON_INTERPRET must be set before Triton is imported."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-pytest.importorskip("triton")
+from interpret_run import run_interpreted
 
-HERE = Path(__file__).parent
+pytest.importorskip("triton")
 
 
 @pytest.mark.parametrize("dtype,v_layout", [("float32", "HND"), ("bfloat16", "HND"),
@@ -22,11 +17,7 @@ def test_int4_decode_store_kernel_equals_the_torch_store(dtype, v_layout):
     code = ("import torch; from int4_store_check import run_store_check; "
             f"bad = run_store_check(torch.device('cpu'), torch.{dtype}, v_layout='{v_layout}'); "
             "assert not bad, bad")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_interpreted(code)
 
 
 @pytest.mark.parametrize("dtype,v_layout", [("float32", "HND"), ("float16", "HDN")])
@@ -38,8 +29,4 @@ def test_int4_prefill_store_and_dequant_kernels_equal_the_torch_pool(dtype, v_la
     code = ("import torch; from int4_store_check import run_pages_check; "
             f"bad = run_pages_check(torch.device('cpu'), torch.{dtype}, '{v_layout}'); "
             "assert not bad, bad")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_interpreted(code)

@@ -5,16 +5,11 @@ Runs in a subprocess because TRITON_INTERPRET must be set before Triton is impor
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-pytest.importorskip("triton")
+from interpret_run import run_interpreted
 
-HERE = Path(__file__).parent
+pytest.importorskip("triton")
 
 
 @pytest.mark.parametrize("v_layout", ["HND", "HDN"])
@@ -23,9 +18,4 @@ def test_triton_int4_backend_matches_the_torch_reference_in_the_interpreter(v_la
             f"err = run_steps(torch.device('cpu'), torch.float32, v_layout='{v_layout}'); "
             "print(err); "
             "assert err < 1e-5, err")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    print("relative difference", r.stdout.strip())
+    print("relative difference", run_interpreted(code, timeout=900).strip())
