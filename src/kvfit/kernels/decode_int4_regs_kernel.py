@@ -8,10 +8,11 @@ value against fp8's 1. The 8-bit Gluon decode (``decode_8bit_gluon_kernel``) sho
 out: load the codes in a layout that the conversion turns into the MMA's operand layout, so a
 tile never touches shared memory but for P. Here, per tile of 64 tokens (two pages):
 
-    K codes (token-major), K's scale and zero per channel of the page, V codes (token-minor),
-    V's scale and zero per token and 32 channels --16-byte loads, a tile ahead--> registers
+    K codes (token-major), V codes (token-minor), V's scale and zero per token and 32
+    channels --8/16-byte loads, a tile ahead--> registers; K's scale and zero per channel of
+    the page: a tile ahead (KS_AHEAD) or at their tile (fewer registers carried)
     K words --prmt/lop3/sub/fma.f16x2--> kt [64, D] float16 (code * scale + zero), A operand
-    V words --prmt/lop3/fma/fma.f16x2--> vt [D, 64] float16, A operand of P.V
+    V words --shr/prmt/lop3/sub/fma.f16x2--> vt [D, 64] float16, A operand of P.V
     s^T [64, H] = kt . q^T        (the query in shared memory all along, channels relabelled)
     o^T [D, H] += vt . p^T        (p^T in shared memory)
 
