@@ -17,9 +17,12 @@ full-precision residual page (``kv_len % 32`` tokens), with an online softmax in
 * V ``[pages, tokens, D/32, 16]`` with its per-token, per-32-channel scale/zero broadcast, the
   even/odd halves joined back to channel order for one P@V.
 
-``Int4DecodeConfig.gluon`` runs the Gluon kernel of ``decode_int4_gluon`` instead (Hopper: each
-tile's nibbles converted once into shared memory, warp-group MMAs; 16-bit queries and residual);
-a Triton that cannot compile it is logged once and the Triton kernel runs.
+``Int4DecodeConfig.gluon`` runs a Gluon kernel instead (Hopper, 16-bit queries and residual):
+over token-major V pages ``decode_int4_gluon`` (each tile's nibbles converted once into shared
+memory, warp-group MMAs), over token-minor ones (the pool's ``v_layout`` "HDN")
+``decode_int4_regs_kernel`` (both MMA operands converted straight into registers; launch per
+head size ``REGS_TILES``, default per GPU ``REGS_DEFAULT_ON``); a Triton that cannot compile
+one is logged once and the Triton kernel runs.
 
 Float32 queries take the exact path (float32 values, IEEE products). Split-K as the fp8 decode:
 with more than one split the decode merge kernel (``decode_kernels``) combines the partial
