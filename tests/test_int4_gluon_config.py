@@ -13,7 +13,7 @@ from gluon_launch_fakes import Broken, Recording
 from kvfit.kernels import decode_int4
 from kvfit.kernels.decode_int4 import Int4DecodeConfig, choose_config, int4_decode
 
-from int4_kernel_check import decode_problem
+from int4_kernel_check import decode_problem as _problem
 
 
 def test_gluon_launch_choices_per_head_size():
@@ -26,10 +26,6 @@ def test_gluon_launch_choices_per_head_size():
     assert choose_config(16, 8, 128, 8192, 132, gluon=True).num_splits == 4
     assert choose_config(16, 8, 128, 8192, 132, num_stages=3, gluon=True).num_stages == 3
     assert not choose_config(16, 8, 128, 8192, 132).gluon
-
-
-def _problem(dtype=torch.bfloat16, residual=torch.bfloat16):
-    return decode_problem(dtype, residual)
 
 
 def test_gluon_refuses_float32_naming_the_fix():

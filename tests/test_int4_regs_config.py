@@ -109,8 +109,11 @@ def test_regs_default_per_gpu(monkeypatch):
     assert not decode_int4.regs_default(128, "NVIDIA H200")
     if not torch.cuda.is_available():  # no GPU: token-major V, what every int4 kernel reads
         assert TritonBackend.v_layout("int4", 32, 128, "Int4KVCache") == "HND"
+
+
+def test_folded_k_refuses_token_minor_pages():
+    q, pool, bt, lens, slots = _problem()
     with pytest.raises(ValueError, match="fold_k=False"):
-        q, pool, bt, lens, slots = _problem()
         int4_decode(q, pool, 0, bt, lens, slots, torch.empty_like(q), 0.125,
                     Int4DecodeConfig(1, fold_k=True))
 

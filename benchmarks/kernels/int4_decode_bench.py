@@ -78,7 +78,8 @@ def setup_fp8(hq, hkv, d, batch, ctx, dev, g):
 
 
 def setup_int4(hq, hkv, d, batch, ctx, dev, g):
-    """(run(cfg) -> out, bytes read, compiled(cfg)) of the int4 decode on one shape."""
+    """(run(cfg, token_minor) -> out, bytes read, compiled(cfg, token_minor)) of the int4
+    decode on one shape (``token_minor``: over the pool with token-minor V pages)."""
     from kvfit.kernels import decode_int4
     from kvfit.kvcache.dtypes import kv_format
     from kvfit.kvcache.int4_pool import Int4KVCache
@@ -110,25 +111,28 @@ def setup_int4(hq, hkv, d, batch, ctx, dev, g):
                                       pool.v_zero_caches[0])):
         dst[0].copy_(src)
 
-    def pool_of(cfg):
-        return tm if cfg in REGS else pool
-
-    def run(cfg):
+    def run(cfg, token_minor=False):
         out = torch.empty_like(q)
-        decode_int4.int4_decode(q, pool_of(cfg), 0, bt, lens, slots, out, d ** -0.5, cfg)
+        decode_int4.int4_decode(q, tm if token_minor else pool, 0, bt, lens, slots, out,
+                                d ** -0.5, cfg)
         return out
 
-    def compiled(cfg):
+    def compiled(cfg, token_minor=False):
         out = torch.empty_like(q)
         op = torch.empty((batch * hq * cfg.num_splits, d), dtype=torch.float32, device=dev)
         lse = torch.empty((batch * hq * cfg.num_splits,), dtype=torch.float32, device=dev)
-        kern, grid, args, opts = decode_int4._launch(q, pool_of(cfg), 0, bt, lens, slots, out,
-                                                     op, lse, d ** -0.5, cfg)
+        kern, grid, args, opts = decode_int4._launch(q, tm if token_minor else pool, 0, bt,
+                                                     lens, slots, out, op, lse, d ** -0.5, cfg)
         return kern.warmup(*args, grid=grid, **opts)
 
     tail = ctx - full * 32
     nbytes = batch * hkv * (full * 32 * d * 5 // 4 + 2 * tail * d * 2)
     return run, nbytes, compiled
+
+
+def is_regs(variant) -> bool:
+    """A variant of the register kernel (it runs over the token-minor V pool)."""
+    return isinstance(variant, tuple) and variant[0] == "regs"
 
 
 def variant_cfg(variant, batch, hkv, d, ctx, sms):
@@ -145,7 +149,6 @@ def variant_cfg(variant, batch, hkv, d, ctx, sms):
             cfg = choose_config(batch, hkv, d, ctx, sms, ctas_per_sm=per_sm, gluon=True,
                                 v_t=True)
             cfg = dataclasses.replace(cfg, maxnreg=maxnreg or None, ks_ahead=bool(ahead))
-        REGS.add(cfg)
         return cfg
     if variant[0] == "gluon":  # ("gluon", stages, programs per SM[, register cap])
         stages, per_sm, maxnreg = (list(variant[1:]) + [0])[:3]
@@ -173,7 +176,6 @@ def _resources(ck) -> tuple:
     return getattr(ck, "n_regs", 0), ck.metadata.shared / 1024
 
 
-REGS: set = set()  # the launch configs that run over the token-minor V pool
 GRAPH = False  # --graph: time CUDA-graph replays (GPU time only, as the engine's decode runs)
 
 
@@ -257,7 +259,7 @@ def main() -> None:
                 setup_fp8(hq, hkv, d, b, ctx, dev, g)[0]()
             else:
                 run, _, _ = setup_int4(hq, hkv, d, b, ctx, dev, g)
-                run(variant_cfg(v, b, hkv, d, ctx, sms))
+                run(variant_cfg(v, b, hkv, d, ctx, sms), is_regs(v))
         if dev.type == "cuda":
             torch.cuda.synchronize()
         return
@@ -274,19 +276,19 @@ def main() -> None:
         run, i_bytes, compiled = setup_int4(hq, hkv, d, b, ctx, dev, g)
         base = None
         for v in variants_of((name, hq, hkv, d, b, ctx)):
-            cfg = variant_cfg(v, b, hkv, d, ctx, sms)
-            out = run(cfg)
+            cfg, tmv = variant_cfg(v, b, hkv, d, ctx, sms), is_regs(v)
+            out = run(cfg, tmv)
             if base is None:
                 base = out.float()
             diff = float((out.float() - base).abs().max() / base.abs().max())
-            i_ms = _bench(lambda: run(cfg))  # noqa: B023
+            i_ms = _bench(lambda: run(cfg, tmv))  # noqa: B023
             try:
-                ck = compiled(cfg) if dev.type == "cuda" else None
+                ck = compiled(cfg, tmv) if dev.type == "cuda" else None
             except Exception as e:  # noqa: BLE001  (a kernel object without warmup: no counts)
                 print(f"no compiled kernel for {cfg}: {type(e).__name__}: {e}")
                 ck = None
             regs, smem = _resources(ck)
-            launch = ("regs " if cfg in REGS else "gluon " if cfg.gluon else "") + (
+            launch = ("regs " if tmv else "gluon " if cfg.gluon else "") + (
                       f"S={cfg.num_splits} NPG={cfg.pages_per_tile} w={cfg.num_warps} "
                       f"st={cfg.num_stages} {'asm' if cfg.asm else 'cast'}"
                       + (f" r{cfg.maxnreg}" if cfg.maxnreg else "")

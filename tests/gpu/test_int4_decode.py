@@ -78,6 +78,7 @@ def test_int4_decode_regs_matches_reference(hq, hkv, d, splits, flip, dtype):
     converted straight into the MMAs' A operands; splits ending on one page of a tile, the
     residual page as an extra tile) at the Triton kernel's accuracy, with its default launch
     (REGS_TILES) and, ``flip``, K's scales loaded the other way (ahead or at their tile)."""
+    from kvfit.kernels import decode_int4
     from kvfit.kernels.decode_int4 import REGS_TILES, gluon_available
 
     if not gluon_available():
@@ -85,6 +86,7 @@ def test_int4_decode_regs_matches_reference(hq, hkv, d, splits, flip, dtype):
     _, maxnreg, ahead = REGS_TILES[d]
     err = run_check(torch.device("cuda"), dtype, LENS, hq, hkv, d, 5e-3, num_splits=splits,
                     gluon=True, v_layout="HDN", maxnreg=maxnreg, ks_ahead=ahead != flip)
+    assert not decode_int4._gluon_failures  # the kernel ran (not the Triton fallback)
     print(f"regs hq={hq} hkv={hkv} d={d} splits={splits} ahead={ahead != flip} {dtype}: rel "
           f"error {err:.2e}")
 

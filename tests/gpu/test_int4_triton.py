@@ -53,18 +53,18 @@ def _generate(path, backend, eager, dtype=None):
     prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((5, 33, 70))]
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
     outs = llm.generate(prompts, sp, use_tqdm=False)
-    graphs = llm.engine.runner.graphs
+    graphs, layout = llm.engine.runner.graphs, llm.engine.runner.pool.v_layout
     del llm
     torch.cuda.empty_cache()
-    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs], graphs
+    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs], graphs, layout
 
 
 def test_int4_greedy_tokens_triton_equal_torch(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(CFG))
     path = tmp_path / "config.json"
-    ref, _ = _generate(path, "torch", True)
+    ref, _, _ = _generate(path, "torch", True)
     for eager in (True, False):
-        got, graphs = _generate(path, "triton", eager)
+        got, graphs, _ = _generate(path, "triton", eager)
         assert (graphs is None) == eager
         same = 0
         worst = 0.0
@@ -88,8 +88,8 @@ def test_int4_greedy_tokens_triton_equal_torch(tmp_path):
 def test_int4_register_kernel_engine_matches_token_major_pools(tmp_path, monkeypatch):
     """bfloat16 engines, CUDA graphs on: a pool with token-minor V decoded by the register
     kernel (REGS_DEFAULT_ON listing every GPU) against the token-major pool's Gluon kernel
-    (REGS_DEFAULT_ON empty), the same
-    greedy tokens up to near-ties and logprobs within bfloat16 noise."""
+    (REGS_DEFAULT_ON empty), the same greedy tokens up to near-ties and logprobs within
+    bfloat16 noise."""
     from kvfit.kernels import decode_int4
 
     if not decode_int4.gluon_available():
@@ -97,10 +97,11 @@ def test_int4_register_kernel_engine_matches_token_major_pools(tmp_path, monkeyp
     (tmp_path / "config.json").write_text(json.dumps(CFG))
     path = tmp_path / "config.json"
     monkeypatch.setattr(decode_int4, "REGS_DEFAULT_ON", {})  # token-major V, the first kernel
-    ref, _ = _generate(path, "triton", False, "bfloat16")
+    ref, _, ref_layout = _generate(path, "triton", False, "bfloat16")
     monkeypatch.setattr(decode_int4, "REGS_DEFAULT_ON", {"": frozenset({64})})
-    got, graphs = _generate(path, "triton", False, "bfloat16")
-    assert graphs is not None
+    got, graphs, layout = _generate(path, "triton", False, "bfloat16")
+    assert graphs is not None and (ref_layout, layout) == ("HND", "HDN")
+    assert not decode_int4._gluon_failures  # the register kernel ran, not the fallback
     worst = 0.0
     for (rt, rlp), (gt, glp) in zip(ref, got):
         i = next((j for j, (a, b) in enumerate(zip(rt, gt)) if a != b), None)

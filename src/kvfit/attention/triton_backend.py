@@ -132,7 +132,7 @@ class TritonBackend(AttentionBackend):
         head size), and the kernel fits (16-bit queries, token-minor V, no soft-cap)."""
         if self._gluon8 is None:
             _, d = self._layer_shape()
-            pool = self.pool  # (a pool may name its device by a string)
+            pool = self.pool
             self._gluon8 = decode_8bit_gluon.engine_default(
                 pool.dtype, self.compute_dtype, d, pool.page_size, self._v_t, pool.device,
                 self.logit_softcap)

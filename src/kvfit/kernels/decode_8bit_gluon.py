@@ -74,7 +74,7 @@ def engine_default(cache_dtype: torch.dtype, q_dtype: torch.dtype, head_dim: int
                    page_size: int, v_t: bool, device, softcap=None) -> bool:
     """Whether the triton backend decodes these pages with this kernel: a Hopper GPU whose
     ``DEFAULT_ON`` entry lists (page kind, head size), and the kernel fits."""
-    dev = torch.device(device)
+    dev = torch.device(device)  # (a pool may name its device by a string)
     return bool(dev.type == "cuda" and available(dev)
                 and default_on(kind(cache_dtype), head_dim, torch.cuda.get_device_name(dev))
                 and fits(cache_dtype, q_dtype, head_dim, page_size, v_t, softcap) is None)

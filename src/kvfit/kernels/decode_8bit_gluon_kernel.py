@@ -71,20 +71,6 @@ def build():
         return gl.join(gl.join(b0, b2), gl.join(b1, b3))
 
     @gluon.jit
-    def _token(m, TOK: gl.constexpr):
-        # the tile's token at row m (of the logits, of P, and P.V's k): (TOK / 4) c + 4 ks +
-        # 2 b3 + b0 for m = 16 ks + 8 b3 + 2 c + b0
-        return ((m >> 1) & 3) * (TOK // 4) + (m >> 4) * 4 + ((m >> 3) & 1) * 2 + (m & 1)
-
-    @gluon.jit
-    def _hw_k(x, R: gl.constexpr, C: gl.constexpr, LA: gl.constexpr):
-        # x [R, C] with physical column order -> the MMA's k order (a relabelling, no data
-        # moves): column 4 ks + 2 b3 + b0 + (C / 4) c becomes k = 16 ks + 8 b3 + 2 c + b0
-        y = gl.reshape(x, [R, 4, C // 16, 2, 2])
-        y = gl.reshape(gl.permute(y, (0, 2, 3, 1, 4)), [R, C])
-        return gl.convert_layout(y, LA, assert_trivial=True)
-
-    @gluon.jit
     def _hw_k8(x, R: gl.constexpr, C: gl.constexpr, LK: gl.constexpr, LA: gl.constexpr):
         # 32-bit words x [R, C / 4] of int8 codes in physical column order -> int8 [R, C] in
         # the s8 MMA's k order (no data moves): the words as bytes (a broadcast to four
@@ -103,7 +89,7 @@ def build():
               LK: gl.constexpr, LV: gl.constexpr, LR: gl.constexpr):
         # the tile's codes from token t0 (rows and pages from n1 on not loaded: whatever the
         # registers held, masked in the logits, and zeroed in V with a partial tile's dead
-        # tokens) as 32-bit words: K [TOK rows (tokens by _token), D / 4] (INT8: in the
+        # tokens) as 32-bit words: K [TOK rows (tokens by _tile_token), D / 4] (INT8: in the
         # slice of int8_key_layouts' 3-D layout), V [D, TOK / PAGE, PAGE / 4]; int8: the
         # rows' K scales times the query's factor q_f and their V scales ([TOK] float32 in
         # the logits' row layout LR, 0 from n1 on), through the K rows' page ids (q_f twice
@@ -117,7 +103,7 @@ def build():
         else:
             LKW: gl.constexpr = LK
         m = gl.arange(0, TOK, layout=gl.SliceLayout(1, LKW))
-        tl = _token(m, TOK)  # the rows' tokens in the tile
+        tl = _tile_token(m, TOK)  # noqa: F821 -- the rows' tokens in the tile
         live = t0 + tl < n1
         slot = tl & (PAGE - 1)
         pg32 = gl.load(bt_row + (p0 + (tl >> SHIFT)), mask=live, other=0)
@@ -164,13 +150,15 @@ def build():
             s_lo = warpgroup_mma(kt, q_lo.permute((1, 0)), zi, use_acc=False,  # noqa: F821
                                  is_async=True)
         else:
-            kt = _hw_k(gl.reshape(_words_to_f16(k_raw, CODE), [TOK, D]), TOK, D, LAK)
+            kt = _hw_k(gl.reshape(_words_to_f16(k_raw, CODE), [TOK, D]), TOK, D,  # noqa: F821
+                       LAK)
             zero = gl.zeros([TOK, BLOCK_H], gl.float32, layout=MMA)
             s_t = warpgroup_mma(kt, qs.permute((1, 0)), zero, use_acc=False,  # noqa: F821
                                 is_async=True)
         # V converted while the logits' MMAs run; a partial tile's unwritten tokens (any
         # bits, NaN fp8 codes included: 0 * NaN would reach the output) zeroed
-        vt = _hw_k(gl.reshape(_words_to_f16(v_raw, CODE), [D, TOK]), D, TOK, LAV)
+        vt = _hw_k(gl.reshape(_words_to_f16(v_raw, CODE), [D, TOK]), D, TOK,  # noqa: F821
+                   LAV)
         if MASKED:
             vt = gl.where((tok_k < n_live)[None, :], vt, 0.0)
         if CODE == 2:
@@ -260,9 +248,9 @@ def build():
         s_head = h * stride_sh
         LR: gl.constexpr = gl.SliceLayout(1, MMA)
         r = gl.arange(0, TOK, layout=LR)
-        tok_r = _token(r, TOK)  # the logits rows' tokens in a tile
+        tok_r = _tile_token(r, TOK)  # noqa: F821 -- the logits rows' tokens in a tile
         kk = gl.arange(0, TOK, layout=gl.SliceLayout(0, LAV))
-        tok_k = _token(kk, TOK)  # P.V's k's tokens in a tile
+        tok_k = _tile_token(kk, TOK)  # noqa: F821 -- P.V's k's tokens in a tile
 
         k_raw, v_raw, ks, vs = _load(KCh, VCh, KS, VS, bt_row, n0, n1, stride_cp, s_head,
                                      stride_sp, q_f, D, PAGE, TOK, INT8, LK, LV, LR)

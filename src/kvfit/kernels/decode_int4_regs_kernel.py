@@ -54,20 +54,9 @@ def build():
                        gl.join(gl.join(o[1], o[5]), gl.join(o[3], o[7])))
 
     @gluon.jit
-    def _token(m):
-        # the tile's token at row m (of the logits, of P, and P.V's k): 16 c + 4 ks + 2 b3 + b0
-        # for m = 16 ks + 8 b3 + 2 c + b0
-        return ((m >> 1) & 3) * 16 + (m >> 4) * 4 + ((m >> 3) & 1) * 2 + (m & 1)
-
-    @gluon.jit
     def _k_channel(k, D: gl.constexpr):
         # the physical channel at the logits' hardware k = 16 ks + 8 b3 + 2 c + b0
         return ((k >> 1) & 3) * (D // 4) + (k >> 4) * 4 + ((k >> 3) & 1) + (k & 1) * 2
-
-    @gluon.jit
-    def _v_channel(r, D: gl.constexpr):
-        # the physical channel at P.V's row r = 64 i + 16 w + 8 h + l: (8 w + l) D/32 + 2 i + h
-        return (((r >> 4) & 3) * 8 + (r & 7)) * (D // 32) + (r >> 6) * 2 + ((r >> 3) & 1)
 
     @gluon.jit
     def _dup(x, LA: gl.constexpr):
@@ -86,15 +75,15 @@ def build():
         return gl.convert_layout(y, LA, assert_trivial=True)
 
     @gluon.jit
-    def _load(KCh, VCh, KSh, KZh, VSh, VZh, bt_row, p0, last, stride_cp, stride_kp, stride_vp,
+    def _load(KCh, VCh, VSh, VZh, bt_row, p0, last, stride_cp, stride_kp, stride_vp,
               D: gl.constexpr, LK: gl.constexpr, LKS: gl.constexpr, LV4: gl.constexpr,
               LVS: gl.constexpr):
-        # the codes, scales and zeros of the tile of pages p0, p0 + 1 as 32-bit words (a page
-        # past ``last``, the split's last, loads that page again; the caller masks it): K
-        # [64 rows, D/8], its scale and zero words [4, 8, D/4] (LKS; even channels, odd ones),
-        # V [32, D/32, 2, 4], its scale and zero words [32, 2, 4, 4] (LVS)
+        # the tile of pages p0, p0 + 1 as 32-bit words (a page past ``last``, the split's last,
+        # loads that page again; the caller masks it): K's codes [64 rows, D/8], the word
+        # offsets of its pages' scale rows [4, 8] (for _k_scales), V's codes [32, D/32, 2, 4]
+        # and its scale and zero words [32, 2, 4, 4] (LVS)
         m = gl.arange(0, 64, layout=gl.SliceLayout(1, LK))
-        tok = _token(m)
+        tok = _tile_token(m, 64)  # noqa: F821
         pk = p0 + (tok >> 5)
         pgk = gl.load(bt_row + gl.minimum(pk, last)).to(gl.int64)
         rows = (KCh + pgk * stride_cp + (tok & 31) * (D // 2)).to(gl.pointer_type(gl.int32),
@@ -155,9 +144,7 @@ def build():
         kf = _words(k4, _dup(sea, LK4), _dup(soa, LK4), _dup(seb, LK4), _dup(sob, LK4),
                     _dup(zea, LK4), _dup(zoa, LK4), _dup(zeb, LK4), _dup(zob, LK4), _K_ASM)  # noqa
         # natural column n = 8 w + 4 e1 + 2 e0 + b0 of a thread's D/4 -> hardware k
-        kt = gl.reshape(kf, [64, 4, D // 16, 2, 2])
-        return gl.convert_layout(gl.reshape(gl.permute(kt, (0, 2, 3, 1, 4)), [64, D]), LAK,
-                                 assert_trivial=True)
+        return _hw_k(gl.reshape(kf, [64, D]), 64, D, LAK)  # noqa: F821
 
     @gluon.jit
     def _convert_v(v, vs, vz, D: gl.constexpr, LV4: gl.constexpr, LAV: gl.constexpr):
@@ -180,17 +167,17 @@ def build():
     @gluon.jit
     def _residual(KR, VR, row, tail, D: gl.constexpr, LAK: gl.constexpr, LAV: gl.constexpr):
         # the residual page's first ``tail`` tokens (rows of [32, D], compute dtype) straight
-        # into the A layouts: kt [64, D] (rows by _token, columns by _k_channel), vt [D, 64]
-        # (rows by _v_channel, columns by _token); tokens from tail on are zeros
+        # into the A layouts: kt [64, D] (rows by _tile_token, columns by _k_channel), vt [D, 64]
+        # (rows by _thread_rows_channel, columns by _tile_token); tokens from tail on are zeros
         m = gl.arange(0, 64, layout=gl.SliceLayout(1, LAK))
-        tk = _token(m)
+        tk = _tile_token(m, 64)  # noqa: F821
         kk = gl.arange(0, D, layout=gl.SliceLayout(0, LAK))
         kt = gl.load(KR + row + (tk * D)[:, None] + _k_channel(kk, D)[None, :],
                      mask=(tk < tail)[:, None], other=0.0).to(gl.float16)
         r = gl.arange(0, D, layout=gl.SliceLayout(1, LAV))
         c = gl.arange(0, 64, layout=gl.SliceLayout(0, LAV))
-        tv = _token(c)
-        vt = gl.load(VR + row + _v_channel(r, D)[:, None] + (tv * D)[None, :],
+        tv = _tile_token(c, 64)  # noqa: F821
+        vt = gl.load(VR + row + _thread_rows_channel(r, D)[:, None] + (tv * D)[None, :],  # noqa
                      mask=(tv < tail)[None, :], other=0.0).to(gl.float16)
         return kt, vt
 
@@ -262,11 +249,11 @@ def build():
         KZh = KZ + h * stride_kh
         VSh = VS + h * stride_vh
         VZh = VZ + h * stride_vh
-        tok_r = _token(gl.arange(0, 64, layout=gl.SliceLayout(1, MMA)))  # logits rows' tokens
-        tok_k = _token(gl.arange(0, 64, layout=gl.SliceLayout(0, LAV)))  # P.V's k's tokens
+        tok_r = _tile_token(gl.arange(0, 64, layout=gl.SliceLayout(1, MMA)), 64)  # noqa: F821
+        tok_k = _tile_token(gl.arange(0, 64, layout=gl.SliceLayout(0, LAV)), 64)  # noqa: F821
 
-        k, soff, v, vs, vz = _load(KCh, VCh, KSh, KZh, VSh, VZh, bt_row, p0, last, stride_cp,
-                                   stride_kp, stride_vp, D, LK, LKS, LV4, LVS)
+        k, soff, v, vs, vz = _load(KCh, VCh, VSh, VZh, bt_row, p0, last, stride_cp, stride_kp,
+                                   stride_vp, D, LK, LKS, LV4, LVS)
         ks_e, ks_o, kz_e, kz_o = _k_scales(KSh, KZh, soff, D, LKS)
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
         l_t = gl.zeros([64, BLOCK_H], gl.float32, layout=MMA)
@@ -278,9 +265,8 @@ def build():
             kt = _convert_k(k, ks_e, ks_o, kz_e, kz_o, D, LK4, LAK)
             vt = _convert_v(v, vs, vz, D, LV4, LAV)
             # the next tile's words into registers while this one is computed
-            k, soff, v, vs, vz = _load(KCh, VCh, KSh, KZh, VSh, VZh, bt_row, p0 + 2 * (i + 1),
-                                       last, stride_cp, stride_kp, stride_vp, D, LK, LKS, LV4,
-                                       LVS)
+            k, soff, v, vs, vz = _load(KCh, VCh, VSh, VZh, bt_row, p0 + 2 * (i + 1), last,
+                                       stride_cp, stride_kp, stride_vp, D, LK, LKS, LV4, LVS)
             if KS_AHEAD:
                 ks_e, ks_o, kz_e, kz_o = _k_scales(KSh, KZh, soff, D, LKS)
             s_t = warpgroup_mma_wait(num_outstanding=0,  # noqa: F821
@@ -300,7 +286,7 @@ def build():
                                      deps=(_logits(kt, qs, BLOCK_H, MMA),))
             acc, m_i, l_t = _attend(s_t, vt, p_s, acc, m_i, l_t, tail, tok_r, tok_k, True)
 
-        # o^T = acc [D, BLOCK_H] / l, rows by _v_channel
+        # o^T = acc [D, BLOCK_H] / l, rows by _thread_rows_channel
         _split_out(acc, l_t, m_i, OUT, OP, LSE, b, h, s, num_splits, stride_ob,  # noqa: F821
                    stride_oh, 1.0, G, BLOCK_H, D, SINGLE, 2, MMA)
 

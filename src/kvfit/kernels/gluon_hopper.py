@@ -1,10 +1,10 @@
 """What the Hopper Gluon kernels share (``mla_decode_gluon``, ``decode_int4_gluon``,
-``decode_8bit_gluon_kernel``): the Gluon names they use, resolved once for the installed Triton
-(``hopper_names``); the online-softmax step and the split epilogue of the MHA decodes
-(``mha_decode_parts``);
-whether they can run here (``gluon_available``); which exceptions mean that the installed
-Triton cannot compile one (``compile_errors``); and the launch that records such a failure and
-logs it once (``launch_or_record``: the hosts then run the Triton kernels).
+``decode_int4_regs_kernel``, ``decode_8bit_gluon_kernel``): the Gluon names they use, resolved
+once for the installed Triton (``hopper_names``); the MHA decodes' tile token numbering and k
+relabelling, online-softmax step, P.V step and split epilogue (``mha_decode_parts``); whether
+they can run here (``gluon_available``); which exceptions mean that the installed Triton
+cannot compile one (``compile_errors``); and the launch that records such a failure and logs it
+once (``launch_or_record``: the hosts then run the Triton kernels).
 
 Some names moved between Triton releases: cp.async of a pointer tile into shared memory is
 ``async_load`` from Triton 3.7 on (the old name raises there), ``async_copy_global_to_shared``
@@ -111,8 +111,19 @@ def mha_decode_parts() -> dict:
     dtype); several write float32 partials ``OP`` (rows ``(b * Hq + head) * splits + s``) and
     their base-2 log-sum-exp ``LSE`` (-inf for an empty split) for ``decode_kernels``' merge.
     ``CHMAP``: which channel acc's row r holds: 0 channel r; 1 the even channels, then the odd
-    ones (the shared-memory int4 kernel's order); 2 ``(8 w + l) D/32 + 2 i + h`` for
-    r = 64 i + 16 w + 8 h + l (the register int4 kernel's, ``decode_int4_regs_layouts``)."""
+    ones (the shared-memory int4 kernel's order); 2 ``_thread_rows_channel(r, D)``.
+
+    ``_tile_token(m, TOK)``: the tile's token at row m (of the logits, of P, and P.V's k):
+    ``(TOK/4) c + 4 ks + 2 b3 + b0`` for m = 16 ks + 8 b3 + 2 c + b0, so that a thread's share
+    of P.V's k is TOK/4 contiguous tokens (the operand relabelling of the register kernels).
+
+    ``_hw_k(x, R, C, LA)``: x ``[R, C]`` in physical column order -> the float16 MMA's k order
+    in layout LA (a relabelling, checked to move nothing): column ``4 ks + 2 b3 + b0 + (C/4) c``
+    becomes k = 16 ks + 8 b3 + 2 c + b0.
+
+    ``_thread_rows_channel(r, D)``: the channel ``(8 w + l) D/32 + 2 i + h`` at P.V's row
+    r = 64 i + 16 w + 8 h + l, where each thread's rows are D/32 consecutive channels (the
+    register int4 kernel's order, ``decode_int4_regs_layouts``)."""
     from triton.experimental import gluon
 
     globals().update(hopper_names())
@@ -124,6 +135,20 @@ def mha_decode_parts() -> dict:
         alpha = gl.exp2(m_i - m_use)  # noqa: F821
         p_t = gl.exp2(s_t - m_use[None, :])  # noqa: F821
         return m_new, alpha, p_t, l_t * alpha[None, :] + p_t
+
+    @gluon.jit
+    def _tile_token(m, TOK: gl.constexpr):  # noqa: F821
+        return ((m >> 1) & 3) * (TOK // 4) + (m >> 4) * 4 + ((m >> 3) & 1) * 2 + (m & 1)
+
+    @gluon.jit
+    def _hw_k(x, R: gl.constexpr, C: gl.constexpr, LA: gl.constexpr):  # noqa: F821
+        y = gl.reshape(x, [R, 4, C // 16, 2, 2])  # noqa: F821
+        y = gl.reshape(gl.permute(y, (0, 2, 3, 1, 4)), [R, C])  # noqa: F821
+        return gl.convert_layout(y, LA, assert_trivial=True)  # noqa: F821
+
+    @gluon.jit
+    def _thread_rows_channel(r, D: gl.constexpr):  # noqa: F821
+        return (((r >> 4) & 3) * 8 + (r & 7)) * (D // 32) + (r >> 6) * 2 + ((r >> 3) & 1)
 
     @gluon.jit
     def _split_out(acc, l_t, m_i, OUT, OP, LSE, b, h, s, num_splits, stride_ob, stride_oh,
@@ -138,7 +163,7 @@ def mha_decode_parts() -> dict:
         if CHMAP == 1:
             ch = gl.where(r < D // 2, 2 * r, 2 * (r - D // 2) + 1)  # noqa: F821
         elif CHMAP == 2:
-            ch = (((r >> 4) & 3) * 8 + (r & 7)) * (D // 32) + (r >> 6) * 2 + ((r >> 3) & 1)
+            ch = _thread_rows_channel(r, D)
         else:
             ch = r
         g = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, LO))  # noqa: F821
@@ -165,4 +190,6 @@ def mha_decode_parts() -> dict:
         acc = warpgroup_mma(vt, p_s, acc * alpha[None, :], is_async=True)  # noqa: F821
         return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # noqa: F821
 
-    return dict(_online_softmax=_online_softmax, _split_out=_split_out, _pv_step=_pv_step)
+    return dict(_online_softmax=_online_softmax, _split_out=_split_out, _pv_step=_pv_step,
+                _tile_token=_tile_token, _hw_k=_hw_k,
+                _thread_rows_channel=_thread_rows_channel)

@@ -100,10 +100,10 @@ def build() -> types.SimpleNamespace:
         tl.store(VZ + vb, vz)
 
     @triton.jit
-    def _int4_store_pages(KS_, VS_, PAGES, KC, VC, KS, KZ, VS, VZ, stride_sf, stride_sp,
+    def _int4_store_pages(KP, VP, PAGES, KC, VC, KS, KZ, VS, VZ, stride_sf, stride_sp,
                           stride_sh, stride_cp, stride_ch, stride_kp, stride_kh2, stride_vp,
                           stride_vh2, D: tl.constexpr, PAGE: tl.constexpr, V_T: tl.constexpr):
-        # program (f, h): staged page f ([PAGE, D] of K_/V_ at f, h; strides of [F, P, H, D])
+        # program (f, h): staged page f ([PAGE, D] of KP/VP at f, h; strides of [F, P, H, D])
         # quantized into pool page PAGES[f]
         f = tl.program_id(0)
         h = tl.program_id(1)
@@ -111,10 +111,10 @@ def build() -> types.SimpleNamespace:
         t = tl.arange(0, PAGE)
         row = (f.to(tl.int64) * stride_sf + h * stride_sh + t[:, None] * stride_sp
                + 2 * j[None, :])
-        ke = tl.load(KS_ + row).to(tl.float32)
-        ko = tl.load(KS_ + row + 1).to(tl.float32)
-        ve = tl.load(VS_ + row).to(tl.float32)
-        vo = tl.load(VS_ + row + 1).to(tl.float32)
+        ke = tl.load(KP + row).to(tl.float32)
+        ko = tl.load(KP + row + 1).to(tl.float32)
+        ve = tl.load(VP + row).to(tl.float32)
+        vo = tl.load(VP + row + 1).to(tl.float32)
         page = tl.load(PAGES + f).to(tl.int64)
         _quantize_page(ke, ko, ve, vo, KC, VC, KS, KZ, VS, VZ, page, h, stride_cp, stride_ch,
                        stride_kp, stride_kh2, stride_vp, stride_vh2, D, PAGE, V_T)
@@ -130,7 +130,6 @@ def build() -> types.SimpleNamespace:
         slot = tl.load(SLOTS + b)
         if slot >= 0:
             HALF: tl.constexpr = D // 2
-            NG: tl.constexpr = D // 32
             pos = tl.load(KVLEN + b) - 1
             off = pos % PAGE
             j = tl.arange(0, HALF)

@@ -48,9 +48,9 @@ def v_token_minor(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor)
 
 
 def v_token_major(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
-    """Inverse of ``v_token_minor``."""
-    codes = unpack_nibbles(packed).transpose(-1, -2)  # [..., D, P] -> [..., P, D]
-    return pack_nibbles(codes), scale.transpose(-1, -2), zero.transpose(-1, -2)
+    """Inverse of ``v_token_minor``: the same transposition (of tokens and channels) undoes
+    itself."""
+    return v_token_minor(packed, scale, zero)
 
 
 def evens_first(x: torch.Tensor) -> torch.Tensor:
