@@ -16,9 +16,32 @@ from kvfit.kernels.mla_gluon import gluon_fits
 E4M3, BF16 = torch.float8_e4m3fn, torch.bfloat16
 
 
+def test_gluon_config_register_kernel_for_8_bit_latents():
+    # the register-operand kernel: the default for the latent types of GLUON_REGS (e5m2, where
+    # it measured faster than the shared-memory kernel), asked for by regs=True for e4m3; two
+    # programs an SM for the splits
+    assert mla.GLUON_REGS == (torch.float8_e5m2,)
+    assert not decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True).regs
+    for fmt, kw in ((E4M3, dict(regs=True)), (torch.float8_e5m2, {})):
+        cfg = decode_config(4, 16, 512, 32768, fmt, BF16, gluon=True, **kw)
+        assert cfg.regs and cfg.gluon and not cfg.pipe and not cfg.qfp8
+        assert (cfg.block_m, cfg.block_n, cfg.num_warps) == (16, 64, 4)
+        assert cfg.num_splits == 64  # 4 programs x 64 splits: 256 = 2 per SM (1% a split)
+    assert decode_config(32, 16, 512, 16384, E4M3, BF16, gluon=True, regs=True).num_splits == 8
+    assert decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, regs=True,
+                         programs_per_sm=1).num_splits == 33
+    # any choice that names another kernel's knob keeps the shared-memory kernels
+    e5 = torch.float8_e5m2
+    for kw in (dict(regs=False), dict(num_stages=3), dict(qfp8=False), dict(conv_vec=16)):
+        assert not decode_config(4, 16, 512, 32768, e5, BF16, gluon=True, **kw).regs
+    assert not decode_config(4, 16, 512, 32768, BF16, BF16, gluon=True, regs=True).regs
+    assert "registers" in mla.describe_decode(
+        decode_config(4, 16, 512, 32768, e5, BF16, gluon=True), e5)
+
+
 def test_gluon_config_tiles_stages_and_splits():
-    cfg = decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True)
-    # e4m3: the pipelined kernel by default (fp8 logits, 2 stages)
+    cfg = decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, regs=False)
+    # e4m3 without the register kernel: the pipelined kernel (fp8 logits, 2 stages)
     assert cfg.gluon and cfg.pipe == mla.GLUON_PIPE and cfg.qfp8 == mla.GLUON_PIPE
     assert (cfg.block_m, cfg.block_n, cfg.num_warps) == (16, 64, 4)
     assert cfg.num_stages == (2 if mla.GLUON_PIPE else 3)
@@ -27,19 +50,20 @@ def test_gluon_config_tiles_stages_and_splits():
     plain = decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, num_stages=3)
     assert not plain.pipe and plain.num_stages == 3 and not plain.qfp8
     assert not decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, qfp8=False).pipe
-    e5 = decode_config(4, 16, 512, 32768, torch.float8_e5m2, BF16, gluon=True)
+    e5 = decode_config(4, 16, 512, 32768, torch.float8_e5m2, BF16, gluon=True, regs=False)
     assert not e5.pipe and not e5.qfp8 and e5.num_stages == 3
     cfg16 = decode_config(32, 16, 512, 16384, BF16, BF16, gluon=True)
     assert cfg16.num_stages == 2 and cfg16.num_splits == 4
     # V2's 128 heads: eight programs of 16 heads a request, the splits count them
-    v2 = decode_config(16, 128, 512, 16384, E4M3, BF16, gluon=True)
+    v2 = decode_config(16, 128, 512, 16384, E4M3, BF16, gluon=True, regs=False)
     assert v2.num_splits == 1
     assert decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, num_splits=5).num_splits == 5
     # the pipelined kernel: e4m3 only, fp8 logits, 2 stages
     pc = decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, pipe=True)
     assert pc.pipe and pc.qfp8 and pc.num_stages == 2
     assert not decode_config(4, 16, 512, 32768, BF16, BF16, gluon=True, pipe=True).pipe
-    assert decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True).conv_vec == 8  # measured
+    assert decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True,
+                         regs=False).conv_vec == 8  # measured
     assert decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, conv_vec=16).conv_vec == 16
     with pytest.raises(ValueError, match="8 or 16"):
         decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, conv_vec=4)
@@ -170,3 +194,79 @@ def test_gluon_launch_binds_every_kernel_argument(monkeypatch, pipe, fmt):
     assert not a["SINGLE"] and a["num_warps"] == 4 and a["XV"] == 8
     if not pipe:
         assert a["CONVERT"] == (fmt != BF16) and a["STAGES"] == cfg.num_stages and not a["QFP8"]
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_regs_launch_binds_every_kernel_argument(monkeypatch, fmt):
+    """The register-operand kernel's launch: every parameter bound, its layouts and the
+    conversion asm of the latent format; its refusal of 16-bit latents names the fix."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from gluon_launch_fakes import Recording
+
+    from kvfit.kernels import mla_decode_fp8_regs
+
+    calls = []
+    monkeypatch.setattr(mla_decode_fp8_regs, "build",
+                        Recording(mla_decode_fp8_regs.build(), calls))
+    b, h = 3, 20
+    q = torch.randn(b, h, 576, dtype=BF16)
+    cache = torch.zeros(9, 16, 576, dtype=fmt)
+    table = torch.zeros(b, 7, dtype=torch.int32)
+    lens = torch.tensor([5, 70, 100], dtype=torch.int32)
+    out = torch.empty(b, h, 512, dtype=BF16)
+    cfg = decode_config(b, h, 512, 100, fmt, BF16, gluon=True, regs=True, num_splits=1)
+    assert mla_gluon.launch(q, cache, table, lens, out, out, out, 512, 0.25, 0.5, cfg)
+    (grid, a), = calls
+    assert grid == (b * 2, 1) and a["SINGLE"] and a["OUT"] is out
+    assert (a["H"], a["PAGE"], a["HBLK"], a["BLOCK_H"], a["num_warps"]) == (h, 16, 2, 16, 4)
+    assert (a["MMA"], a["LX"], a["LA"]) == mla_decode_fp8_regs.layouts(16)
+    name = "e4m3" if fmt == torch.float8_e4m3fn else "e5m2"
+    assert a["ASM"] == mla_decode_fp8_regs.WORD_ASM[name] and f".{name}x2" in a["ASM"]
+    with pytest.raises(ValueError, match="regs=False"):
+        mla_gluon.launch(q, cache.to(BF16), table, lens, out, out, out, 512, 0.25, 0.5, cfg)
+
+
+_COMPILE_REGS = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from kvfit.kernels import mla_decode_fp8_regs
+
+cdt, single = sys.argv[1], sys.argv[2] == "1"
+fn = mla_decode_fp8_regs.build()
+mma, lw, la = mla_decode_fp8_regs.layouts(16)
+sig = dict(Q="*bf16", C="*" + cdt, BT="*i32", KVLEN="*i32", OUT="*bf16", OP="*fp32",
+           LSE="*fp32", qk_scale="fp32", out_scale="fp32", stride_qt="i32", stride_qh="i32",
+           stride_ot="i32", stride_oh="i32", stride_cp="i32", stride_bt="i32", num_splits="i32")
+consts = dict(H=16, RANK=512, ROPE=64, SLAB=576, PAGE=32, BLOCK_H=16, BLOCK_N=64, HBLK=1,
+              SINGLE=single, MMA=mma, LX=lw, LA=la, num_warps=4,
+              ASM=mla_decode_fp8_regs.WORD_ASM["e4m3" if cdt == "fp8e4nv" else "e5m2"])
+sig.update({k: "constexpr" for k in consts})
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+         if sig[n].startswith("*") or n.startswith("stride")}
+k = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+print(json.dumps(dict(ptx=k.asm["ptx"], shared=k.metadata.shared)))
+"""
+
+
+@pytest.mark.parametrize("cdt,single", [("fp8e4nv", False), ("fp8e5", True)])
+def test_regs_kernel_compiles_for_sm90(cdt, single):
+    """The register-operand kernel compiles for Hopper, its relabelling proven free
+    (``assert_trivial``): per 64-token tile 36 m64n16k16 MMAs with A from registers for the
+    logits and 32 from shared memory for P . latent; a thread's two rows of the tile loaded as
+    nine 16-byte vectors each (twice: the prologue's tile 0 and the loop's next tile) and
+    converted by one hardware cvt per two latents (64 x 576 / 128 threads / 2); no cp.async;
+    84 KB of shared memory at most, so two programs fit on an SM."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from gluon_launch_fakes import compile_sm90
+
+    got = compile_sm90(_COMPILE_REGS, cdt, int(single))
+    ptx = got["ptx"]
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16") == 68
+    fmt = "e4m3" if cdt == "fp8e4nv" else "e5m2"
+    assert ptx.count(f"cvt.rn.f16x2.{fmt}x2") == 64 * 576 // 128 // 2
+    assert ptx.count("ld.global.v4.b32") == 2 * 2 * 9
+    assert "cp.async" not in ptx
+    assert got["shared"] <= 86 * 1024

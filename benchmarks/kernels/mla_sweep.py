@@ -19,7 +19,7 @@ def main() -> None:
     p.add_argument("--points", default="bfloat16:4:32768,fp8_e4m3:4:32768")
     p.add_argument("--variants", default="",
                    help="[KIND:]block_n:warps:stages[:bytes|:per_sm],... (default only; KIND "
-                        "letters: g the Gluon kernel (64:4:STAGES), gq it with e4m3 logits by fp8 MMAs, gp the pipelined e4m3 kernel (64:4:2), g8/gq8/gp8 them converting 8 values a thread, r the row kernel (heads as "
+                        "letters: g the Gluon kernel (64:4:STAGES), gq it with e4m3 logits by fp8 MMAs, gp the pipelined e4m3 kernel (64:4:2), gr the register-operand 8-bit kernel (64:4:1[:per_sm]), g8/gq8/gp8 them converting 8 values a thread, r the row kernel (heads as "
                         "M), s the swapped kernel (heads as N), q its fp8 x fp8 logits (e4m3), p its register prefetch of the next "
                         "tile, h its page ids of 1024 tokens loaded before their tiles; per_sm: "
                         "programs per SM for the split rule; bytes: fp8 P@C operand of the row "
@@ -62,12 +62,15 @@ def main() -> None:
             kind = parts.pop(0) if not parts[0].isdigit() else ""
             bn, w, st = map(int, parts[:3])
             per_sm = int(parts[3]) if len(parts) > 3 and parts[3].isdigit() else None
-            if kind.rstrip("8") in ("g", "gq", "gp"):  # Gluon (64:4:stages); gq fp8 logits,
+            if kind == "gr":  # the register-operand 8-bit kernel (mla_decode_fp8_regs)
+                cfg = decode_config(b, args.heads, 512, ctx, ls.dtype, torch.bfloat16,
+                                    gluon=True, regs=True, programs_per_sm=per_sm)
+            elif kind.rstrip("8") in ("g", "gq", "gp"):  # Gluon (64:4:stages); gq fp8 logits,
                 # gp pipelined; a trailing 8: 8 values a thread in the conversion (conv_vec)
                 base = kind.rstrip("8")
                 cfg = decode_config(b, args.heads, 512, ctx, ls.dtype, torch.bfloat16,
                                     gluon=True, num_stages=st, programs_per_sm=per_sm,
-                                    qfp8=base == "gq", pipe=base == "gp",
+                                    qfp8=base == "gq", pipe=base == "gp", regs=False,
                                     conv_vec=8 if kind.endswith("8") else 16)
             elif kind == "r":  # the row kernel (heads as M)
                 cfg = decode_config(b, args.heads, 512, ctx, ls.dtype, torch.bfloat16,

@@ -44,6 +44,40 @@ def _rel(got, ref):
     ("fp8_e4m3", 16, 128, 2, 1, True, True), ("fp8_e4m3", 16, 16, 2, 1, True, True)])
 def test_mla_gluon_decode_kernel(fmt, page, heads, stages, splits, qfp8, pipe):
     _skip_unless_hopper()
+    from kvfit.kernels.mla import decode_config
+
+    def make(b, cache, q, kv_lens):
+        cfg = decode_config(b, heads, 512, max(kv_lens), cache.dtype, q.dtype, gluon=True,
+                            num_stages=stages, num_splits=splits, qfp8=qfp8, pipe=pipe)
+        assert cfg.gluon and cfg.num_stages == stages and cfg.qfp8 == qfp8 and cfg.pipe == pipe
+        assert not cfg.regs and (cfg.num_splits > 1) == (splits is None)
+        return cfg
+
+    _check_against_reference(make, fmt, page, heads)
+
+
+@pytest.mark.parametrize("fmt,page,heads,splits", [
+    ("fp8_e4m3", 32, 16, None), ("fp8_e4m3", 16, 16, 1), ("fp8_e4m3", 64, 128, None),
+    ("fp8_e4m3", 16, 128, 1), ("fp8_e5m2", 16, 16, None), ("fp8_e5m2", 32, 128, 1),
+    ("fp8_e5m2", 64, 16, 1)])
+def test_mla_gluon_regs_decode_kernel(fmt, page, heads, splits):
+    """The register-operand kernel (mla_decode_fp8_regs; the default for e5m2 latents)."""
+    _skip_unless_hopper()
+    from kvfit.kernels.mla import decode_config
+
+    def make(b, cache, q, kv_lens):
+        cfg = decode_config(b, heads, 512, max(kv_lens), cache.dtype, q.dtype,
+                            num_splits=splits, regs=True if fmt == "fp8_e4m3" else None)
+        assert cfg.gluon and cfg.regs and (cfg.num_splits > 1) == (splits is None)
+        return cfg
+
+    _check_against_reference(make, fmt, page, heads)
+
+
+def _check_against_reference(make, fmt, page, heads):
+    """``make(b, cache, q, kv_lens)``'s config against the float64 reference and the Triton
+    kernels, on requests of 3000, 17, 513, 1, 64 and 4097 tokens (NaN in unused pages and slots,
+    NaN-poisoned output)."""
     from kvfit.kernels.mla import decode_config, mla_decode
 
     kv_lens = [3000, 17, 513, 1, 64, 4097]
@@ -52,10 +86,7 @@ def test_mla_gluon_decode_kernel(fmt, page, heads, stages, splits, qfp8, pipe):
                                                           page, fmt, DEV, seed=heads + page,
                                                           scale=0.5)
     sm = 192 ** -0.5
-    cfg = decode_config(b, heads, 512, max(kv_lens), cache.dtype, q.dtype, gluon=True,
-                        num_stages=stages, num_splits=splits, qfp8=qfp8, pipe=pipe)
-    assert cfg.gluon and cfg.num_stages == stages and cfg.qfp8 == qfp8 and cfg.pipe == pipe
-    assert (cfg.num_splits > 1) == (splits is None)
+    cfg = make(b, cache, q, kv_lens)
     out = torch.full((b, heads, 512), float("nan"), dtype=q.dtype, device=DEV)
     mla_decode(q, cache, table, cu, kv, out, 512, sm, cfg, scale=0.5)
     ref = mla_reference(q, stored, [1] * b, kv_lens, 512, sm)
@@ -69,18 +100,21 @@ def test_mla_gluon_decode_kernel(fmt, page, heads, stages, splits, qfp8, pipe):
     assert _rel(out, tri.double().cpu()) < TOL[fmt]
 
 
-@pytest.mark.parametrize("fmt,qfp8,pipe", [("bfloat16", False, False),
-                                           ("fp8_e4m3", False, False),
-                                           ("fp8_e4m3", True, False), ("fp8_e4m3", True, True)])
-def test_mla_gluon_decode_graph_replay(fmt, qfp8, pipe):
-    """Captured once, replayed after the cache, lengths and query change: equals eager."""
+@pytest.mark.parametrize("fmt,qfp8,pipe,regs", [
+    ("bfloat16", False, False, False), ("fp8_e4m3", False, False, False),
+    ("fp8_e4m3", True, False, False), ("fp8_e4m3", True, True, False),
+    ("fp8_e4m3", None, None, True), ("fp8_e5m2", None, None, None)])
+def test_mla_gluon_decode_graph_replay(fmt, qfp8, pipe, regs):
+    """Captured once, replayed after the cache, lengths and query change: equals eager (the
+    register-operand kernel asked for, and e5m2's default, which is that kernel)."""
     _skip_unless_hopper()
     from kvfit.kernels.mla import decode_config
 
     def make(b, h, n, cache, q):
         cfg = decode_config(b, h, 512, n, cache.dtype, q.dtype, gluon=True, qfp8=qfp8,
-                            pipe=pipe)
-        assert cfg.gluon and cfg.num_splits > 1 and cfg.pipe == pipe
+                            pipe=pipe, regs=regs)
+        assert cfg.gluon and cfg.num_splits > 1 and cfg.pipe == bool(pipe)
+        assert cfg.regs == (regs is not False)
         return cfg
 
     assert decode_graph_replay_error(make, fmt, DEV) < TOL[fmt]

@@ -35,6 +35,12 @@ GLUON_DTYPES = (torch.bfloat16, torch.float16) + FP8
 # docs/benchmarks.md)
 GLUON_QFP8 = False
 GLUON_PIPE = True
+# latent types whose default Gluon decode is the register-operand kernel (mla_decode_fp8_regs:
+# the tile from global memory straight into the logits MMA's A registers, 84 KB of shared
+# memory, 2 programs an SM). e5m2: measured 1.13x its shared-memory kernel (H100, 32 x 16k);
+# e4m3 keeps the pipelined kernel: the register kernel measured 0.95-1.03x it (H100, 4 x 32k to
+# 64 x 32k), docs/benchmarks.md "MLA decode with the logits' A operand from registers"
+GLUON_REGS = (torch.float8_e5m2,)
 # 8-bit latents: values a thread converts at a time in the Gluon kernels (decode_config's
 # conv_vec). 8: [1, 8] x [1, 32] per warp, conflict-free float16 stores into the swizzled tile,
 # measured 1.10-1.13x the 16-value layout on the H200 (pipelined and plain kernels, 32 x 16k and
@@ -59,6 +65,7 @@ class MLAConfig:
     gluon: bool = False  # decode: the Gluon kernel of mla_decode_gluon (Hopper warp-group MMAs)
     pipe: bool = False  # Gluon e4m3 decode: mla_decode_fp8_pipe (tile i + 1's work under tile i's)
     conv_vec: int = 8  # Gluon 8-bit decode: latent values a thread converts at a time (8 or 16)
+    regs: bool = False  # Gluon 8-bit decode: mla_decode_fp8_regs (A operand from registers)
 
 
 def _pow2(x: int) -> int:
@@ -84,7 +91,7 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
                   prefetch: bool | None = None, hoist: int | None = None,
                   programs_per_sm: int | None = None, gluon: bool | None = None,
                   rope: int = 64, pipe: bool | None = None,
-                  conv_vec: int | None = None) -> MLAConfig:
+                  conv_vec: int | None = None, regs: bool | None = None) -> MLAConfig:
     """Rows: every head of a request (at least 16 for the MMA, at most 32 per program: a
     [64, 512] float32 accumulator spills; larger head counts take several programs per request,
     adjacent in the grid so their shared latent tiles come from L2). ``swap``: the kernel with
@@ -97,7 +104,10 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
     for e4m3 latents ``pipe`` (default ``GLUON_PIPE`` at 2 stages) the pipelined kernel of
     ``mla_decode_fp8_pipe``, with fp8 logits (``qfp8``, implied); ``conv_vec`` the values a
     thread converts at a time (default ``GLUON_CONV_VEC``, 8: conflict-free float16 stores,
-    measured faster than 16).
+    measured faster than 16). ``regs`` (8-bit latents; default: the latent type is in
+    ``GLUON_REGS`` and no stages, fp8 logits, pipelined kernel or conversion width were asked
+    for): the register-operand kernel of ``mla_decode_fp8_regs`` (no stages; 2 programs an SM
+    for the split rule).
     Default (``swap`` and ``gluon`` None), from the H200 sweeps: the Gluon kernel where it fits
     and runs (``GLUON_DTYPES``); else 16-bit latents at <= 16 heads take the swapped kernel
     with hoisted page ids (32-token tiles, 4 warps, 4 stages); fp8, float32 and more heads the
@@ -123,6 +133,13 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
         if not 2 <= stages <= most:
             raise ValueError(f"the Gluon MLA decode takes 2..{most} stages for {cache_dtype} "
                              f"latents (shared memory), got {stages}")
+        if regs is None:
+            regs = cache_dtype in GLUON_REGS and num_stages is None and pipe is None \
+                and qfp8 is None and conv_vec is None
+        if regs and cache_dtype in FP8:
+            return _with_splits(MLAConfig(16, 64, 4, 1, gluon=True, regs=True), batch,
+                                num_heads, rank, max_kv_len, num_sms, programs_per_sm or 2,
+                                num_splits)
         e4m3 = cache_dtype == torch.float8_e4m3fn
         if pipe is None:  # the default unless stages or plain logits were asked for
             pipe = GLUON_PIPE and num_stages in (None, 2) and qfp8 is not False
@@ -177,7 +194,8 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
 def describe_decode(cfg: MLAConfig, cache_dtype: torch.dtype) -> str:
     """One phrase naming the decode kernel ``cfg`` runs (the engine's start-up log)."""
     if cfg.gluon:
-        kind = "pipelined, fp8 logits" if cfg.pipe else ("fp8 logits" if cfg.qfp8 else "")
+        kind = ("A operand from registers" if cfg.regs else "pipelined, fp8 logits" if cfg.pipe
+                else "fp8 logits" if cfg.qfp8 else "")
         return (f"the Gluon kernel (Hopper warp-group MMAs{', ' + kind if kind else ''}) over "
                 f"{cache_dtype} latents")
     kind = "swapped (heads as N)" if cfg.swap else "row"

@@ -1,6 +1,6 @@
 """Host side of the Gluon MLA decode kernels (Hopper): where they run (``gluon_available``),
 which shapes they take (``gluon_fits``), their launch (``launch``: ``mla_decode_gluon`` or, for
-``MLAConfig.pipe``, ``mla_decode_fp8_pipe``), and what happens when the installed Triton cannot
+``MLAConfig.pipe``, ``mla_decode_fp8_pipe``, for ``MLAConfig.regs``, ``mla_decode_fp8_regs``), and what happens when the installed Triton cannot
 compile them: Gluon is Triton's experimental layer and its names move between releases
 (``async_copy_global_to_shared`` became ``async_load`` in 3.7), so a compile failure is logged
 once, ``usable`` turns false (``kernels.mla.decode_config`` then picks the Triton kernels) and
@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from kvfit.kernels import mla_decode_fp8_pipe, mla_decode_gluon
+from kvfit.kernels import mla_decode_fp8_pipe, mla_decode_fp8_regs, mla_decode_gluon
 from kvfit.kernels.gluon_hopper import gluon_available, launch_or_record
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -43,6 +43,9 @@ def launch(q, cache, block_table, kv_lens, out, op, lse, rank: int, qk_scale: fl
         raise ValueError(f"the Gluon MLA decode takes 512 + 64 slabs of 16- or 8-bit latents and "
                          f"16-bit queries, got {rank} + {slab - rank}, {cache.dtype}, {q.dtype}: "
                          f"use decode_config(gluon=False)")
+    if cfg.regs and cache.dtype not in FP8:
+        raise ValueError(f"the register-operand Gluon MLA decode reads 8-bit latents, got "
+                         f"{cache.dtype}: use regs=False")
     if cfg.pipe and cache.dtype != torch.float8_e4m3fn:
         raise ValueError(f"the pipelined Gluon MLA decode reads e4m3 latents, got {cache.dtype}: "
                          f"use pipe=False")
@@ -54,11 +57,18 @@ def launch(q, cache, block_table, kv_lens, out, op, lse, rank: int, qk_scale: fl
             float(qk_scale), float(out_scale), q.stride(0), q.stride(1), out.stride(0),
             out.stride(1), cache.stride(0), block_table.stride(0), cfg.num_splits)
     shape = dict(H=h, RANK=rank, ROPE=slab - rank, SLAB=slab, PAGE=cache.shape[1],
-                 BLOCK_H=cfg.block_m, BLOCK_N=cfg.block_n, HBLK=hblk, CHUNK=16, SINGLE=single,
-                 XV=cfg.conv_vec, num_warps=cfg.num_warps)
+                 BLOCK_H=cfg.block_m, BLOCK_N=cfg.block_n, HBLK=hblk, SINGLE=single,
+                 num_warps=cfg.num_warps)
+    if not cfg.regs:
+        shape.update(CHUNK=16, XV=cfg.conv_vec)
 
     def run():
-        if cfg.pipe:
+        if cfg.regs:
+            mma, lw, la = mla_decode_fp8_regs.layouts(cfg.block_m)
+            fmt = "e4m3" if cache.dtype == torch.float8_e4m3fn else "e5m2"
+            mla_decode_fp8_regs.build()[(b * hblk, cfg.num_splits)](
+                *args, **shape, MMA=mma, LX=lw, LA=la, ASM=mla_decode_fp8_regs.WORD_ASM[fmt])
+        elif cfg.pipe:
             mla_decode_fp8_pipe.build()[(b * hblk, cfg.num_splits)](*args, **shape)
         else:
             mla_decode_gluon.build()[(b * hblk, cfg.num_splits)](

@@ -1,0 +1,300 @@
+"""The 8-bit MLA decode in Gluon with the logits' A operand from registers (Hopper): the tile's
+latent bytes go from global memory straight into the registers of the warp-group MMA's A
+operand, are converted to float16 there, feed the logits, and only the 512 value columns are
+written to shared memory (once) for P . latent.
+
+Why. The shared-memory kernels (``mla_decode_gluon``, ``mla_decode_fp8_pipe``) move each
+64-token fp8 tile through shared memory ~7 times (the cp.async stage written, read by the
+conversion and by the logits' MMAs, the float16 tile written and read by P . latent): ~270 KB
+of shared-memory traffic per 36.9-KB tile, as much time at 128 B a clock as the tile's bytes at
+the copy bandwidth, on one warp group an SM (222 KB of shared memory). Here a tile costs the
+float16 tile's write and read and the query's reads (~150 KB), and a program takes 84 KB, so
+two run on an SM and each one's MMA waits hide under the other's work.
+
+Per tile of 64 tokens (the logits MMAs' M; heads are N, 16 a program):
+
+    global --ld.global.v4--> registers: a thread's rows r, r + 8 of its warp's 16 tokens, 16
+        contiguous bytes of each 64-column chunk (next tile's chunk j loaded as this tile's
+        chunk j is consumed: a whole tile of loads in flight)
+    chunk j (0..8): cvt to float16 in registers; columns 64 j .. 64 j + 63 < 512 stored to
+        their own shared buffer ``lat_j`` [64, 64] (NVMMA layout; one buffer per chunk, so the
+        stores need no barrier between them); the same registers relabelled (``_hw_k``:
+        nothing moves) are the A operand of s^T += chunk_j . q_j^T (warp-group MMA, the query in
+        shared memory in that k order), one chunk's MMAs in flight while the next converts
+    softmax down the tokens, p^T -> shared; o_j^T += lat_j^T . p^T for the eight column blocks
+        (warp-group MMAs from shared memory, eight [64, 16] accumulators)
+
+Tokens past the split's end are read as its last token (no predicated loads, never a NaN of
+an unused slot) and weigh 0. Grid, outputs, split scratch and merge as ``mla_decode_gluon``
+(``kernels.mla`` launches it for ``MLAConfig(regs=True)``). Owns nothing; writes ``OUT`` or
+``OP``/``LSE``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+# one 32-bit word of four 8-bit latents ($4, columns 4w..4w+3) -> their float16 values $0..$3
+# (the hardware conversion of a byte pair into a float16 pair, exact for both fp8 formats)
+_WORD_ASM = ("{{\n.reg .b16 lo, hi;\n.reg .b32 a, b;\nmov.b32 {{lo, hi}}, $4;\n"
+             "cvt.rn.f16x2.{fmt}x2 a, lo;\ncvt.rn.f16x2.{fmt}x2 b, hi;\n"
+             "mov.b32 {{$0, $1}}, a;\nmov.b32 {{$2, $3}}, b;\n}}\n")
+WORD_ASM = {"e4m3": _WORD_ASM.format(fmt="e4m3"), "e5m2": _WORD_ASM.format(fmt="e5m2")}
+
+
+@functools.lru_cache(maxsize=None)
+def layouts(block_h: int = 16):
+    """(MMA, LW, LA) for ``block_h`` heads: the MMAs' accumulator layout (rows over the 4
+    warps); LW ``[64 tokens, 16 words]``, a chunk's 64 columns as loaded, 32-bit words of four
+    latents (a thread: rows 16 w + l and 16 w + l + 8 of its lane row l, the 4 contiguous words
+    4 c of its lane column c, i.e. columns 16 c .. 16 c + 15); LA the float16 A operand
+    (k_width 2), which the converted chunk becomes after ``_hw_k`` without moving a value."""
+    from triton.experimental.gluon import language as gl
+
+    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                    instr_shape=[16, block_h, 16])
+    lw = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]],
+        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 16])
+    return mma, lw, gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+
+
+@functools.cache
+def build():
+    """The jitted kernel, built once per process on first use (CUDA, sm_90+)."""
+    from triton.experimental import gluon
+
+    from kvfit.kernels import mla_decode_gluon
+    from kvfit.kernels.gluon_hopper import mha_decode_parts
+
+    mla_decode_gluon.build()
+    for name in ("_softmax_step", "_cta_barrier", "gl", "fence_async_shared", "warpgroup_mma",
+                 "warpgroup_mma_wait"):
+        globals()[name] = getattr(mla_decode_gluon, name)
+    globals()["_hw_k"] = mha_decode_parts()["_hw_k"]
+
+    @gluon.jit
+    def _rows(bt_row, n0, hi, stride_cp, SLAB: gl.constexpr, PAGE: gl.constexpr,
+              LW: gl.constexpr):
+        # word offsets of the slabs of tokens [n0, n0 + 64) in LW's rows; tokens past hi read
+        # as token hi - 1 (an empty request reads page 0: memory of the pool, never used)
+        n = gl.maximum(gl.minimum(n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, LW)),
+                                  hi - 1), 0)
+        pg = gl.load(bt_row + n // PAGE, mask=n < hi, other=0).to(gl.int64)
+        return (pg * stride_cp + (n % PAGE) * SLAB) // 4
+
+    @gluon.jit
+    def _chunk(Cw, rows, J: gl.constexpr, LW: gl.constexpr):
+        # columns [64 J, 64 J + 64) of the rows as 32-bit words [64, 16]: 16 contiguous bytes
+        # of two rows a thread (words, not bytes, are carried across the loop: one register
+        # each, where a byte tensor would take one register a byte)
+        w = 16 * J + gl.arange(0, 16, layout=gl.SliceLayout(0, LW))
+        return gl.load(Cw + rows[:, None] + w[None, :])
+
+    @gluon.jit
+    def _to_f16(x, ASM: gl.constexpr):
+        # words [64, 16] -> float16 [64, 64], column 4 w + e from byte e of word w
+        o = gl.inline_asm_elementwise(ASM, "=h,=h,=h,=h,r", [x], dtype=(gl.float16,) * 4,
+                                      is_pure=True, pack=1)
+        y = gl.join(gl.join(o[0], o[2]), gl.join(o[1], o[3]))  # [64, 16, e1, e0]
+        return gl.reshape(y, [64, 64])
+
+    @gluon.jit
+    def _logits_step(x, s_t, a_prev, q_j, lat_j, STORE: gl.constexpr, LA: gl.constexpr,
+                     ASM: gl.constexpr):
+        # a chunk's words x -> float16 (stored to lat_j when STORE), the A operand of s^T +=
+        # x . q_j^T (issued); the previous chunk's MMA waited for (its registers free again)
+        f = _to_f16(x, ASM)
+        if STORE:
+            lat_j.store(f)
+        a = _hw_k(f, 64, 64, LA)  # noqa: F821
+        s_t = warpgroup_mma(a, q_j.permute((1, 0)), s_t, is_async=True)  # noqa: F821
+        s_t, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, a_prev))  # noqa: F821
+        return s_t, a
+
+    @gluon.jit
+    def _pv(acc, lat_j, p_s, alpha):
+        # o_j^T [64, BLOCK_H] = acc * alpha + lat_j^T . p^T, issued (waited for by the caller)
+        return warpgroup_mma(lat_j.permute((1, 0)), p_s, acc * alpha[None, :],  # noqa: F821
+                             is_async=True)
+
+    @gluon.jit
+    def _write_block(acc, m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot,
+                     stride_oh, out_scale, H: gl.constexpr, RANK: gl.constexpr,
+                     BLOCK_H: gl.constexpr, SINGLE: gl.constexpr, MMA: gl.constexpr,
+                     J: gl.constexpr):
+        # o^T rows [64 J, 64 J + 64) = acc [64, BLOCK_H] / l: one split writes OUT (times the
+        # latent scale), several the float32 partial rows (req * H + h) * splits + s of OP and
+        # (block 0) their base-2 log-sum-exp LSE, as mla_decode_gluon's epilogue
+        LO: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, 4], [0, 1])
+        safe_l = gl.where(l_i > 0, l_i, 1.0)
+        o_t = gl.convert_layout(acc / safe_l[None, :], LO)
+        d = 64 * J + gl.arange(0, 64, layout=gl.SliceLayout(1, LO))
+        ho = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, LO))
+        omask = (ho < H)[None, :] & (d < RANK)[:, None]
+        if SINGLE:
+            dst = OUT + req.to(gl.int64) * stride_ot + ho[None, :] * stride_oh + d[:, None]
+            gl.store(dst, (o_t * out_scale).to(OUT.dtype.element_ty), mask=omask)
+        else:
+            row = (req.to(gl.int64) * H + ho) * num_splits + s
+            gl.store(OP + row[None, :] * RANK + d[:, None], o_t, mask=omask)
+            if J == 0:
+                lse = gl.where(l_i > 0, m_i + gl.log2(safe_l), float("-inf"))
+                hl = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, MMA))
+                gl.store(LSE + (req.to(gl.int64) * H + hl) * num_splits + s, lse, mask=hl < H)
+
+    @gluon.jit
+    def _opaque_zero(i):
+        # 0, computed from the loop counter: shared-memory addresses reached through it stay in
+        # the loop (hoisted out of it, the 68 MMA descriptors held ~140 registers across it and
+        # spilled)
+        return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [i], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _mla_decode_fp8_regs(Q, C, BT, KVLEN, OUT, OP, LSE, qk_scale, out_scale,
+                             stride_qt, stride_qh, stride_ot, stride_oh, stride_cp, stride_bt,
+                             num_splits,
+                             H: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr,
+                             SLAB: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
+                             BLOCK_N: gl.constexpr, HBLK: gl.constexpr, SINGLE: gl.constexpr,
+                             MMA: gl.constexpr, LX: gl.constexpr, LA: gl.constexpr,
+                             ASM: gl.constexpr, num_warps: gl.constexpr):
+        gl.static_assert(num_warps == 4, "one warp group")
+        gl.static_assert(RANK == 512 and ROPE == 64 and BLOCK_N == 64, "DeepSeek's slab")
+        pid = gl.program_id(0)
+        s = gl.program_id(1)
+        req = pid // HBLK
+        h0 = (pid % HBLK) * BLOCK_H
+        F16: gl.constexpr = gl.float16
+        LQ: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        # the latent's eight column blocks (float16, [1, 64, 64] each: index 0 is reached
+        # through _opaque_zero in the loop), the query's nine (8 + rope) and P
+        LL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], F16)
+        c0 = gl.allocate_shared_memory(F16, [1, BLOCK_N, 64], LL)
+        c1 = gl.allocate_shared_memory(F16, [1, BLOCK_N, 64], LL)
+        c2 = gl.allocate_shared_memory(F16, [1, BLOCK_N, 64], LL)
+        c3 = gl.allocate_shared_memory(F16, [1, BLOCK_N, 64], LL)
+        c4 = gl.allocate_shared_memory(F16, [1, BLOCK_N, 64], LL)
+        c5 = gl.allocate_shared_memory(F16, [1, BLOCK_N, 64], LL)
+        c6 = gl.allocate_shared_memory(F16, [1, BLOCK_N, 64], LL)
+        c7 = gl.allocate_shared_memory(F16, [1, BLOCK_N, 64], LL)
+        QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, 64], F16)
+        q_c = gl.allocate_shared_memory(F16, [8, BLOCK_H, 64], QL)  # latent columns
+        q_r = gl.allocate_shared_memory(F16, [1, BLOCK_H, 64], QL)  # rope columns
+        p_s = gl.allocate_shared_memory(
+            F16, [BLOCK_N, BLOCK_H], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H],
+                                                                           F16))
+
+        # the query block, chunk j's columns in the A operand's hardware k order: k = 16 ks +
+        # 8 b3 + 2 c + b0 holds column 64 j + 16 c + 4 ks + 2 b3 + b0 (_hw_k's relabelling)
+        hq = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LQ))
+        q_row = Q + req.to(gl.int64) * stride_qt + hq * stride_qh
+        k = gl.arange(0, 64, layout=gl.SliceLayout(0, LQ))
+        col = ((k >> 1) & 3) * 16 + (k >> 4) * 4 + ((k >> 3) & 1) * 2 + (k & 1)
+        for j in gl.static_range(8):
+            qj = gl.load(q_row[:, None] + (64 * j + col)[None, :], mask=(hq < H)[:, None],
+                         other=0.0)
+            q_c.index(j).store(qj.to(F16))
+        qj = gl.load(q_row[:, None] + (RANK + col)[None, :], mask=(hq < H)[:, None], other=0.0)
+        q_r.index(0).store(qj.to(F16))
+        s_scale = gl.full([BLOCK_H], 1.0, gl.float32, layout=gl.SliceLayout(0, MMA)) * qk_scale
+
+        kv_len = gl.load(KVLEN + req)
+        per = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = s * per
+        hi = gl.minimum(lo + per, kv_len)
+        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        bt_row = BT + req.to(gl.int64) * stride_bt
+        Cw = C.to(gl.pointer_type(gl.int32), bitcast=True)
+
+        # tile 0's nine chunks into registers
+        rows = _rows(bt_row, lo, hi, stride_cp, SLAB, PAGE, LX)
+        x0 = _chunk(Cw, rows, 0, LX)
+        x1 = _chunk(Cw, rows, 1, LX)
+        x2 = _chunk(Cw, rows, 2, LX)
+        x3 = _chunk(Cw, rows, 3, LX)
+        x4 = _chunk(Cw, rows, 4, LX)
+        x5 = _chunk(Cw, rows, 5, LX)
+        x6 = _chunk(Cw, rows, 6, LX)
+        x7 = _chunk(Cw, rows, 7, LX)
+        x8 = _chunk(Cw, rows, 8, LX)
+        fence_async_shared()  # noqa: F821
+        _cta_barrier()  # noqa: F821 -- the query is in shared memory
+
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, MMA))
+        o0 = gl.zeros([64, BLOCK_H], gl.float32, layout=MMA)  # o^T's column blocks
+        o1 = gl.zeros([64, BLOCK_H], gl.float32, layout=MMA)
+        o2 = gl.zeros([64, BLOCK_H], gl.float32, layout=MMA)
+        o3 = gl.zeros([64, BLOCK_H], gl.float32, layout=MMA)
+        o4 = gl.zeros([64, BLOCK_H], gl.float32, layout=MMA)
+        o5 = gl.zeros([64, BLOCK_H], gl.float32, layout=MMA)
+        o6 = gl.zeros([64, BLOCK_H], gl.float32, layout=MMA)
+        o7 = gl.zeros([64, BLOCK_H], gl.float32, layout=MMA)
+        s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=MMA)
+        for i in range(n_tiles):
+            n0 = lo + i * BLOCK_N
+            z = _opaque_zero(i)
+            rows = _rows(bt_row, n0 + BLOCK_N, hi, stride_cp, SLAB, PAGE, LX)
+            # chunk j's registers take the next tile's chunk j once converted
+            f = _to_f16(x0, ASM)
+            c0.index(z).store(f)
+            a = _hw_k(f, 64, 64, LA)  # noqa: F821
+            s_t = warpgroup_mma(a, q_c.index(z).permute((1, 0)), s_zero, use_acc=False,  # noqa: F821
+                                is_async=True)
+            x0 = _chunk(Cw, rows, 0, LX)
+            s_t, a = _logits_step(x1, s_t, a, q_c.index(z + 1), c1.index(z), True, LA, ASM)
+            x1 = _chunk(Cw, rows, 1, LX)
+            s_t, a = _logits_step(x2, s_t, a, q_c.index(z + 2), c2.index(z), True, LA, ASM)
+            x2 = _chunk(Cw, rows, 2, LX)
+            s_t, a = _logits_step(x3, s_t, a, q_c.index(z + 3), c3.index(z), True, LA, ASM)
+            x3 = _chunk(Cw, rows, 3, LX)
+            s_t, a = _logits_step(x4, s_t, a, q_c.index(z + 4), c4.index(z), True, LA, ASM)
+            x4 = _chunk(Cw, rows, 4, LX)
+            s_t, a = _logits_step(x5, s_t, a, q_c.index(z + 5), c5.index(z), True, LA, ASM)
+            x5 = _chunk(Cw, rows, 5, LX)
+            s_t, a = _logits_step(x6, s_t, a, q_c.index(z + 6), c6.index(z), True, LA, ASM)
+            x6 = _chunk(Cw, rows, 6, LX)
+            s_t, a = _logits_step(x7, s_t, a, q_c.index(z + 7), c7.index(z), True, LA, ASM)
+            x7 = _chunk(Cw, rows, 7, LX)
+            s_t, a = _logits_step(x8, s_t, a, q_r.index(z), c0, False, LA, ASM)
+            x8 = _chunk(Cw, rows, 8, LX)
+            s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, a))[0]  # noqa: F821
+            # the online softmax down the tokens (axis 0), base 2; then o^T += lat^T . p^T
+            p_t, alpha, m_i, l_i = _softmax_step(s_t, m_i, l_i, s_scale, n0, hi,  # noqa: F821
+                                                 BLOCK_N, MMA)
+            p_s.store(p_t.to(F16))
+            fence_async_shared()  # noqa: F821 -- the latent's and p's stores, for the MMAs
+            _cta_barrier()  # noqa: F821
+            o0 = _pv(o0, c0.index(z), p_s, alpha)
+            o1 = _pv(o1, c1.index(z), p_s, alpha)
+            o2 = _pv(o2, c2.index(z), p_s, alpha)
+            o3 = _pv(o3, c3.index(z), p_s, alpha)
+            o4 = _pv(o4, c4.index(z), p_s, alpha)
+            o5 = _pv(o5, c5.index(z), p_s, alpha)
+            o6 = _pv(o6, c6.index(z), p_s, alpha)
+            o7 = _pv(o7, c7.index(z), p_s, alpha)
+            o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(  # noqa: F821
+                num_outstanding=0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
+            _cta_barrier()  # noqa: F821 -- every warp's P . latent has read the blocks and p
+
+        _write_block(o0, m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot, stride_oh,
+                     out_scale, H, RANK, BLOCK_H, SINGLE, MMA, 0)
+        _write_block(o1, m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot, stride_oh,
+                     out_scale, H, RANK, BLOCK_H, SINGLE, MMA, 1)
+        _write_block(o2, m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot, stride_oh,
+                     out_scale, H, RANK, BLOCK_H, SINGLE, MMA, 2)
+        _write_block(o3, m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot, stride_oh,
+                     out_scale, H, RANK, BLOCK_H, SINGLE, MMA, 3)
+        _write_block(o4, m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot, stride_oh,
+                     out_scale, H, RANK, BLOCK_H, SINGLE, MMA, 4)
+        _write_block(o5, m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot, stride_oh,
+                     out_scale, H, RANK, BLOCK_H, SINGLE, MMA, 5)
+        _write_block(o6, m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot, stride_oh,
+                     out_scale, H, RANK, BLOCK_H, SINGLE, MMA, 6)
+        _write_block(o7, m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot, stride_oh,
+                     out_scale, H, RANK, BLOCK_H, SINGLE, MMA, 7)
+
+    return _mla_decode_fp8_regs
