@@ -9,7 +9,9 @@ conversion and by the logits' MMAs, the float16 tile written and read by P . lat
 of shared-memory traffic per 36.9-KB tile, as much time at 128 B a clock as the tile's bytes at
 the copy bandwidth, on one warp group an SM (222 KB of shared memory). Here a tile costs the
 float16 tile's write and read and the query's reads (~150 KB), and a program takes 84 KB, so
-two run on an SM and each one's MMA waits hide under the other's work.
+two run on an SM. Measured (H100, docs/benchmarks.md): 0.95-1.03x the pipelined e4m3 kernel,
+1.08x e5m2's shared-memory kernel (whose default it is): the per-tile compute, not the
+shared-memory traffic, bounds fp8 MLA decode at 16 heads.
 
 Per tile of 64 tokens (the logits MMAs' M; heads are N, 16 a program):
 
