@@ -99,6 +99,20 @@ def test_gluon_default_off_without_hopper():
     assert not decode_config(4, 16, 512, 32768, BF16, BF16, swap=True).gluon
 
 
+# the end of both compile scripts: the kernel's signature, specialised as the JIT does, compiled
+# for sm_90; prints the PTX and the shared memory as one JSON line
+_COMPILE_TAIL = """
+sig = dict(Q="*bf16", C="*" + cdt, BT="*i32", KVLEN="*i32", OUT="*bf16", OP="*fp32",
+           LSE="*fp32", qk_scale="fp32", out_scale="fp32", stride_qt="i32", stride_qh="i32",
+           stride_ot="i32", stride_oh="i32", stride_cp="i32", stride_bt="i32", num_splits="i32")
+sig.update({k: "constexpr" for k in consts})
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+         if sig[n].startswith("*") or n.startswith("stride")}
+k = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+print(json.dumps(dict(ptx=k.asm["ptx"], shared=k.metadata.shared)))
+"""
+
 _COMPILE = """
 import json, sys
 import triton
@@ -113,21 +127,12 @@ if pipe:
     fn = mla_decode_fp8_pipe.build()
 else:
     fn = mla_decode_gluon.build()
-sig = dict(Q="*bf16", C="*" + cdt, BT="*i32", KVLEN="*i32", OUT="*bf16", OP="*fp32",
-           LSE="*fp32", qk_scale="fp32", out_scale="fp32", stride_qt="i32", stride_qh="i32",
-           stride_ot="i32", stride_oh="i32", stride_cp="i32", stride_bt="i32", num_splits="i32")
 xv = int(sys.argv[5])
 consts = dict(H=16, RANK=512, ROPE=64, SLAB=576, PAGE=32, BLOCK_H=16, BLOCK_N=64, HBLK=1,
               CHUNK=16, SINGLE=single, XV=xv, num_warps=4)
 if not pipe:
     consts.update(STAGES=stages, CONVERT=cdt.startswith("fp8"), QFP8=qfp8)
-sig.update({k: "constexpr" for k in consts})
-attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-         if sig[n].startswith("*") or n.startswith("stride")}
-k = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
-                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-print(json.dumps(dict(ptx=k.asm["ptx"], shared=k.metadata.shared)))
-"""
+""" + _COMPILE_TAIL
 
 
 @pytest.mark.parametrize("cdt,stages,single,qfp8,xv", [
@@ -236,19 +241,10 @@ from kvfit.kernels import mla_decode_fp8_regs
 cdt, single = sys.argv[1], sys.argv[2] == "1"
 fn = mla_decode_fp8_regs.build()
 mma, lw, la = mla_decode_fp8_regs.layouts(16)
-sig = dict(Q="*bf16", C="*" + cdt, BT="*i32", KVLEN="*i32", OUT="*bf16", OP="*fp32",
-           LSE="*fp32", qk_scale="fp32", out_scale="fp32", stride_qt="i32", stride_qh="i32",
-           stride_ot="i32", stride_oh="i32", stride_cp="i32", stride_bt="i32", num_splits="i32")
 consts = dict(H=16, RANK=512, ROPE=64, SLAB=576, PAGE=32, BLOCK_H=16, BLOCK_N=64, HBLK=1,
               SINGLE=single, MMA=mma, LX=lw, LA=la, num_warps=4,
               ASM=mla_decode_fp8_regs.WORD_ASM["e4m3" if cdt == "fp8e4nv" else "e5m2"])
-sig.update({k: "constexpr" for k in consts})
-attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-         if sig[n].startswith("*") or n.startswith("stride")}
-k = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
-                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-print(json.dumps(dict(ptx=k.asm["ptx"], shared=k.metadata.shared)))
-"""
+""" + _COMPILE_TAIL
 
 
 @pytest.mark.parametrize("cdt,single", [("fp8e4nv", False), ("fp8e5", True)])

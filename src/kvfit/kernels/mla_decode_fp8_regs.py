@@ -282,21 +282,9 @@ def build():
                 num_outstanding=0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
             _cta_barrier()  # noqa: F821 -- every warp's P . latent has read the blocks and p
 
-        _write_block(o0, m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot, stride_oh,
-                     out_scale, H, RANK, BLOCK_H, SINGLE, MMA, 0)
-        _write_block(o1, m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot, stride_oh,
-                     out_scale, H, RANK, BLOCK_H, SINGLE, MMA, 1)
-        _write_block(o2, m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot, stride_oh,
-                     out_scale, H, RANK, BLOCK_H, SINGLE, MMA, 2)
-        _write_block(o3, m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot, stride_oh,
-                     out_scale, H, RANK, BLOCK_H, SINGLE, MMA, 3)
-        _write_block(o4, m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot, stride_oh,
-                     out_scale, H, RANK, BLOCK_H, SINGLE, MMA, 4)
-        _write_block(o5, m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot, stride_oh,
-                     out_scale, H, RANK, BLOCK_H, SINGLE, MMA, 5)
-        _write_block(o6, m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot, stride_oh,
-                     out_scale, H, RANK, BLOCK_H, SINGLE, MMA, 6)
-        _write_block(o7, m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot, stride_oh,
-                     out_scale, H, RANK, BLOCK_H, SINGLE, MMA, 7)
+        blocks = (o0, o1, o2, o3, o4, o5, o6, o7)
+        for j in gl.static_range(8):
+            _write_block(blocks[j], m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot,
+                         stride_oh, out_scale, H, RANK, BLOCK_H, SINGLE, MMA, j)
 
     return _mla_decode_fp8_regs
