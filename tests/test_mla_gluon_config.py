@@ -266,3 +266,19 @@ def test_regs_kernel_compiles_for_sm90(cdt, single):
     assert ptx.count("ld.global.v4.b32") == 2 * 2 * 9
     assert "cp.async" not in ptx
     assert got["shared"] <= 86 * 1024
+
+
+def test_regs_ablation_rewrites_still_apply(tmp_path):
+    """benchmarks/kernels/mla_regs_ablation.py takes the register kernel apart by rewriting its
+    source: every rewrite must still find its line in the kernel as shipped."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kernels",
+                        "mla_regs_ablation.py")
+    spec = importlib.util.spec_from_file_location("mla_regs_ablation", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for v in ("no-logits", "no-pv", "prmt-convert", "no-store"):
+        assert callable(mod.variant_build(v, str(tmp_path)))
+    assert len(list(tmp_path.iterdir())) == 4

@@ -40,6 +40,9 @@
 #   gluon-8bit         issue 14's 8-bit decode in Gluon (nineteenth session): its GPU tests,
 #                      the sweep against the Triton kernels (benchmarks/gpu/gluon_8bit.txt),
 #                      fp8 and int8 end to end with the kernel on and off                    ~3
+#   mla-regs           issue 18's register-operand MLA decode (twenty-second session): its GPU
+#                      tests, the sweep against the pipelined kernel, the ablation of its parts,
+#                      ncu of one launch (when ncu is there), 8 V2-Lite layers end to end     ~5
 #   tests              the GPU tests (tests/gpu)                                            ~4
 # Groups: seed = the four seed-*; kernels = decode-page16 decode-page32 decode-page-size prefill.
 set -uo pipefail
@@ -186,6 +189,25 @@ target() {
           --model benchmarks/gpu/deepseek-v2-lite-8layers.json --kv-dtypes bfloat16,fp8_e4m3 \
           --contexts 16384 --batches 1,32 --steps 10 --prefill-len 1024
       done ;;
+    mla-regs) gpu_env
+      run mla_regs_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_mla_decode_gluon.py \
+        -k "regs or graph"
+      tail -3 "$OUT/mla_regs_tests.log"
+      run mla_regs_sweep python3 benchmarks/kernels/mla_sweep.py \
+        --points fp8_e4m3:4:32768,fp8_e4m3:32:16384,fp8_e4m3:64:32768,fp8_e5m2:32:16384,bfloat16:32:16384,bfloat16:64:16384 \
+        --variants g:64:4:2 --fp8-variants gr:64:4:1,gp8:64:4:2,g8:64:4:3 --rep 60 --no-default \
+        --json "$OUT/mla_regs_sweep.json"
+      run mla_regs_ablation python3 benchmarks/kernels/mla_regs_ablation.py \
+        --points fp8_e4m3:32:16384,fp8_e4m3:64:32768 --json "$OUT/mla_regs_ablation.json"
+      if command -v ncu >/dev/null; then
+        run mla_regs_ncu ncu --clock-control none --kernel-name regex:_mla_decode_fp8_regs \
+          --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy \
+          --section WarpStateStats --section ComputeWorkloadAnalysis \
+          python3 benchmarks/kernels/ncu_mla.py fp8_e5m2 32 16384
+      fi
+      run mla_regs_seed kvfit bench seed --model benchmarks/gpu/deepseek-v2-lite-8layers.json \
+        --kv-dtypes bfloat16,fp8_e4m3,fp8_e5m2 --contexts 16384 --batches 1,32 --steps 10 \
+        --prefill-len 1024 --out "$OUT/mla_regs_seed" ;;
     int4-gluon) gpu_env
       run int4_gluon_tests python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
         tests/gpu/test_int4_triton.py tests/gpu/test_int4_decode.py

@@ -1,0 +1,128 @@
+"""What bounds the register-operand MLA decode (kernels/mla_decode_fp8_regs.py): the kernel timed
+whole and with one part taken out at a time, in one process, so each part's share of a tile's
+time is the difference (timing only: the ablated kernels compute wrong values). Prints one
+table of µs and latent TB/s (% of the measured copy bandwidth) per point and variant.
+
+Variants (each a copy of the kernel's source with one rewrite, checked to apply):
+  full          the kernel as shipped
+  no-logits     the logits' 36 warp-group MMAs not issued (the softmax sees constant logits;
+                the rope chunk is stored to shared memory so that its bytes are still read)
+  no-pv         the 32 P . latent MMAs not issued (the accumulators are only rescaled)
+  prmt-convert  the conversion by two prmt a word (a byte under a float16's high byte) instead
+                of two cvt
+  no-store      the latent's float16 blocks not written to shared memory
+
+    python3 benchmarks/kernels/mla_regs_ablation.py --points fp8_e4m3:32:16384,fp8_e4m3:4:32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import json
+import os
+import tempfile
+
+_PV = ("            o{j} = _pv(o{j}, c{j}.index(z), p_s, alpha)\n",
+       "            o{j} = o{j} * alpha[None, :]\n")
+
+
+def _rewrites(name: str) -> list[tuple[str, str]]:
+    if name == "no-logits":
+        return [("        s_t = warpgroup_mma(a, q_j.permute((1, 0)), s_t, is_async=True)  "
+                 "# noqa: F821\n        s_t, a_prev = warpgroup_mma_wait(num_outstanding=1, "
+                 "deps=(s_t, a_prev))  # noqa: F821\n", ""),
+                ("            s_t = warpgroup_mma(a, q_c.index(z).permute((1, 0)), s_zero, "
+                 "use_acc=False,  # noqa: F821\n                                is_async=True)\n",
+                 "            s_t = s_zero + n0.to(gl.float32)\n"),
+                ("            s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, a))[0]  "
+                 "# noqa: F821\n", ""),
+                # the rope chunk, whose only use was its MMA, stored (into block 0) so that its
+                # loads stay: the same bytes read, 8 KB more shared-memory stores a tile
+                ("q_r.index(z), c0, False, LA, ASM)", "q_r.index(z), c0.index(z), True, LA, ASM)")]
+    if name == "no-pv":
+        return [(_PV[0].format(j=j), _PV[1].format(j=j)) for j in range(8)] + [
+            ("            o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(  # noqa: F821\n"
+             "                num_outstanding=0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))\n", "")]
+    if name == "prmt-convert":
+        return [('        o = gl.inline_asm_elementwise(ASM, "=h,=h,=h,=h,r"',
+                 '        o = gl.inline_asm_elementwise("{\\n.reg .b32 a, b;\\n'
+                 'prmt.b32 a, $4, 0, 0x1404;\\nprmt.b32 b, $4, 0, 0x3424;\\n'
+                 'mov.b32 {$0, $1}, a;\\nmov.b32 {$2, $3}, b;\\n}", "=h,=h,=h,=h,r"')]
+    if name == "no-store":
+        return [("            lat_j.store(f)\n", "            pass\n"),
+                ("            c0.index(z).store(f)\n", "")]
+    return []
+
+
+def variant_build(name: str, workdir: str):
+    """``build`` of a copy of the kernel module with ``name``'s rewrites (each must apply)."""
+    from kvfit.kernels import mla_decode_fp8_regs
+
+    if name == "full":
+        return mla_decode_fp8_regs.build
+    src = inspect.getsource(mla_decode_fp8_regs)
+    for old, new in _rewrites(name):
+        if old not in src:
+            raise RuntimeError(f"{name}: the kernel changed, rewrite not found: {old[:60]!r}")
+        src = src.replace(old, new)
+    path = os.path.join(workdir, f"mla_regs_{name.replace('-', '_')}.py")
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.build
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--points", default="fp8_e4m3:32:16384,fp8_e4m3:4:32768")
+    p.add_argument("--variants", default="full,no-logits,no-pv,prmt-convert,no-store")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--rep", type=int, default=60, help="do_bench ms per timing")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    import torch
+
+    from kvfit.bench.kernels_common import copy_bandwidth
+    from kvfit.bench.kernels_mla import LatentSet, time_mla_decode
+    from kvfit.kernels import mla_decode_fp8_regs
+    from kvfit.kernels.mla import decode_config
+
+    bw = copy_bandwidth(torch.device("cuda"))
+    print(f"GPU {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    shipped = mla_decode_fp8_regs.build
+    rows = []
+    with tempfile.TemporaryDirectory() as workdir:
+        builds = {v: variant_build(v, workdir) for v in args.variants.split(",")}
+        for point in args.points.split(","):
+            kvd, b, ctx = point.split(":")
+            b, ctx = int(b), int(ctx)
+            ls = LatentSet(512, 64, kvd, b, ctx, 32, "cuda")
+            cfg = decode_config(b, args.heads, 512, ctx, ls.dtype, torch.bfloat16, gluon=True,
+                                regs=True)
+            full = None
+            for v, build in builds.items():
+                mla_decode_fp8_regs.build = build
+                try:
+                    us = time_mla_decode(ls, args.heads, cfg, rep=args.rep)
+                finally:
+                    mla_decode_fp8_regs.build = shipped
+                full = us if v == "full" else full
+                pct = 100 * ls.bytes / (us * 1e-6) / bw
+                rows.append(dict(kv_dtype=kvd, batch=b, context=ctx, variant=v, us=us,
+                                 pct_copy=pct))
+                share = f"  {full - us:+7.1f} us vs full" if full is not None else ""
+                print(f"{kvd:>9} b={b:<3} ctx={ctx:<6} {v:>13} splits={cfg.num_splits:<3} "
+                      f"{us:8.1f} us ({pct:4.0f}% of copy){share}", flush=True)
+            del ls
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
