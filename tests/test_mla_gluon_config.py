@@ -224,7 +224,7 @@ def test_regs_launch_binds_every_kernel_argument(monkeypatch, fmt):
     (grid, a), = calls
     assert grid == (b * 2, 1) and a["SINGLE"] and a["OUT"] is out
     assert (a["H"], a["PAGE"], a["HBLK"], a["BLOCK_H"], a["num_warps"]) == (h, 16, 2, 16, 4)
-    assert (a["MMA"], a["LX"], a["LA"]) == mla_decode_fp8_regs.layouts(16)
+    assert (a["MMA"], a["LW"], a["LA"]) == mla_decode_fp8_regs.layouts(16)
     name = "e4m3" if fmt == torch.float8_e4m3fn else "e5m2"
     assert a["ASM"] == mla_decode_fp8_regs.WORD_ASM[name] and f".{name}x2" in a["ASM"]
     with pytest.raises(ValueError, match="regs=False"):
@@ -242,7 +242,7 @@ cdt, single = sys.argv[1], sys.argv[2] == "1"
 fn = mla_decode_fp8_regs.build()
 mma, lw, la = mla_decode_fp8_regs.layouts(16)
 consts = dict(H=16, RANK=512, ROPE=64, SLAB=576, PAGE=32, BLOCK_H=16, BLOCK_N=64, HBLK=1,
-              SINGLE=single, MMA=mma, LX=lw, LA=la, num_warps=4,
+              SINGLE=single, MMA=mma, LW=lw, LA=la, num_warps=4,
               ASM=mla_decode_fp8_regs.WORD_ASM["e4m3" if cdt == "fp8e4nv" else "e5m2"])
 """ + _COMPILE_TAIL
 

@@ -161,7 +161,7 @@ def build():
                              H: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr,
                              SLAB: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
                              BLOCK_N: gl.constexpr, HBLK: gl.constexpr, SINGLE: gl.constexpr,
-                             MMA: gl.constexpr, LX: gl.constexpr, LA: gl.constexpr,
+                             MMA: gl.constexpr, LW: gl.constexpr, LA: gl.constexpr,
                              ASM: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 4, "one warp group")
         gl.static_assert(RANK == 512 and ROPE == 64 and BLOCK_N == 64, "DeepSeek's slab")
@@ -212,16 +212,16 @@ def build():
         Cw = C.to(gl.pointer_type(gl.int32), bitcast=True)
 
         # tile 0's nine chunks into registers
-        rows = _rows(bt_row, lo, hi, stride_cp, SLAB, PAGE, LX)
-        x0 = _chunk(Cw, rows, 0, LX)
-        x1 = _chunk(Cw, rows, 1, LX)
-        x2 = _chunk(Cw, rows, 2, LX)
-        x3 = _chunk(Cw, rows, 3, LX)
-        x4 = _chunk(Cw, rows, 4, LX)
-        x5 = _chunk(Cw, rows, 5, LX)
-        x6 = _chunk(Cw, rows, 6, LX)
-        x7 = _chunk(Cw, rows, 7, LX)
-        x8 = _chunk(Cw, rows, 8, LX)
+        rows = _rows(bt_row, lo, hi, stride_cp, SLAB, PAGE, LW)
+        x0 = _chunk(Cw, rows, 0, LW)
+        x1 = _chunk(Cw, rows, 1, LW)
+        x2 = _chunk(Cw, rows, 2, LW)
+        x3 = _chunk(Cw, rows, 3, LW)
+        x4 = _chunk(Cw, rows, 4, LW)
+        x5 = _chunk(Cw, rows, 5, LW)
+        x6 = _chunk(Cw, rows, 6, LW)
+        x7 = _chunk(Cw, rows, 7, LW)
+        x8 = _chunk(Cw, rows, 8, LW)
         fence_async_shared()  # noqa: F821
         _cta_barrier()  # noqa: F821 -- the query is in shared memory
 
@@ -239,30 +239,30 @@ def build():
         for i in range(n_tiles):
             n0 = lo + i * BLOCK_N
             z = _opaque_zero(i)
-            rows = _rows(bt_row, n0 + BLOCK_N, hi, stride_cp, SLAB, PAGE, LX)
+            rows = _rows(bt_row, n0 + BLOCK_N, hi, stride_cp, SLAB, PAGE, LW)
             # chunk j's registers take the next tile's chunk j once converted
             f = _to_f16(x0, ASM)
             c0.index(z).store(f)
             a = _hw_k(f, 64, 64, LA)  # noqa: F821
             s_t = warpgroup_mma(a, q_c.index(z).permute((1, 0)), s_zero, use_acc=False,  # noqa: F821
                                 is_async=True)
-            x0 = _chunk(Cw, rows, 0, LX)
+            x0 = _chunk(Cw, rows, 0, LW)
             s_t, a = _logits_step(x1, s_t, a, q_c.index(z + 1), c1.index(z), True, LA, ASM)
-            x1 = _chunk(Cw, rows, 1, LX)
+            x1 = _chunk(Cw, rows, 1, LW)
             s_t, a = _logits_step(x2, s_t, a, q_c.index(z + 2), c2.index(z), True, LA, ASM)
-            x2 = _chunk(Cw, rows, 2, LX)
+            x2 = _chunk(Cw, rows, 2, LW)
             s_t, a = _logits_step(x3, s_t, a, q_c.index(z + 3), c3.index(z), True, LA, ASM)
-            x3 = _chunk(Cw, rows, 3, LX)
+            x3 = _chunk(Cw, rows, 3, LW)
             s_t, a = _logits_step(x4, s_t, a, q_c.index(z + 4), c4.index(z), True, LA, ASM)
-            x4 = _chunk(Cw, rows, 4, LX)
+            x4 = _chunk(Cw, rows, 4, LW)
             s_t, a = _logits_step(x5, s_t, a, q_c.index(z + 5), c5.index(z), True, LA, ASM)
-            x5 = _chunk(Cw, rows, 5, LX)
+            x5 = _chunk(Cw, rows, 5, LW)
             s_t, a = _logits_step(x6, s_t, a, q_c.index(z + 6), c6.index(z), True, LA, ASM)
-            x6 = _chunk(Cw, rows, 6, LX)
+            x6 = _chunk(Cw, rows, 6, LW)
             s_t, a = _logits_step(x7, s_t, a, q_c.index(z + 7), c7.index(z), True, LA, ASM)
-            x7 = _chunk(Cw, rows, 7, LX)
+            x7 = _chunk(Cw, rows, 7, LW)
             s_t, a = _logits_step(x8, s_t, a, q_r.index(z), c0, False, LA, ASM)
-            x8 = _chunk(Cw, rows, 8, LX)
+            x8 = _chunk(Cw, rows, 8, LW)
             s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, a))[0]  # noqa: F821
             # the online softmax down the tokens (axis 0), base 2; then o^T += lat^T . p^T
             p_t, alpha, m_i, l_i = _softmax_step(s_t, m_i, l_i, s_scale, n0, hi,  # noqa: F821
