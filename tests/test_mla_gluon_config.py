@@ -269,8 +269,9 @@ def test_regs_kernel_compiles_for_sm90(cdt, single):
 
 
 def test_regs_ablation_rewrites_still_apply(tmp_path):
-    """benchmarks/kernels/mla_regs_ablation.py takes the register kernel apart by rewriting its
-    source: every rewrite must still find its line in the kernel as shipped."""
+    """benchmarks/kernels/mla_regs_ablation.py takes the register kernel apart (and builds its
+    mma.sync candidate) by rewriting its source: every rewrite must still find its line in the
+    kernel as shipped."""
     import importlib.util
     import os
 
@@ -279,6 +280,6 @@ def test_regs_ablation_rewrites_still_apply(tmp_path):
     spec = importlib.util.spec_from_file_location("mla_regs_ablation", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    for v in ("no-logits", "no-pv", "prmt-convert", "no-store"):
+    for v in ("no-logits", "no-pv", "prmt-convert", "no-store", "mma-sync"):
         assert callable(mod.variant_build(v, str(tmp_path)))
-    assert len(list(tmp_path.iterdir())) == 4
+    assert len(list(tmp_path.iterdir())) == 5

@@ -41,7 +41,8 @@
 #                      the sweep against the Triton kernels (benchmarks/gpu/gluon_8bit.txt),
 #                      fp8 and int8 end to end with the kernel on and off                    ~3
 #   mla-regs           issue 18's register-operand MLA decode (twenty-second session): its GPU
-#                      tests, the sweep against the pipelined kernel, the ablation of its parts,
+#                      tests, the sweep against the pipelined kernel, the ablation of its parts
+#                      and its mma.sync candidate (checked against it),
 #                      ncu of one launch (when ncu is there), 8 V2-Lite layers end to end     ~5
 #   tests              the GPU tests (tests/gpu)                                            ~4
 # Groups: seed = the four seed-*; kernels = decode-page16 decode-page32 decode-page-size prefill.

@@ -11,6 +11,10 @@ Variants (each a copy of the kernel's source with one rewrite, checked to apply)
   prmt-convert  the conversion by two prmt a word (a byte under a float16's high byte) instead
                 of two cvt
   no-store      the latent's float16 blocks not written to shared memory
+  mma-sync      a candidate, not an ablation: the same kernel with warp-level mma.sync
+                m16n8k16 (Gluon's mma_v2: the query and the latent blocks by ldmatrix) in
+                place of the 68 warp-group MMAs of N = 16 (docs/kernels.md, the MLA section's
+                next form); its output is checked against the shipped kernel's
 
     python3 benchmarks/kernels/mla_regs_ablation.py --points fp8_e4m3:32:16384,fp8_e4m3:4:32768
 """
@@ -28,7 +32,46 @@ _PV = ("            o{j} = _pv(o{j}, c{j}.index(z), p_s, alpha)\n",
        "            o{j} = o{j} * alpha[None, :]\n")
 
 
+_MMA_SYNC = [
+    ("""    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                    instr_shape=[16, block_h, 16])""",
+     """    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1],
+                                    instr_shape=[16, 8])"""),
+    ("""    globals()["_hw_k"] = mha_decode_parts()["_hw_k"]
+""", """    globals()["_hw_k"] = mha_decode_parts()["_hw_k"]
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    globals()["mma_v2"] = mma_v2
+"""),
+    ("""        s_t = warpgroup_mma(a, q_j.permute((1, 0)), s_t, is_async=True)  # noqa: F821
+        s_t, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, a_prev))  # noqa: F821
+""", """        LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=s_t.type.layout,
+                                               k_width=2)
+        s_t = mma_v2(a, q_j.permute((1, 0)).load(LB), s_t)  # noqa: F821
+"""),
+    ("""        return warpgroup_mma(lat_j.permute((1, 0)), p_s, acc * alpha[None, :],  # noqa: F821
+                             is_async=True)""",
+     """        LA2: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout,
+                                                k_width=2)
+        LB2: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc.type.layout,
+                                                k_width=2)
+        return mma_v2(lat_j.permute((1, 0)).load(LA2), p_s.load(LB2),  # noqa: F821
+                      acc * alpha[None, :])"""),
+    ("""            s_t = warpgroup_mma(a, q_c.index(z).permute((1, 0)), s_zero, use_acc=False,  # noqa: F821
+                                is_async=True)""",
+     """            LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+            s_t = mma_v2(a, q_c.index(z).permute((1, 0)).load(LB), s_zero)  # noqa: F821"""),
+    ("""            s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, a))[0]  # noqa: F821
+""", ""),
+    ("""            o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(  # noqa: F821
+                num_outstanding=0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
+""", ""),
+]
+EXACT = ("full", "mma-sync")  # variants whose output is meant to be right
+
+
 def _rewrites(name: str) -> list[tuple[str, str]]:
+    if name == "mma-sync":
+        return _MMA_SYNC
     if name == "no-logits":
         return [("        s_t = warpgroup_mma(a, q_j.permute((1, 0)), s_t, is_async=True)  "
                  "# noqa: F821\n        s_t, a_prev = warpgroup_mma_wait(num_outstanding=1, "
@@ -76,10 +119,26 @@ def variant_build(name: str, workdir: str):
     return mod.build
 
 
+def _output(ls, heads: int, cfg):
+    """The decode's output for a fixed query over copy 0 of the cache."""
+    import torch
+
+    from kvfit.kernels.mla import mla_decode
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(ls.batch, heads, ls.slab, device="cuda", dtype=torch.bfloat16, generator=g)
+    out = torch.full((ls.batch, heads, ls.rank), float("nan"), device="cuda",
+                     dtype=torch.bfloat16)
+    cu = torch.arange(ls.batch + 1, dtype=torch.int32, device="cuda")
+    mla_decode(q, ls.caches[0], ls.block_table, cu, ls.kv_lens, out, ls.rank, 0.1, cfg)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--points", default="fp8_e4m3:32:16384,fp8_e4m3:4:32768")
-    p.add_argument("--variants", default="full,no-logits,no-pv,prmt-convert,no-store")
+    p.add_argument("--variants",
+                   default="full,no-logits,no-pv,prmt-convert,no-store,mma-sync")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--rep", type=int, default=60, help="do_bench ms per timing")
     p.add_argument("--json", default=None)
@@ -104,10 +163,19 @@ def main() -> None:
             cfg = decode_config(b, args.heads, 512, ctx, ls.dtype, torch.bfloat16, gluon=True,
                                 regs=True)
             full = None
+            ref = None
             for v, build in builds.items():
                 mla_decode_fp8_regs.build = build
                 try:
                     us = time_mla_decode(ls, args.heads, cfg, rep=args.rep)
+                    err = ""
+                    if v in EXACT:  # the output on one fixed query against the shipped kernel's
+                        got = _output(ls, args.heads, cfg)
+                        ref = got if ref is None else ref
+                        rel = ((got.float() - ref.float()).abs().max()
+                               / ref.float().abs().max()).item()
+                        err = f"  rel err vs shipped {rel:.1e}" + (
+                            "" if rel < 2e-2 and not got.isnan().any() else "  WRONG")
                 finally:
                     mla_decode_fp8_regs.build = shipped
                 full = us if v == "full" else full
@@ -116,7 +184,7 @@ def main() -> None:
                                  pct_copy=pct))
                 share = f"  {full - us:+7.1f} us vs full" if full is not None else ""
                 print(f"{kvd:>9} b={b:<3} ctx={ctx:<6} {v:>13} splits={cfg.num_splits:<3} "
-                      f"{us:8.1f} us ({pct:4.0f}% of copy){share}", flush=True)
+                      f"{us:8.1f} us ({pct:4.0f}% of copy){share}{err}", flush=True)
             del ls
             torch.cuda.empty_cache()
     if args.json:
