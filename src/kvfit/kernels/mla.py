@@ -37,7 +37,7 @@ GLUON_QFP8 = False
 GLUON_PIPE = True
 # latent types whose default Gluon decode is the register-operand kernel (mla_decode_fp8_regs:
 # the tile from global memory straight into the logits MMA's A registers, 84 KB of shared
-# memory, 2 programs an SM). e5m2: measured 1.13x its shared-memory kernel (H100, 32 x 16k);
+# memory, 2 programs an SM). e5m2: measured 1.08x its shared-memory kernel (H100, 32 x 16k);
 # e4m3 keeps the pipelined kernel: the register kernel measured 0.95-1.03x it (H100, 4 x 32k to
 # 64 x 32k), docs/benchmarks.md "MLA decode with the logits' A operand from registers"
 GLUON_REGS = (torch.float8_e5m2,)

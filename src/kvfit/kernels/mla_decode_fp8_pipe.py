@@ -36,8 +36,8 @@ def build():
 
     mla_decode_gluon.build()
     for name in ("_page_ids", "_issue_tile", "_fp8_logits", "_split_query", "_convert_tile",
-                 "_softmax_step", "_write_out", "_cta_barrier", "gl", "async_copy",
-                 "fence_async_shared", "warpgroup_mma", "warpgroup_mma_wait"):
+                 "_softmax_step", "_write_out", "_split_range", "_cta_barrier", "gl",
+                 "async_copy", "fence_async_shared", "warpgroup_mma", "warpgroup_mma_wait"):
         globals()[name] = getattr(mla_decode_gluon, name)
 
     @gluon.jit
@@ -92,11 +92,7 @@ def build():
         q_sc = _split_query(qc, qr, qh_c, qh_r, ql_c, ql_r, F8)  # noqa: F821
         s_scale = gl.convert_layout(q_sc, gl.SliceLayout(0, MMA8)) * qk_scale
 
-        kv_len = gl.load(KVLEN + req)
-        per = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-        lo = s * per
-        hi = gl.minimum(lo + per, kv_len)
-        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        lo, hi, n_tiles = _split_range(KVLEN, req, s, num_splits, BLOCK_N)  # noqa: F821
         bt_row = BT + req.to(gl.int64) * stride_bt
         s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=MMA8)
 
@@ -160,6 +156,6 @@ def build():
         async_copy.wait_group(0)  # noqa: F821
 
         _write_out(acc, m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot, stride_oh,  # noqa: F821
-                   out_scale, H, RANK, BLOCK_H, SINGLE, MMA, MMA8, LO)
+                   out_scale, H, RANK, BLOCK_H, SINGLE, MMA, MMA8, LO, 0)
 
     return _mla_decode_fp8_pipe

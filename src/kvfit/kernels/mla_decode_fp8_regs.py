@@ -71,8 +71,8 @@ def build():
     from kvfit.kernels.gluon_hopper import mha_decode_parts
 
     mla_decode_gluon.build()
-    for name in ("_softmax_step", "_cta_barrier", "gl", "fence_async_shared", "warpgroup_mma",
-                 "warpgroup_mma_wait"):
+    for name in ("_softmax_step", "_write_out", "_split_range", "_cta_barrier", "gl",
+                 "fence_async_shared", "warpgroup_mma", "warpgroup_mma_wait"):
         globals()[name] = getattr(mla_decode_gluon, name)
     globals()["_hw_k"] = mha_decode_parts()["_hw_k"]
 
@@ -120,31 +120,6 @@ def build():
         # o_j^T [64, BLOCK_H] = acc * alpha + lat_j^T . p^T, issued (waited for by the caller)
         return warpgroup_mma(lat_j.permute((1, 0)), p_s, acc * alpha[None, :],  # noqa: F821
                              is_async=True)
-
-    @gluon.jit
-    def _write_block(acc, m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot,
-                     stride_oh, out_scale, H: gl.constexpr, RANK: gl.constexpr,
-                     BLOCK_H: gl.constexpr, SINGLE: gl.constexpr, MMA: gl.constexpr,
-                     J: gl.constexpr):
-        # o^T rows [64 J, 64 J + 64) = acc [64, BLOCK_H] / l: one split writes OUT (times the
-        # latent scale), several the float32 partial rows (req * H + h) * splits + s of OP and
-        # (block 0) their base-2 log-sum-exp LSE, as mla_decode_gluon's epilogue
-        LO: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, 4], [0, 1])
-        safe_l = gl.where(l_i > 0, l_i, 1.0)
-        o_t = gl.convert_layout(acc / safe_l[None, :], LO)
-        d = 64 * J + gl.arange(0, 64, layout=gl.SliceLayout(1, LO))
-        ho = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, LO))
-        omask = (ho < H)[None, :] & (d < RANK)[:, None]
-        if SINGLE:
-            dst = OUT + req.to(gl.int64) * stride_ot + ho[None, :] * stride_oh + d[:, None]
-            gl.store(dst, (o_t * out_scale).to(OUT.dtype.element_ty), mask=omask)
-        else:
-            row = (req.to(gl.int64) * H + ho) * num_splits + s
-            gl.store(OP + row[None, :] * RANK + d[:, None], o_t, mask=omask)
-            if J == 0:
-                lse = gl.where(l_i > 0, m_i + gl.log2(safe_l), float("-inf"))
-                hl = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, MMA))
-                gl.store(LSE + (req.to(gl.int64) * H + hl) * num_splits + s, lse, mask=hl < H)
 
     @gluon.jit
     def _opaque_zero(i):
@@ -203,11 +178,7 @@ def build():
         q_r.index(0).store(qj.to(F16))
         s_scale = gl.full([BLOCK_H], 1.0, gl.float32, layout=gl.SliceLayout(0, MMA)) * qk_scale
 
-        kv_len = gl.load(KVLEN + req)
-        per = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-        lo = s * per
-        hi = gl.minimum(lo + per, kv_len)
-        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        lo, hi, n_tiles = _split_range(KVLEN, req, s, num_splits, BLOCK_N)  # noqa: F821
         bt_row = BT + req.to(gl.int64) * stride_bt
         Cw = C.to(gl.pointer_type(gl.int32), bitcast=True)
 
@@ -282,9 +253,12 @@ def build():
                 num_outstanding=0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
             _cta_barrier()  # noqa: F821 -- every warp's P . latent has read the blocks and p
 
+        # o^T's eight column blocks, each 64 rows of mla_decode_gluon's epilogue
+        LO: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, 4], [0, 1])
         blocks = (o0, o1, o2, o3, o4, o5, o6, o7)
         for j in gl.static_range(8):
-            _write_block(blocks[j], m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot,
-                         stride_oh, out_scale, H, RANK, BLOCK_H, SINGLE, MMA, j)
+            _write_out(blocks[j], m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits,  # noqa: F821
+                       stride_ot, stride_oh, out_scale, H, RANK, BLOCK_H, SINGLE, MMA, MMA, LO,
+                       64 * j)
 
     return _mla_decode_fp8_regs

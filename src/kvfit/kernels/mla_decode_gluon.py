@@ -110,16 +110,28 @@ def build():
         return p_t, alpha, m_new, l_i * alpha + gl.sum(p_t, axis=0)
 
     @gluon.jit
+    def _split_range(KVLEN, req, s, num_splits, BLOCK_N: gl.constexpr):
+        # split s's tokens [lo, hi) of the request (splits of whole BLOCK_N tiles) and its tile
+        # count (0 for an empty split)
+        kv_len = gl.load(KVLEN + req)
+        per = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = s * per
+        hi = gl.minimum(lo + per, kv_len)
+        return lo, hi, gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+
+    @gluon.jit
     def _write_out(acc, m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot, stride_oh,
                    out_scale, H: gl.constexpr, RANK: gl.constexpr, BLOCK_H: gl.constexpr,
                    SINGLE: gl.constexpr, MMA: gl.constexpr, SM: gl.constexpr,
-                   LO: gl.constexpr):
-        # o^T = acc [RANK, BLOCK_H] / l: one split writes OUT (times the latent scale), several
-        # the float32 partial rows (req * H + h) * splits + s of OP and their base-2 LSE
+                   LO: gl.constexpr, D0: gl.constexpr):
+        # o^T rows [D0, D0 + W) = acc [W, BLOCK_H] / l (W = RANK: all of them): one split
+        # writes OUT (times the latent scale), several the float32 partial rows (req * H + h) *
+        # splits + s of OP and (with row 0) their base-2 LSE
+        W: gl.constexpr = acc.shape[0]
         safe_l = gl.where(l_i > 0, l_i, 1.0)
         o_t = acc / gl.convert_layout(safe_l, gl.SliceLayout(0, MMA))[None, :]
-        o_t = gl.convert_layout(o_t, LO)  # [RANK, BLOCK_H]
-        d = gl.arange(0, RANK, layout=gl.SliceLayout(1, LO))
+        o_t = gl.convert_layout(o_t, LO)  # [W, BLOCK_H]
+        d = D0 + gl.arange(0, W, layout=gl.SliceLayout(1, LO))
         ho = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, LO))
         omask = (ho < H)[None, :] & (d < RANK)[:, None]
         if SINGLE:
@@ -128,14 +140,16 @@ def build():
         else:
             row = (req.to(gl.int64) * H + ho) * num_splits + s  # [BLOCK_H] scratch rows
             gl.store(OP + row[None, :] * RANK + d[:, None], o_t, mask=omask)
-            lse = gl.where(l_i > 0, m_i + gl.log2(safe_l), float("-inf"))
-            hl = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, SM))
-            gl.store(LSE + (req.to(gl.int64) * H + hl) * num_splits + s, lse, mask=hl < H)
+            if D0 == 0:
+                lse = gl.where(l_i > 0, m_i + gl.log2(safe_l), float("-inf"))
+                hl = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, SM))
+                gl.store(LSE + (req.to(gl.int64) * H + hl) * num_splits + s, lse, mask=hl < H)
 
-    # shared with mla_decode_fp8_pipe
+    # shared with mla_decode_fp8_pipe and mla_decode_fp8_regs
     globals().update(_page_ids=_page_ids, _issue_tile=_issue_tile, _fp8_logits=_fp8_logits,
                      _split_query=_split_query, _convert_tile=_convert_tile,
-                     _softmax_step=_softmax_step, _write_out=_write_out)
+                     _softmax_step=_softmax_step, _write_out=_write_out,
+                     _split_range=_split_range)
 
     @gluon.jit
     def _mla_decode_gluon(Q, C, BT, KVLEN, OUT, OP, LSE, qk_scale, out_scale,
@@ -221,11 +235,7 @@ def build():
             q_r.store(qr.to(MMA_T))
             s_scale = gl.full([BLOCK_H], 1.0, gl.float32, layout=gl.SliceLayout(0, SM)) * qk_scale
 
-        kv_len = gl.load(KVLEN + req)
-        per = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-        lo = s * per
-        hi = gl.minimum(lo + per, kv_len)
-        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        lo, hi, n_tiles = _split_range(KVLEN, req, s, num_splits, BLOCK_N)
         bt_row = BT + req.to(gl.int64) * stride_bt
 
         # prologue: STAGES - 1 tiles in flight (tiles past hi copy nothing)
@@ -294,6 +304,6 @@ def build():
         async_copy.wait_group(0)
 
         _write_out(acc, m_i, l_i, OUT, OP, LSE, req, h0, s, num_splits, stride_ot, stride_oh,
-                   out_scale, H, RANK, BLOCK_H, SINGLE, MMA, SM, LO)
+                   out_scale, H, RANK, BLOCK_H, SINGLE, MMA, SM, LO, 0)
 
     return _mla_decode_gluon

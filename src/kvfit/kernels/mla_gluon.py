@@ -1,11 +1,12 @@
 """Host side of the Gluon MLA decode kernels (Hopper): where they run (``gluon_available``),
-which shapes they take (``gluon_fits``), their launch (``launch``: ``mla_decode_gluon`` or, for
-``MLAConfig.pipe``, ``mla_decode_fp8_pipe``, for ``MLAConfig.regs``, ``mla_decode_fp8_regs``), and what happens when the installed Triton cannot
-compile them: Gluon is Triton's experimental layer and its names move between releases
-(``async_copy_global_to_shared`` became ``async_load`` in 3.7), so a compile failure is logged
-once, ``usable`` turns false (``kernels.mla.decode_config`` then picks the Triton kernels) and
-``launch`` returns False for its caller to run them instead. Owns the failure record; launches
-write ``out`` or the split scratch.
+which shapes they take (``gluon_fits``), their launch (``launch``: ``mla_decode_gluon``; for
+``MLAConfig.pipe`` ``mla_decode_fp8_pipe``, for ``MLAConfig.regs`` ``mla_decode_fp8_regs``),
+and what happens when the installed Triton cannot compile them: Gluon is Triton's experimental
+layer and its names move between releases (``async_copy_global_to_shared`` became
+``async_load`` in 3.7), so a compile failure is logged once, ``usable`` turns false
+(``kernels.mla.decode_config`` then picks the Triton kernels) and ``launch`` returns False for
+its caller to run them instead. Owns the failure record; launches write ``out`` or the split
+scratch.
 """
 
 from __future__ import annotations
