@@ -17,12 +17,11 @@ E4M3, BF16 = torch.float8_e4m3fn, torch.bfloat16
 
 
 def test_gluon_config_register_kernel_for_8_bit_latents():
-    # the register-operand kernel: the default for the latent types of GLUON_REGS (e5m2, where
-    # it measured faster than the shared-memory kernel), asked for by regs=True for e4m3; two
+    # the register-operand kernel: the default for both 8-bit formats (measured faster than
+    # the shared-memory kernels since the twenty-third session), regs=True asks for it; two
     # programs an SM for the splits
-    assert mla.GLUON_REGS == (torch.float8_e5m2,)
-    assert not decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True).regs
-    for fmt, kw in ((E4M3, dict(regs=True)), (torch.float8_e5m2, {})):
+    assert set(mla.GLUON_REGS) == {E4M3, torch.float8_e5m2}
+    for fmt, kw in ((E4M3, {}), (E4M3, dict(regs=True)), (torch.float8_e5m2, {})):
         cfg = decode_config(4, 16, 512, 32768, fmt, BF16, gluon=True, **kw)
         assert cfg.regs and cfg.gluon and not cfg.pipe and not cfg.qfp8
         assert (cfg.block_m, cfg.block_n, cfg.num_warps) == (16, 64, 4)
@@ -34,6 +33,8 @@ def test_gluon_config_register_kernel_for_8_bit_latents():
     e5 = torch.float8_e5m2
     for kw in (dict(regs=False), dict(num_stages=3), dict(qfp8=False), dict(conv_vec=16)):
         assert not decode_config(4, 16, 512, 32768, e5, BF16, gluon=True, **kw).regs
+    for kw in (dict(regs=False), dict(pipe=True), dict(num_stages=3), dict(qfp8=True)):
+        assert not decode_config(4, 16, 512, 32768, E4M3, BF16, gluon=True, **kw).regs
     assert not decode_config(4, 16, 512, 32768, BF16, BF16, gluon=True, regs=True).regs
     assert "registers" in mla.describe_decode(
         decode_config(4, 16, 512, 32768, e5, BF16, gluon=True), e5)
@@ -280,6 +281,11 @@ def test_regs_ablation_rewrites_still_apply(tmp_path):
     spec = importlib.util.spec_from_file_location("mla_regs_ablation", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    for v in ("no-logits", "no-pv", "prmt-convert", "no-store", "mma-sync"):
-        assert callable(mod.variant_build(v, str(tmp_path)))
-    assert len(list(tmp_path.iterdir())) == 5
+    names = mod.VARIANTS
+    assert {"full", "tile-sum", "rows-in-tile", "mma-sync"} <= set(names)
+    for v in names:
+        build, layouts = mod.variant_build(v, str(tmp_path))
+        assert callable(build) and callable(layouts)
+        # the launch takes the layouts from the module: the mma.sync candidate must bring its own
+        assert list(layouts(16)[0].version) == ([2, 0] if v == "mma-sync" else [3, 0])
+    assert len(list(tmp_path.iterdir())) == len(names) - 1

@@ -40,7 +40,7 @@
 #   gluon-8bit         issue 14's 8-bit decode in Gluon (nineteenth session): its GPU tests,
 #                      the sweep against the Triton kernels (benchmarks/gpu/gluon_8bit.txt),
 #                      fp8 and int8 end to end with the kernel on and off                    ~3
-#   mla-regs           issue 18's register-operand MLA decode (twenty-second session): its GPU
+#   mla-regs           issue 18's register-operand MLA decode (22nd/23rd sessions): its GPU
 #                      tests, the sweep against the pipelined kernel, the ablation of its parts
 #                      and its mma.sync candidate (checked against it),
 #                      ncu of one launch (when ncu is there), 8 V2-Lite layers end to end     ~5
@@ -199,7 +199,8 @@ target() {
         --variants g:64:4:2 --fp8-variants gr:64:4:1,gp8:64:4:2,g8:64:4:3 --rep 60 --no-default \
         --json "$OUT/mla_regs_sweep.json"
       run mla_regs_ablation python3 benchmarks/kernels/mla_regs_ablation.py \
-        --points fp8_e4m3:32:16384,fp8_e4m3:64:32768 --json "$OUT/mla_regs_ablation.json"
+        --points fp8_e4m3:32:16384,fp8_e4m3:64:32768,fp8_e4m3:4:32768 --rep 40 \
+        --json "$OUT/mla_regs_ablation.json"
       if command -v ncu >/dev/null; then
         run mla_regs_ncu ncu --clock-control none --kernel-name regex:_mla_decode_fp8_regs \
           --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy \

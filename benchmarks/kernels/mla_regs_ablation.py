@@ -11,6 +11,18 @@ Variants (each a copy of the kernel's source with one rewrite, checked to apply)
   prmt-convert  the conversion by two prmt a word (a byte under a float16's high byte) instead
                 of two cvt
   no-store      the latent's float16 blocks not written to shared memory
+  tile-sum      the softmax's running sum reduced down the tokens every tile (across the four
+                warps) instead of once after the loop (twenty-third session)
+  rows-in-tile  the block-table entries of the next tile loaded in the tile that uses them
+                instead of a tile earlier (twenty-third session)
+  gluon-max     the tile's maximum by Gluon's reduction across warps (two barriers, a second
+                round of shuffles) instead of one exchange through shared memory (_tile_max)
+  ld-sunk       the next tile's chunk loads placed among the logits steps, chunk j's after its
+                conversion (in the source: ptxas gathers them before the maximum's exchange)
+  ld-pv         the next tile's chunk loads placed after the P . latent MMAs are issued
+  no-tail-barrier  the barrier after each tile's P . latent left out (timing only: whether the
+                warp-group MMA's wait alone orders the next tile's shared-memory stores is not
+                proven, so the shipped kernel keeps it)
   mma-sync      a candidate, not an ablation: the same kernel with warp-level mma.sync
                 m16n8k16 (Gluon's mma_v2: the query and the latent blocks by ldmatrix) in
                 place of the 68 warp-group MMAs of N = 16 (docs/kernels.md, the MLA section's
@@ -66,12 +78,65 @@ _MMA_SYNC = [
                 num_outstanding=0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
 """, ""),
 ]
-EXACT = ("full", "mma-sync")  # variants whose output is meant to be right
+VARIANTS = ("full", "tile-sum", "rows-in-tile", "gluon-max", "ld-sunk", "ld-pv",
+            "no-tail-barrier", "no-logits", "no-pv", "prmt-convert", "no-store", "mma-sync")
+# variants meant to be right
+EXACT = ("full", "mma-sync", "tile-sum", "rows-in-tile", "gluon-max", "ld-sunk", "ld-pv")
+_SUM_PER_TILE = [
+    ("""        l_t = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=MMA)
+""", """        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, MMA))
+"""),
+    ("""            l_t = l_t * alpha[None, :] + p_t
+""", """            l_i = l_i * alpha + gl.sum(p_t, axis=0)
+"""),
+    ("""        l_i = gl.sum(l_t, axis=0)
+""", ""),
+]
+_ROWS_IN_TILE = [
+    ("""            rows = _rows(pg, n0 + BLOCK_N, hi, stride_cp, SLAB, PAGE, LW)
+            pg = _pages(bt_row, n0 + 2 * BLOCK_N, hi, PAGE, LW)
+""", """            rows = _rows(_pages(bt_row, n0 + BLOCK_N, hi, PAGE, LW), n0 + BLOCK_N, hi, stride_cp,
+                         SLAB, PAGE, LW)
+"""),
+]
+_LOADS = "".join(f"            x{j} = _chunk(Cw, rows, {j}, LW)\n" for j in range(9))
+
+
+_SHIPPED_LOADS = "            p_s.store(p_t.to(F16))\n"  # the loads' block is just before it
+_STEPS = ["""            s_t = warpgroup_mma(a, q_c.index(z).permute((1, 0)), s_zero, use_acc=False,  # noqa: F821
+                                is_async=True)
+"""] + [f"            s_t, a = _logits_step(x{j + 1}, s_t, a, q_c.index(z + {j + 1}), c{j + 1}.index(z), "
+        "True, LA, ASM)\n" for j in range(7)] + [
+    "            s_t, a = _logits_step(x8, s_t, a, q_r.index(z), c0, False, LA, ASM)\n"]
+
+
+def _loads_moved(anchor: str | None) -> list[tuple[str, str]]:
+    # the nine chunk loads of the next tile out of their block, placed before anchor (None:
+    # chunk j's after the logits step that converts chunk j)
+    out = [(_LOADS + _SHIPPED_LOADS, _SHIPPED_LOADS)]
+    if anchor is not None:
+        return out + [(anchor, _LOADS + anchor)]
+    return out + [(step, step + f"            x{j} = _chunk(Cw, rows, {j}, LW)\n")
+                  for j, step in enumerate(_STEPS)]
 
 
 def _rewrites(name: str) -> list[tuple[str, str]]:
     if name == "mma-sync":
         return _MMA_SYNC
+    if name == "tile-sum":
+        return _SUM_PER_TILE
+    if name == "rows-in-tile":
+        return _ROWS_IN_TILE
+    if name == "gluon-max":
+        return [("_rescale(s_t, m_i, _tile_max(s_t, mx_s, MMA))",
+                 "_rescale(s_t, m_i, gl.max(s_t, axis=0))")]
+    if name == "ld-sunk":
+        return _loads_moved(None)
+    if name == "ld-pv":
+        return _loads_moved("            o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(")
+    if name == "no-tail-barrier":
+        return [("""            _cta_barrier()  # noqa: F821 -- every warp's P . latent has read the blocks and p
+""", "")]
     if name == "no-logits":
         return [("        s_t = warpgroup_mma(a, q_j.permute((1, 0)), s_t, is_async=True)  "
                  "# noqa: F821\n        s_t, a_prev = warpgroup_mma_wait(num_outstanding=1, "
@@ -100,11 +165,13 @@ def _rewrites(name: str) -> list[tuple[str, str]]:
 
 
 def variant_build(name: str, workdir: str):
-    """``build`` of a copy of the kernel module with ``name``'s rewrites (each must apply)."""
+    """(``build``, ``layouts``) of a copy of the kernel module with ``name``'s rewrites (each
+    must apply): the launch takes both from the module, so a variant with other layouts (the
+    mma-sync one) must replace both."""
     from kvfit.kernels import mla_decode_fp8_regs
 
     if name == "full":
-        return mla_decode_fp8_regs.build
+        return mla_decode_fp8_regs.build, mla_decode_fp8_regs.layouts
     src = inspect.getsource(mla_decode_fp8_regs)
     for old, new in _rewrites(name):
         if old not in src:
@@ -116,7 +183,7 @@ def variant_build(name: str, workdir: str):
     spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.build
+    return mod.build, mod.layouts
 
 
 def _output(ls, heads: int, cfg):
@@ -138,7 +205,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--points", default="fp8_e4m3:32:16384,fp8_e4m3:4:32768")
     p.add_argument("--variants",
-                   default="full,no-logits,no-pv,prmt-convert,no-store,mma-sync")
+                   default=",".join(VARIANTS))
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--rep", type=int, default=60, help="do_bench ms per timing")
     p.add_argument("--json", default=None)
@@ -147,12 +214,12 @@ def main() -> None:
 
     from kvfit.bench.kernels_common import copy_bandwidth
     from kvfit.bench.kernels_mla import LatentSet, time_mla_decode
-    from kvfit.kernels import mla_decode_fp8_regs
+    from kvfit.kernels import mla_decode_fp8_regs, mla_gluon
     from kvfit.kernels.mla import decode_config
 
     bw = copy_bandwidth(torch.device("cuda"))
     print(f"GPU {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    shipped = mla_decode_fp8_regs.build
+    shipped = mla_decode_fp8_regs.build, mla_decode_fp8_regs.layouts
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         builds = {v: variant_build(v, workdir) for v in args.variants.split(",")}
@@ -164,10 +231,15 @@ def main() -> None:
                                 regs=True)
             full = None
             ref = None
-            for v, build in builds.items():
-                mla_decode_fp8_regs.build = build
+            for v, (build, layouts) in builds.items():
+                mla_decode_fp8_regs.build, mla_decode_fp8_regs.layouts = build, layouts
                 try:
                     us = time_mla_decode(ls, args.heads, cfg, rep=args.rep)
+                    if mla_gluon._failures:  # it did not compile: the Triton kernels ran
+                        print(f"{kvd:>9} b={b:<3} ctx={ctx:<6} {v:>13} did not compile: "
+                              f"{mla_gluon._failures[0]}", flush=True)
+                        mla_gluon._failures.clear()
+                        continue
                     err = ""
                     if v in EXACT:  # the output on one fixed query against the shipped kernel's
                         got = _output(ls, args.heads, cfg)
@@ -177,7 +249,7 @@ def main() -> None:
                         err = f"  rel err vs shipped {rel:.1e}" + (
                             "" if rel < 2e-2 and not got.isnan().any() else "  WRONG")
                 finally:
-                    mla_decode_fp8_regs.build = shipped
+                    mla_decode_fp8_regs.build, mla_decode_fp8_regs.layouts = shipped
                 full = us if v == "full" else full
                 pct = 100 * ls.bytes / (us * 1e-6) / bw
                 rows.append(dict(kv_dtype=kvd, batch=b, context=ctx, variant=v, us=us,

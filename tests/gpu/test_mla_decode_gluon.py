@@ -103,10 +103,11 @@ def _check_against_reference(make, fmt, page, heads):
 @pytest.mark.parametrize("fmt,qfp8,pipe,regs", [
     ("bfloat16", False, False, False), ("fp8_e4m3", False, False, False),
     ("fp8_e4m3", True, False, False), ("fp8_e4m3", True, True, False),
-    ("fp8_e4m3", None, None, True), ("fp8_e5m2", None, None, None)])
+    ("fp8_e4m3", None, None, True), ("fp8_e4m3", None, None, None),
+    ("fp8_e5m2", None, None, None)])
 def test_mla_gluon_decode_graph_replay(fmt, qfp8, pipe, regs):
     """Captured once, replayed after the cache, lengths and query change: equals eager (the
-    register-operand kernel asked for, and e5m2's default, which is that kernel)."""
+    register-operand kernel asked for, and the 8-bit formats' default, which is that kernel)."""
     _skip_unless_hopper()
     from kvfit.kernels.mla import decode_config
 

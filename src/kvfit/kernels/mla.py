@@ -37,10 +37,10 @@ GLUON_QFP8 = False
 GLUON_PIPE = True
 # latent types whose default Gluon decode is the register-operand kernel (mla_decode_fp8_regs:
 # the tile from global memory straight into the logits MMA's A registers, 84 KB of shared
-# memory, 2 programs an SM). e5m2: measured 1.08x its shared-memory kernel (H100, 32 x 16k);
-# e4m3 keeps the pipelined kernel: the register kernel measured 0.95-1.03x it (H100, 4 x 32k to
-# 64 x 32k), docs/benchmarks.md "MLA decode with the logits' A operand from registers"
-GLUON_REGS = (torch.float8_e5m2,)
+# memory, 2 programs an SM; float16 logits, where the pipelined e4m3 kernel rounds the query to
+# fp8). Both 8-bit formats since the twenty-third session's exchange of the tile maximum and
+# load placement (docs/benchmarks.md "MLA decode: one barrier for the tile maximum")
+GLUON_REGS = FP8
 # 8-bit latents: values a thread converts at a time in the Gluon kernels (decode_config's
 # conv_vec). 8: [1, 8] x [1, 32] per warp, conflict-free float16 stores into the swizzled tile,
 # measured 1.10-1.13x the 16-value layout on the H200 (pipelined and plain kernels, 32 x 16k and

@@ -9,22 +9,28 @@ conversion and by the logits' MMAs, the float16 tile written and read by P . lat
 of shared-memory traffic per 36.9-KB tile, as much time at 128 B a clock as the tile's bytes at
 the copy bandwidth, on one warp group an SM (222 KB of shared memory). Here a tile costs the
 float16 tile's write and read and the query's reads (~150 KB), and a program takes 84 KB, so
-two run on an SM. Measured (H100, docs/benchmarks.md): 0.95-1.03x the pipelined e4m3 kernel,
-1.08x e5m2's shared-memory kernel (whose default it is): the per-tile compute, not the
-shared-memory traffic, bounds fp8 MLA decode at 16 heads.
+two run on an SM. What bounds it (ncu source counters, docs/benchmarks.md): not the MMAs but
+the latency of each tile's chain, above all the softmax maximum's exchange across the four
+warps (shuffles that queued behind the tile's 18 loads a warp, then shared memory and
+barriers); the twenty-third session's changes (one barrier for the maximum, the running sum
+reduced once after the loop, the loads placed after the exchange, block-table entries a tile
+ahead) made it the default for both 8-bit formats.
 
 Per tile of 64 tokens (the logits MMAs' M; heads are N, 16 a program):
 
-    global --ld.global.v4--> registers: a thread's rows r, r + 8 of its warp's 16 tokens, 16
-        contiguous bytes of each 64-column chunk (next tile's chunk j loaded as this tile's
-        chunk j is consumed: a whole tile of loads in flight)
-    chunk j (0..8): cvt to float16 in registers; columns 64 j .. 64 j + 63 < 512 stored to
-        their own shared buffer ``lat_j`` [64, 64] (NVMMA layout; one buffer per chunk, so the
-        stores need no barrier between them); the same registers relabelled (``_hw_k``:
-        nothing moves) are the A operand of s^T += chunk_j . q_j^T (warp-group MMA, the query in
-        shared memory in that k order), one chunk's MMAs in flight while the next converts
-    softmax down the tokens, p^T -> shared; o_j^T += lat_j^T . p^T for the eight column blocks
-        (warp-group MMAs from shared memory, eight [64, 16] accumulators)
+    chunk j (0..8) of the tile, in registers since the tile before: cvt to float16; columns
+        64 j .. 64 j + 63 < 512 stored to their own shared buffer ``lat_j`` [64, 64] (NVMMA
+        layout; one buffer per chunk, so the stores need no barrier between them); the same
+        registers relabelled (``_hw_k``: nothing moves) are the A operand of s^T += chunk_j .
+        q_j^T (warp-group MMA, the query in shared memory in that k order), one chunk's MMAs
+        in flight while the next converts
+    softmax down the tokens: each warp's maximum of its 16 rows by shuffles, exchanged through
+        shared memory with one barrier (``_tile_max``); the running sum kept per row
+    global --ld.global.v4--> registers, the next tile: a thread's rows r, r + 8 of its warp's
+        16 tokens, 16 contiguous bytes of each 64-column chunk (a whole tile of loads in
+        flight during this tile's P . latent and the next tile's first chunks)
+    p^T -> shared; o_j^T += lat_j^T . p^T for the eight column blocks (warp-group MMAs from
+        shared memory, eight [64, 16] accumulators)
 
 Tokens past the split's end are read as its last token (no predicated loads, never a NaN of
 an unused slot) and weigh 0. Grid, outputs, split scratch and merge as ``mla_decode_gluon``
@@ -71,20 +77,30 @@ def build():
     from kvfit.kernels.gluon_hopper import mha_decode_parts
 
     mla_decode_gluon.build()
-    for name in ("_softmax_step", "_write_out", "_split_range", "_cta_barrier", "gl",
+    for name in ("_scaled_logits", "_rescale", "_write_out", "_split_range", "_cta_barrier", "gl",
                  "fence_async_shared", "warpgroup_mma", "warpgroup_mma_wait"):
         globals()[name] = getattr(mla_decode_gluon, name)
     globals()["_hw_k"] = mha_decode_parts()["_hw_k"]
 
     @gluon.jit
-    def _rows(bt_row, n0, hi, stride_cp, SLAB: gl.constexpr, PAGE: gl.constexpr,
+    def _tokens(n0, hi, LW: gl.constexpr):
+        # tokens [n0, n0 + 64) in LW's rows; tokens past hi read as token hi - 1 (an empty
+        # request reads page 0: memory of the pool, never used)
+        return gl.maximum(gl.minimum(n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, LW)),
+                                     hi - 1), 0)
+
+    @gluon.jit
+    def _pages(bt_row, n0, hi, PAGE: gl.constexpr, LW: gl.constexpr):
+        # the block-table entries of tokens [n0, n0 + 64) (issued a tile before their use)
+        n = _tokens(n0, hi, LW)
+        return gl.load(bt_row + n // PAGE, mask=n < hi, other=0)
+
+    @gluon.jit
+    def _rows(pg, n0, hi, stride_cp, SLAB: gl.constexpr, PAGE: gl.constexpr,
               LW: gl.constexpr):
-        # word offsets of the slabs of tokens [n0, n0 + 64) in LW's rows; tokens past hi read
-        # as token hi - 1 (an empty request reads page 0: memory of the pool, never used)
-        n = gl.maximum(gl.minimum(n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, LW)),
-                                  hi - 1), 0)
-        pg = gl.load(bt_row + n // PAGE, mask=n < hi, other=0).to(gl.int64)
-        return (pg * stride_cp + (n % PAGE) * SLAB) // 4
+        # word offsets of the slabs of tokens [n0, n0 + 64) on their pages pg
+        n = _tokens(n0, hi, LW)
+        return (pg.to(gl.int64) * stride_cp + (n % PAGE) * SLAB) // 4
 
     @gluon.jit
     def _chunk(Cw, rows, J: gl.constexpr, LW: gl.constexpr):
@@ -120,6 +136,20 @@ def build():
         # o_j^T [64, BLOCK_H] = acc * alpha + lat_j^T . p^T, issued (waited for by the caller)
         return warpgroup_mma(lat_j.permute((1, 0)), p_s, acc * alpha[None, :],  # noqa: F821
                              is_async=True)
+
+    @gluon.jit
+    def _tile_max(s_t, mx_s, MMA: gl.constexpr):
+        # the maximum down the 64 token rows of s_t [64, H] (layout MMA: 16 rows a warp): each
+        # warp reduces its rows by shuffles and writes them to mx_s [4, H], one barrier, then
+        # every thread takes the four warps' maxima of its columns from shared memory (Gluon's
+        # reduction across warps takes two barriers and a second round of shuffles)
+        H: gl.constexpr = s_t.shape[1]
+        m_w = gl.max(gl.reshape(s_t, [4, 16, H]), axis=1)  # [4, H]: warp w's rows
+        mx_s.store(m_w)
+        _cta_barrier()  # noqa: F821
+        # [4, H] with all four rows of a column in one thread, its columns as in MMA's
+        L4: gl.constexpr = gl.BlockedLayout([4, 2], [8, 4], [4, 1], [1, 0])
+        return gl.convert_layout(gl.max(mx_s.load(L4), axis=0), gl.SliceLayout(0, MMA))
 
     @gluon.jit
     def _opaque_zero(i):
@@ -160,6 +190,8 @@ def build():
         QL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, 64], F16)
         q_c = gl.allocate_shared_memory(F16, [8, BLOCK_H, 64], QL)  # latent columns
         q_r = gl.allocate_shared_memory(F16, [1, BLOCK_H, 64], QL)  # rope columns
+        mx_s = gl.allocate_shared_memory(gl.float32, [4, BLOCK_H],
+                                         gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         p_s = gl.allocate_shared_memory(
             F16, [BLOCK_N, BLOCK_H], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H],
                                                                            F16))
@@ -183,7 +215,7 @@ def build():
         Cw = C.to(gl.pointer_type(gl.int32), bitcast=True)
 
         # tile 0's nine chunks into registers
-        rows = _rows(bt_row, lo, hi, stride_cp, SLAB, PAGE, LW)
+        rows = _rows(_pages(bt_row, lo, hi, PAGE, LW), lo, hi, stride_cp, SLAB, PAGE, LW)
         x0 = _chunk(Cw, rows, 0, LW)
         x1 = _chunk(Cw, rows, 1, LW)
         x2 = _chunk(Cw, rows, 2, LW)
@@ -193,11 +225,14 @@ def build():
         x6 = _chunk(Cw, rows, 6, LW)
         x7 = _chunk(Cw, rows, 7, LW)
         x8 = _chunk(Cw, rows, 8, LW)
+        pg = _pages(bt_row, lo + BLOCK_N, hi, PAGE, LW)  # tile 1's
         fence_async_shared()  # noqa: F821
         _cta_barrier()  # noqa: F821 -- the query is in shared memory
 
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
-        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, MMA))
+        # the softmax's running sum, kept per token row (rescaled with the accumulators) and
+        # summed down the tokens once after the loop: no reduction across warps per tile
+        l_t = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=MMA)
         o0 = gl.zeros([64, BLOCK_H], gl.float32, layout=MMA)  # o^T's column blocks
         o1 = gl.zeros([64, BLOCK_H], gl.float32, layout=MMA)
         o2 = gl.zeros([64, BLOCK_H], gl.float32, layout=MMA)
@@ -210,34 +245,41 @@ def build():
         for i in range(n_tiles):
             n0 = lo + i * BLOCK_N
             z = _opaque_zero(i)
-            rows = _rows(bt_row, n0 + BLOCK_N, hi, stride_cp, SLAB, PAGE, LW)
-            # chunk j's registers take the next tile's chunk j once converted
+            # the next tile's rows from its pages (loaded a tile ago); the pages of the tile
+            # after next issued now: nothing waits for a block-table load
+            rows = _rows(pg, n0 + BLOCK_N, hi, stride_cp, SLAB, PAGE, LW)
+            pg = _pages(bt_row, n0 + 2 * BLOCK_N, hi, PAGE, LW)
             f = _to_f16(x0, ASM)
             c0.index(z).store(f)
             a = _hw_k(f, 64, 64, LA)  # noqa: F821
             s_t = warpgroup_mma(a, q_c.index(z).permute((1, 0)), s_zero, use_acc=False,  # noqa: F821
                                 is_async=True)
-            x0 = _chunk(Cw, rows, 0, LW)
             s_t, a = _logits_step(x1, s_t, a, q_c.index(z + 1), c1.index(z), True, LA, ASM)
-            x1 = _chunk(Cw, rows, 1, LW)
             s_t, a = _logits_step(x2, s_t, a, q_c.index(z + 2), c2.index(z), True, LA, ASM)
-            x2 = _chunk(Cw, rows, 2, LW)
             s_t, a = _logits_step(x3, s_t, a, q_c.index(z + 3), c3.index(z), True, LA, ASM)
-            x3 = _chunk(Cw, rows, 3, LW)
             s_t, a = _logits_step(x4, s_t, a, q_c.index(z + 4), c4.index(z), True, LA, ASM)
-            x4 = _chunk(Cw, rows, 4, LW)
             s_t, a = _logits_step(x5, s_t, a, q_c.index(z + 5), c5.index(z), True, LA, ASM)
-            x5 = _chunk(Cw, rows, 5, LW)
             s_t, a = _logits_step(x6, s_t, a, q_c.index(z + 6), c6.index(z), True, LA, ASM)
-            x6 = _chunk(Cw, rows, 6, LW)
             s_t, a = _logits_step(x7, s_t, a, q_c.index(z + 7), c7.index(z), True, LA, ASM)
-            x7 = _chunk(Cw, rows, 7, LW)
             s_t, a = _logits_step(x8, s_t, a, q_r.index(z), c0, False, LA, ASM)
-            x8 = _chunk(Cw, rows, 8, LW)
             s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, a))[0]  # noqa: F821
             # the online softmax down the tokens (axis 0), base 2; then o^T += lat^T . p^T
-            p_t, alpha, m_i, l_i = _softmax_step(s_t, m_i, l_i, s_scale, n0, hi,  # noqa: F821
-                                                 BLOCK_N, MMA)
+            s_t = _scaled_logits(s_t, s_scale, n0, hi, BLOCK_N, MMA)  # noqa: F821
+            p_t, alpha, m_i = _rescale(s_t, m_i, _tile_max(s_t, mx_s, MMA))  # noqa: F821
+            l_t = l_t * alpha[None, :] + p_t
+            # the next tile's nine chunks into the registers freed by this tile's conversions:
+            # issued here, after the maximum's exchange, their 18 loads a warp do not queue
+            # ahead of its shuffles and shared-memory reads (placed among the logits steps,
+            # ptxas gathers them just before the exchange: measured 3% slower)
+            x0 = _chunk(Cw, rows, 0, LW)
+            x1 = _chunk(Cw, rows, 1, LW)
+            x2 = _chunk(Cw, rows, 2, LW)
+            x3 = _chunk(Cw, rows, 3, LW)
+            x4 = _chunk(Cw, rows, 4, LW)
+            x5 = _chunk(Cw, rows, 5, LW)
+            x6 = _chunk(Cw, rows, 6, LW)
+            x7 = _chunk(Cw, rows, 7, LW)
+            x8 = _chunk(Cw, rows, 8, LW)
             p_s.store(p_t.to(F16))
             fence_async_shared()  # noqa: F821 -- the latent's and p's stores, for the MMAs
             _cta_barrier()  # noqa: F821
@@ -253,6 +295,7 @@ def build():
                 num_outstanding=0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
             _cta_barrier()  # noqa: F821 -- every warp's P . latent has read the blocks and p
 
+        l_i = gl.sum(l_t, axis=0)
         # o^T's eight column blocks, each 64 rows of mla_decode_gluon's epilogue
         LO: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, 4], [0, 1])
         blocks = (o0, o1, o2, o3, o4, o5, o6, o7)

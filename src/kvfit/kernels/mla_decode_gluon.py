@@ -99,14 +99,30 @@ def build():
             dst.slice(r * CHUNK, CHUNK, 0).store(x.to(dst.dtype))
 
     @gluon.jit
-    def _softmax_step(s_t, m_i, l_i, s_scale, n0, hi, BLOCK_N: gl.constexpr, SM: gl.constexpr):
-        # logits s_t [BLOCK_N, H] (layout SM) of tokens [n0, n0 + BLOCK_N) into the running
-        # base-2 softmax down axis 0: (p [BLOCK_N, H], alpha, m, l); tokens >= hi weigh 0
+    def _scaled_logits(s_t, s_scale, n0, hi, BLOCK_N: gl.constexpr, SM: gl.constexpr):
+        # logits s_t [BLOCK_N, H] (layout SM) of tokens [n0, n0 + BLOCK_N) in base 2; tokens
+        # >= hi at -inf (weigh 0)
         n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SM))
-        s_t = gl.where((n < hi)[:, None], s_t * s_scale[None, :], float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s_t, axis=0))
+        return gl.where((n < hi)[:, None], s_t * s_scale[None, :], float("-inf"))
+
+    @gluon.jit
+    def _rescale(s_t, m_i, m_tile):
+        # the running maximum m_i [H] raised to the tile's m_tile: (p [BLOCK_N, H], alpha, m)
+        m_new = gl.maximum(m_i, m_tile)
         alpha = gl.exp2(m_i - m_new)
-        p_t = gl.exp2(s_t - m_new[None, :])
+        return gl.exp2(s_t - m_new[None, :]), alpha, m_new
+
+    @gluon.jit
+    def _softmax_p(s_t, m_i, s_scale, n0, hi, BLOCK_N: gl.constexpr, SM: gl.constexpr):
+        # logits s_t [BLOCK_N, H] against the running base-2 maximum down axis 0:
+        # (p [BLOCK_N, H], alpha, m)
+        s_t = _scaled_logits(s_t, s_scale, n0, hi, BLOCK_N, SM)
+        return _rescale(s_t, m_i, gl.max(s_t, axis=0))
+
+    @gluon.jit
+    def _softmax_step(s_t, m_i, l_i, s_scale, n0, hi, BLOCK_N: gl.constexpr, SM: gl.constexpr):
+        # _softmax_p with the running sum l [H]: (p, alpha, m, l)
+        p_t, alpha, m_new = _softmax_p(s_t, m_i, s_scale, n0, hi, BLOCK_N, SM)
         return p_t, alpha, m_new, l_i * alpha + gl.sum(p_t, axis=0)
 
     @gluon.jit
@@ -148,6 +164,7 @@ def build():
     # shared with mla_decode_fp8_pipe and mla_decode_fp8_regs
     globals().update(_page_ids=_page_ids, _issue_tile=_issue_tile, _fp8_logits=_fp8_logits,
                      _split_query=_split_query, _convert_tile=_convert_tile,
+                     _scaled_logits=_scaled_logits, _rescale=_rescale,
                      _softmax_step=_softmax_step, _write_out=_write_out,
                      _split_range=_split_range)
 
