@@ -99,7 +99,7 @@ _ROWS_IN_TILE = [
                          SLAB, PAGE, LW)
 """),
 ]
-_LOADS = "".join(f"            x{j} = _chunk(Cw, rows, {j}, LW)\n" for j in range(9))
+_LOADS = "            x0, x1, x2, x3, x4, x5, x6, x7, x8 = _chunks(Cw, rows, LW)\n"
 
 
 _SHIPPED_LOADS = "            p_s.store(p_t.to(F16))\n"  # the loads' block is just before it

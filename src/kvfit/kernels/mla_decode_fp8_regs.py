@@ -111,6 +111,13 @@ def build():
         return gl.load(Cw + rows[:, None] + w[None, :])
 
     @gluon.jit
+    def _chunks(Cw, rows, LW: gl.constexpr):
+        # the nine chunks of the rows' slabs (512 latent + 64 rope columns)
+        return (_chunk(Cw, rows, 0, LW), _chunk(Cw, rows, 1, LW), _chunk(Cw, rows, 2, LW),
+                _chunk(Cw, rows, 3, LW), _chunk(Cw, rows, 4, LW), _chunk(Cw, rows, 5, LW),
+                _chunk(Cw, rows, 6, LW), _chunk(Cw, rows, 7, LW), _chunk(Cw, rows, 8, LW))
+
+    @gluon.jit
     def _to_f16(x, ASM: gl.constexpr):
         # words [64, 16] -> float16 [64, 64], column 4 w + e from byte e of word w
         o = gl.inline_asm_elementwise(ASM, "=h,=h,=h,=h,r", [x], dtype=(gl.float16,) * 4,
@@ -216,15 +223,7 @@ def build():
 
         # tile 0's nine chunks into registers
         rows = _rows(_pages(bt_row, lo, hi, PAGE, LW), lo, hi, stride_cp, SLAB, PAGE, LW)
-        x0 = _chunk(Cw, rows, 0, LW)
-        x1 = _chunk(Cw, rows, 1, LW)
-        x2 = _chunk(Cw, rows, 2, LW)
-        x3 = _chunk(Cw, rows, 3, LW)
-        x4 = _chunk(Cw, rows, 4, LW)
-        x5 = _chunk(Cw, rows, 5, LW)
-        x6 = _chunk(Cw, rows, 6, LW)
-        x7 = _chunk(Cw, rows, 7, LW)
-        x8 = _chunk(Cw, rows, 8, LW)
+        x0, x1, x2, x3, x4, x5, x6, x7, x8 = _chunks(Cw, rows, LW)
         pg = _pages(bt_row, lo + BLOCK_N, hi, PAGE, LW)  # tile 1's
         fence_async_shared()  # noqa: F821
         _cta_barrier()  # noqa: F821 -- the query is in shared memory
@@ -271,15 +270,7 @@ def build():
             # issued here, after the maximum's exchange, their 18 loads a warp do not queue
             # ahead of its shuffles and shared-memory reads (placed among the logits steps,
             # ptxas gathers them just before the exchange: measured 3% slower)
-            x0 = _chunk(Cw, rows, 0, LW)
-            x1 = _chunk(Cw, rows, 1, LW)
-            x2 = _chunk(Cw, rows, 2, LW)
-            x3 = _chunk(Cw, rows, 3, LW)
-            x4 = _chunk(Cw, rows, 4, LW)
-            x5 = _chunk(Cw, rows, 5, LW)
-            x6 = _chunk(Cw, rows, 6, LW)
-            x7 = _chunk(Cw, rows, 7, LW)
-            x8 = _chunk(Cw, rows, 8, LW)
+            x0, x1, x2, x3, x4, x5, x6, x7, x8 = _chunks(Cw, rows, LW)
             p_s.store(p_t.to(F16))
             fence_async_shared()  # noqa: F821 -- the latent's and p's stores, for the MMAs
             _cta_barrier()  # noqa: F821
