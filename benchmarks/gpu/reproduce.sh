@@ -201,11 +201,17 @@ target() {
       run mla_regs_ablation python3 benchmarks/kernels/mla_regs_ablation.py \
         --points fp8_e4m3:32:16384,fp8_e4m3:64:32768,fp8_e4m3:4:32768 --rep 40 \
         --json "$OUT/mla_regs_ablation.json"
-      if command -v ncu >/dev/null; then
+      if command -v ncu >/dev/null; then  # the profile and where its warps wait, by instruction
         run mla_regs_ncu ncu --clock-control none --kernel-name regex:_mla_decode_fp8_regs \
           --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy \
-          --section WarpStateStats --section ComputeWorkloadAnalysis \
-          python3 benchmarks/kernels/ncu_mla.py fp8_e5m2 32 16384
+          --section WarpStateStats --section ComputeWorkloadAnalysis --section SourceCounters \
+          -o "$OUT/mla_regs_ncu" -f python3 benchmarks/kernels/ncu_mla.py fp8_e5m2 32 16384
+        ncu -i "$OUT/mla_regs_ncu.ncu-rep" --page details > "$OUT/mla_regs_ncu_details.txt" 2>&1
+        ncu -i "$OUT/mla_regs_ncu.ncu-rep" --page source --csv --print-source sass \
+          > "$OUT/mla_regs_ncu_source.csv" 2>&1
+        python3 benchmarks/kernels/ncu_stalls.py "$OUT/mla_regs_ncu_source.csv" --top 25 \
+          | tee "$OUT/mla_regs_ncu_stalls.md"
+        rm -f "$OUT/mla_regs_ncu.ncu-rep" "$OUT/mla_regs_ncu_source.csv"
       fi
       run mla_regs_seed kvfit bench seed --model benchmarks/gpu/deepseek-v2-lite-8layers.json \
         --kv-dtypes bfloat16,fp8_e4m3,fp8_e5m2 --contexts 16384 --batches 1,32 --steps 10 \
