@@ -44,6 +44,10 @@
 #                      tests, the sweep against the pipelined kernel, the ablation of its parts
 #                      and its mma.sync candidate (checked against it),
 #                      ncu of one launch (when ncu is there), 8 V2-Lite layers end to end     ~5
+#   stalls             where the warps of the Hopper decode kernels wait, by instruction (ncu
+#                      source counters tabulated by benchmarks/kernels/ncu_stalls.py): the MLA
+#                      register kernel (e4m3, 64 x 32k), the int4 register kernel (128-d,
+#                      64 x 2k) and the 8-bit Gluon decode (64-d, 128 x 16k); needs ncu     ~3
 #   tests              the GPU tests (tests/gpu)                                            ~4
 # Groups: seed = the four seed-*; kernels = decode-page16 decode-page32 decode-page-size prefill.
 set -uo pipefail
@@ -247,11 +251,29 @@ target() {
           --kv-dtypes fp8_e4m3,int8 --contexts 16384 --batches 1,64 --steps 16 \
           --prefill-len 1024 --attention-backend triton
       done ;;
+    stalls) gpu_env
+      command -v ncu >/dev/null || { echo "stalls: ncu is not installed"; return; }
+      ncu_stalls mla_regs_stalls _mla_decode_fp8_regs 2 \
+        python3 benchmarks/kernels/ncu_mla.py fp8_e4m3 64 32768
+      ncu_stalls int4_regs_stalls _int4_decode_regs 3 \
+        python3 benchmarks/kernels/int4_decode_bench.py --only 0 --regs
+      ncu_stalls gluon_8bit_stalls _decode_8bit_gluon 3 \
+        python3 benchmarks/kernels/int8_decode.py --quick ;;
     tests) gpu_env
       run gpu_tests python3 -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/gpu
       tail -3 "$OUT/gpu_tests.log" ;;
     *) echo "unknown target $1; see the header of $0"; exit 2 ;;
   esac
+}
+
+ncu_stalls() {  # NAME KERNEL SKIP CMD...: one launch of KERNEL (after SKIP) under ncu's source
+  # counters; $OUT/NAME.md is the stall table of benchmarks/kernels/ncu_stalls.py
+  local name=$1 kernel=$2 skip=$3; shift 3
+  run "$name" ncu --clock-control none -k "regex:$kernel" --launch-skip "$skip" --launch-count 1 \
+    --section SpeedOfLight --section WarpStateStats --section SourceCounters -o "$OUT/$name" -f "$@"
+  ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/$name.csv" 2>&1
+  python3 benchmarks/kernels/ncu_stalls.py "$OUT/$name.csv" --top 25 | tee "$OUT/$name.md"
+  rm -f "$OUT/$name.ncu-rep" "$OUT/$name.csv"
 }
 
 ncu_decode() {  # NAME VARIANT LAYOUT BATCH CONTEXT PAGE: ncu of the split + merge decode kernels
