@@ -191,6 +191,7 @@ from kvfit.kernels import decode_8bit_gluon
 
 d, g, page, kdt, single = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
                            sys.argv[5] == "1")
+xmax = len(sys.argv) > 6 and sys.argv[6] == "1"
 fn = decode_8bit_gluon.build()
 ptrs = dict(Q="*bf16", OUT="*bf16", OP="*fp32", LSE="*fp32", KC="*" + kdt, VC="*" + kdt,
             KS="*fp16", VS="*fp16", BT="*i32", KVLEN="*i32")
@@ -201,7 +202,7 @@ if kdt == "i8":
     mma_i, lk, lak = decode_8bit_gluon.int8_key_layouts(d, bh)
 consts = dict(G=g, BLOCK_H=bh, D=d, PAGE=page,
               CODE={"fp8e4nv": 0, "fp8e5": 1, "i8": 2}[kdt], SINGLE=single, MMA=mma,
-              MMA_I=mma_i, LK=lk, LV=lv, LAK=lak, LAV=lav, num_warps=4)
+              MMA_I=mma_i, LK=lk, LV=lv, LAK=lak, LAV=lav, XMAX=xmax, num_warps=4)
 sig = {n: ptrs.get(n, "constexpr" if n in consts else
                    ("fp32" if n in ("qk_scale", "v_out") else "i32")) for n in fn.arg_names}
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -249,3 +250,21 @@ def test_gluon_kernel_compiles_for_sm90(d, g, page, kdt, single):
     # the query [BLOCK_H, D] (two int8 terms for int8) and P [T, BLOCK_H] in float16 (or the
     # epilogue's float32 [D, BLOCK_H] layout change): the only shared memory
     assert got["shared"] <= max(2 * (n * d + tok * n), 4 * d * n) + 1024, got["shared"]
+
+
+@pytest.mark.parametrize("d,g,page,kdt", [(128, 2, 32, "fp8e4nv"), (64, 3, 16, "i8")])
+def test_gluon_kernel_exchanged_maximum_takes_fewer_barriers(d, g, page, kdt):
+    """EXCHANGE_MAX: the tile maximum through shared memory with one barrier, which also
+    stands for P.V's barrier before P's store: at least one barrier fewer in each of the two
+    tile codes (the loop's and the masked last tile's; the PTX of the default already shares
+    one between Gluon's reduction and P.V's; ptxas: 14 -> 9 BAR.SYNC at 128-d), the same MMAs,
+    conversions and loads, 256 B of shared memory at most more."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from gluon_launch_fakes import compile_sm90
+
+    off, on = (compile_sm90(_COMPILE, d, g, page, kdt, 0, x) for x in (0, 1))
+    bars = [c["ptx"].count("bar.sync") for c in (off, on)]
+    assert bars[1] <= bars[0] - 2, bars
+    for pat in ("wgmma.mma_async", "cvt.rn.f16x2", "ld.global.v4.b32"):
+        assert off["ptx"].count(pat) == on["ptx"].count(pat), pat
+    assert on["shared"] <= off["shared"] + 256

@@ -49,8 +49,8 @@ _MMA_SYNC = [
                                     instr_shape=[16, block_h, 16])""",
      """    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1],
                                     instr_shape=[16, 8])"""),
-    ("""    globals()["_hw_k"] = mha_decode_parts()["_hw_k"]
-""", """    globals()["_hw_k"] = mha_decode_parts()["_hw_k"]
+    ("""        globals()[name] = mha_decode_parts()[name]
+""", """        globals()[name] = mha_decode_parts()[name]
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
     globals()["mma_v2"] = mma_v2
 """),

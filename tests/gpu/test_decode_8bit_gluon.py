@@ -61,6 +61,27 @@ def _run(q, pool, meta, cfg, kw, dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("kv_dtype", list(DTYPES))
+@pytest.mark.parametrize("hq,hkv,d,page", [(9, 3, 64, 16), (16, 8, 128, 32), (8, 4, 256, 32)])
+def test_gluon_8bit_exchanged_maximum_changes_no_bit(monkeypatch, kv_dtype, hq, hkv, d, page):
+    """The tile maximum through shared memory with one barrier (``EXCHANGE_MAX``) is the
+    maximum Gluon's reduction computes, and its barrier stands for the one before P's store:
+    the same bits out, split and single, every length kind; and the reference's values."""
+    _needs_hopper()
+    for i, lens in enumerate(LENS):
+        q, pool, meta, ref, kw = _problem(kv_dtype, hq, hkv, d, page, lens, 21 + i)
+        cfg = choose_config(len(lens), hkv, hq // hkv, d, max(lens), DTYPES[kv_dtype],
+                            q.dtype, v_t=True, page_size=page, gluon=True)
+        for splits in sorted({cfg.num_splits, 1, 3}):
+            c = dataclasses.replace(cfg, num_splits=splits)
+            outs = []
+            for on in (False, True):
+                monkeypatch.setattr(decode_8bit_gluon, "EXCHANGE_MAX", on)
+                outs.append(_run(q, pool, meta, c, kw))
+            assert not outs[1].isnan().any() and torch.equal(outs[0], outs[1]), (c, lens)
+            assert rel_err(outs[1], ref) < BOUND[torch.bfloat16]
+
+
+@pytest.mark.parametrize("kv_dtype", list(DTYPES))
 @pytest.mark.parametrize("hq,hkv,d,page", [(9, 3, 64, 16), (16, 8, 128, 32), (32, 8, 128, 16),
                                            (32, 2, 128, 64), (8, 4, 256, 32)])
 @pytest.mark.parametrize("lens_idx", [0, 1, 2])

@@ -13,9 +13,18 @@ from kvfit.kernels.decode_8bit_gluon_kernel import build
 from kvfit.kernels.decode_8bit_gluon_layouts import int8_key_layouts, operand_layouts
 from kvfit.kernels.gluon_hopper import gluon_available, launch_or_record
 
-__all__ = ["build", "operand_layouts", "int8_key_layouts", "DEFAULT_ON", "GLUON_TILES",
+__all__ = ["build", "operand_layouts", "int8_key_layouts", "DEFAULT_ON", "EXCHANGE_MAX",
+           "GLUON_TILES",
            "PAGE_CODES", "kind", "default_on", "engine_default", "fits", "available",
            "launch_args", "launch"]
+
+# the tile's maximum exchanged through shared memory with one barrier (gluon_hopper._tile_max,
+# which also stands for the barrier before P's store) instead of Gluon's reduction across the
+# warps: two barriers fewer a tile (sm_90 compile). It made the MLA register decode 1.05-1.07x
+# faster (docs/benchmarks.md, twenty-third session); here it is built and compiled, its output
+# must equal the default's bit for bit (tests/gpu/test_decode_8bit_gluon_cuda.py), and it is
+# not yet measured on a GPU: off until it is
+EXCHANGE_MAX = False
 
 # the launch per head size: (programs per SM in the split rule, register cap); sm_90 compile
 # (Triton 3.6): 64-d 76 (fp8) / 80 at the cap (int8; 85 uncapped, 5 an SM: 1.33x the time on
@@ -114,7 +123,7 @@ def launch_args(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, qk_scal
     code = PAGE_CODES[k_cache.dtype][1]
     consts = dict(G=hq // hkv, BLOCK_H=block_h, D=d, PAGE=k_cache.shape[2], CODE=code,
                   SINGLE=num_splits == 1, MMA=mma, MMA_I=mma_i, LK=lk, LV=lv, LAK=lak,
-                  LAV=lav, num_warps=4)
+                  LAV=lav, XMAX=EXCHANGE_MAX, num_warps=4)
     return (b, hkv, num_splits), args, consts
 
 

@@ -132,16 +132,17 @@ def build():
         return k, v, ks, vs
 
     @gluon.jit
-    def _tile(k_raw, v_raw, ks, vs, qs, q_lo, p_s, acc, m_i, l_t, n_live, tok_r, tok_k,
+    def _tile(k_raw, v_raw, ks, vs, qs, q_lo, p_s, mx_s, acc, m_i, l_t, n_live, tok_r, tok_k,
               D: gl.constexpr, BLOCK_H: gl.constexpr, TOK: gl.constexpr, CODE: gl.constexpr,
               MASKED: gl.constexpr, MMA: gl.constexpr, MMA_I: gl.constexpr, LK: gl.constexpr,
-              LAK: gl.constexpr, LAV: gl.constexpr):
+              LAK: gl.constexpr, LAV: gl.constexpr, XMAX: gl.constexpr):
         # one tile of TOK tokens (MASKED: its tokens from n_live on are dead): s^T = K . q^T
         # (the query holds the base-2 softmax scale), the online softmax, o^T += V^T . p^T.
         # int8: K's codes as loaded against the query's two int8 terms (qs, q_lo: exact int32
         # sums), rows times their K scale (and the query's factor: ks); p rows times their V
         # scale. The running sum stays per row of the tile (l_t [TOK, BLOCK_H]), summed once
-        # at the end
+        # at the end. XMAX: the tile's maximum through mx_s with one barrier (_tile_max), which
+        # also orders the last tile's P.V before this tile's store of p_s
         if CODE == 2:
             kt = _hw_k8(k_raw, TOK, D, LK, LAK)
             zi = gl.zeros([TOK, BLOCK_H], gl.int32, layout=MMA_I)
@@ -169,10 +170,14 @@ def build():
             s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))  # noqa: F821
         if MASKED:
             s_t = gl.where((tok_r < n_live)[:, None], s_t, float("-inf"))
-        m_new, alpha, p_t, l_t = _online_softmax(s_t, m_i, l_t)  # noqa: F821
+        if XMAX:
+            m_new, alpha, p_t, l_t = _online_softmax_to(  # noqa: F821
+                s_t, m_i, l_t, _tile_max(s_t, mx_s, MMA))  # noqa: F821
+        else:
+            m_new, alpha, p_t, l_t = _online_softmax(s_t, m_i, l_t)  # noqa: F821
         if CODE == 2:
             p_t = p_t * vs[:, None]
-        return _pv_step(p_t, vt, p_s, acc, alpha), m_new, l_t  # noqa: F821
+        return _pv_step(p_t, vt, p_s, acc, alpha, XMAX), m_new, l_t  # noqa: F821
 
     @gluon.jit
     def _decode_8bit_gluon(Q, OUT, OP, LSE, KC, VC, KS, VS, BT, KVLEN,
@@ -182,7 +187,7 @@ def build():
                            PAGE: gl.constexpr, CODE: gl.constexpr, SINGLE: gl.constexpr,
                            MMA: gl.constexpr, MMA_I: gl.constexpr, LK: gl.constexpr,
                            LV: gl.constexpr, LAK: gl.constexpr, LAV: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           XMAX: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 4, "one warp group")
         TOK: gl.constexpr = 64  # a tile's tokens: the logits MMAs' M
         gl.static_assert(TOK % PAGE == 0, "pages of 16, 32 or 64 tokens")
@@ -197,6 +202,8 @@ def build():
         p_s = gl.allocate_shared_memory(
             gl.float16, [TOK, BLOCK_H], gl.NVMMASharedLayout.get_default_for([TOK, BLOCK_H],
                                                                              gl.float16))
+        mx_s = gl.allocate_shared_memory(gl.float32, [4, BLOCK_H],
+                                         gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
         # the query group [BLOCK_H, D] times the base-2 softmax scale, its channels in the
         # MMA's k order (_hw_k: column k holds channel (D/4) c + 4 ks + 2 b3 + b0; _hw_k8:
@@ -267,14 +274,14 @@ def build():
             t1 = n0 + TOK * (i + 1)
             k_raw, v_raw, ks, vs = _load(KCh, VCh, KS, VS, bt_row, t1, n1, stride_cp, s_head,
                                          stride_sp, q_f, D, PAGE, TOK, INT8, LK, LV, LR)
-            acc, m_i, l_t = _tile(k_cur, v_cur, ks_c, vs_c, qs, q_lo, p_s, acc, m_i, l_t, TOK,
-                                  tok_r, tok_k, D, BLOCK_H, TOK, CODE, False, MMA, MMA_I, LK,
-                                  LAK, LAV)
+            acc, m_i, l_t = _tile(k_cur, v_cur, ks_c, vs_c, qs, q_lo, p_s, mx_s, acc, m_i,
+                                  l_t, TOK, tok_r, tok_k, D, BLOCK_H, TOK, CODE, False, MMA,
+                                  MMA_I, LK, LAK, LAV, XMAX)
         n_live = gl.maximum(n1 - n0, 0) - TOK * n_full
         if n_live > 0:  # the split's last, partial tile (loaded by the last iteration)
-            acc, m_i, l_t = _tile(k_raw, v_raw, ks, vs, qs, q_lo, p_s, acc, m_i, l_t, n_live,
-                                  tok_r, tok_k, D, BLOCK_H, TOK, CODE, True, MMA, MMA_I, LK,
-                                  LAK, LAV)
+            acc, m_i, l_t = _tile(k_raw, v_raw, ks, vs, qs, q_lo, p_s, mx_s, acc, m_i, l_t,
+                                  n_live, tok_r, tok_k, D, BLOCK_H, TOK, CODE, True, MMA, MMA_I,
+                                  LK, LAK, LAV, XMAX)
 
         # o^T = acc [D, BLOCK_H] / l
         _split_out(acc, l_t, m_i, OUT, OP, LSE, b, h, s, num_splits, stride_ob,  # noqa: F821

@@ -102,8 +102,15 @@ def mha_decode_parts() -> dict:
     the accumulator, ``p_t``, the per-row running sums ``l_t [T, BLOCK_H]`` rescaled and
     added: summed over the rows once, at the end, so no cross-warp reduction per tile).
 
-    ``_pv_step(p_t, vt, p_s, acc, alpha)``: P [T, BLOCK_H] through the shared tile ``p_s``
-    (after a barrier: the last tile's P.V has read it everywhere) and ``acc * alpha + vt . p``
+    ``_tile_max(s_t, mx_s, MMA)``: the maximum down the rows of ``s_t [T, BLOCK_H]`` through
+    a ``[4, BLOCK_H]`` float32 shared buffer and one barrier (the same value as ``gl.max(s_t,
+    axis=0)``, bit for bit); ``_online_softmax_to(s_t, m_i, l_t, m_tile)``: ``_online_softmax``
+    with that maximum. The buffer is rewritten every tile: a barrier must separate a tile's
+    reads of it from the next tile's writes (``_pv_step``'s).
+
+    ``_pv_step(p_t, vt, p_s, acc, alpha, ORDERED=False)``: P [T, BLOCK_H] through the shared
+    tile ``p_s`` (after a barrier: the last tile's P.V has read it everywhere; ``ORDERED``: a
+    barrier since then already, e.g. ``_tile_max``'s) and ``acc * alpha + vt . p``
     (warp-group MMA, A = V^T from registers), waited.
 
     ``_split_out(...)``: the epilogue, ``acc [D, BLOCK_H]`` (o^T, float32, MMA layout) over
@@ -129,12 +136,34 @@ def mha_decode_parts() -> dict:
     globals().update(hopper_names())
 
     @gluon.jit
-    def _online_softmax(s_t, m_i, l_t):
-        m_new = gl.maximum(m_i, gl.max(s_t, axis=0))  # noqa: F821
+    def _tile_max(s_t, mx_s, MMA: gl.constexpr):  # noqa: F821
+        # the maximum down the rows of s_t [T, H] (layout MMA: a warp-group MMA's accumulator,
+        # warp w holding rows 64 i + 16 w .. + 15): each warp reduces its rows by shuffles and
+        # writes its H maxima to mx_s [4, H] (float32), one barrier, every thread takes its
+        # columns' four values (Gluon's own reduction across warps takes two barriers and a
+        # second round of shuffles)
+        T: gl.constexpr = s_t.shape[0]  # noqa: F821
+        H: gl.constexpr = s_t.shape[1]  # noqa: F821
+        m_w = gl.max(gl.max(gl.reshape(s_t, [T // 64, 4, 16, H]), axis=2), axis=0)  # noqa: F821
+        mx_s.store(m_w)
+        _cta_barrier()  # noqa: F821
+        # [4, H] with all four rows of a column in one thread, its columns as in MMA's
+        L4: gl.constexpr = gl.BlockedLayout([4, 2], [8, 4], [4, 1], [1, 0])  # noqa: F821
+        return gl.convert_layout(gl.max(mx_s.load(L4), axis=0),  # noqa: F821
+                                 gl.SliceLayout(0, MMA))  # noqa: F821
+
+    @gluon.jit
+    def _online_softmax_to(s_t, m_i, l_t, m_tile):
+        # _online_softmax with the tile's maximum m_tile [BLOCK_H] given
+        m_new = gl.maximum(m_i, m_tile)  # noqa: F821
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # noqa: F821
         alpha = gl.exp2(m_i - m_use)  # noqa: F821
         p_t = gl.exp2(s_t - m_use[None, :])  # noqa: F821
         return m_new, alpha, p_t, l_t * alpha[None, :] + p_t
+
+    @gluon.jit
+    def _online_softmax(s_t, m_i, l_t):
+        return _online_softmax_to(s_t, m_i, l_t, gl.max(s_t, axis=0))  # noqa: F821
 
     @gluon.jit
     def _tile_token(m, TOK: gl.constexpr):  # noqa: F821
@@ -182,14 +211,16 @@ def mha_decode_parts() -> dict:
             gl.store(LSE + lrow, lse, mask=gh < G)  # noqa: F821
 
     @gluon.jit
-    def _pv_step(p_t, vt, p_s, acc, alpha):
-        _cta_barrier()  # noqa: F821 -- the last tile's P.V has read p_s everywhere
+    def _pv_step(p_t, vt, p_s, acc, alpha, ORDERED: gl.constexpr = False):  # noqa: F821
+        if not ORDERED:  # (ORDERED: a barrier since the last tile's P.V, _tile_max's)
+            _cta_barrier()  # noqa: F821 -- the last tile's P.V has read p_s everywhere
         p_s.store(p_t.to(gl.float16))  # noqa: F821
         fence_async_shared()  # noqa: F821
         _cta_barrier()  # noqa: F821
         acc = warpgroup_mma(vt, p_s, acc * alpha[None, :], is_async=True)  # noqa: F821
         return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # noqa: F821
 
-    return dict(_online_softmax=_online_softmax, _split_out=_split_out, _pv_step=_pv_step,
+    return dict(_online_softmax=_online_softmax, _online_softmax_to=_online_softmax_to,
+                _tile_max=_tile_max, _split_out=_split_out, _pv_step=_pv_step,
                 _tile_token=_tile_token, _hw_k=_hw_k,
                 _thread_rows_channel=_thread_rows_channel)

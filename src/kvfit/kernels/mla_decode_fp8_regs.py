@@ -80,7 +80,8 @@ def build():
     for name in ("_scaled_logits", "_rescale", "_write_out", "_split_range", "_cta_barrier", "gl",
                  "fence_async_shared", "warpgroup_mma", "warpgroup_mma_wait"):
         globals()[name] = getattr(mla_decode_gluon, name)
-    globals()["_hw_k"] = mha_decode_parts()["_hw_k"]
+    for name in ("_hw_k", "_tile_max"):
+        globals()[name] = mha_decode_parts()[name]
 
     @gluon.jit
     def _tokens(n0, hi, LW: gl.constexpr):
@@ -143,20 +144,6 @@ def build():
         # o_j^T [64, BLOCK_H] = acc * alpha + lat_j^T . p^T, issued (waited for by the caller)
         return warpgroup_mma(lat_j.permute((1, 0)), p_s, acc * alpha[None, :],  # noqa: F821
                              is_async=True)
-
-    @gluon.jit
-    def _tile_max(s_t, mx_s, MMA: gl.constexpr):
-        # the maximum down the 64 token rows of s_t [64, H] (layout MMA: 16 rows a warp): each
-        # warp reduces its rows by shuffles and writes them to mx_s [4, H], one barrier, then
-        # every thread takes the four warps' maxima of its columns from shared memory (Gluon's
-        # reduction across warps takes two barriers and a second round of shuffles)
-        H: gl.constexpr = s_t.shape[1]
-        m_w = gl.max(gl.reshape(s_t, [4, 16, H]), axis=1)  # [4, H]: warp w's rows
-        mx_s.store(m_w)
-        _cta_barrier()  # noqa: F821
-        # [4, H] with all four rows of a column in one thread, its columns as in MMA's
-        L4: gl.constexpr = gl.BlockedLayout([4, 2], [8, 4], [4, 1], [1, 0])
-        return gl.convert_layout(gl.max(mx_s.load(L4), axis=0), gl.SliceLayout(0, MMA))
 
     @gluon.jit
     def _opaque_zero(i):
