@@ -127,13 +127,15 @@ from kvfit.kernels import decode_int4_regs_kernel
 from kvfit.kernels.decode_int4_regs_layouts import layouts
 
 d, g, single = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+xmax = len(sys.argv) > 4 and sys.argv[4] == "1"
 fn = decode_int4_regs_kernel.build()
 ptrs = dict(Q="*bf16", OUT="*bf16", OP="*fp32", LSE="*fp32", KC="*u8", VC="*u8", KS="*fp16",
             KZ="*fp16", VS="*fp16", VZ="*fp16", KR="*bf16", VR="*bf16", BT="*i32",
             KVLEN="*i32", RSLOT="*i32")
 bh = max(8, 1 << (g - 1).bit_length())
 names = ("MMA", "LK", "LK4", "LKS", "LV4", "LVS", "LAK", "LAV")
-consts = dict(G=g, BLOCK_H=bh, D=d, PAGE=32, SINGLE=single, KS_AHEAD=d == 256, num_warps=4,
+consts = dict(G=g, BLOCK_H=bh, D=d, PAGE=32, SINGLE=single, KS_AHEAD=d == 256, XMAX=xmax,
+              num_warps=4,
               **dict(zip(names, layouts(d, bh))))
 sig = {n: ptrs.get(n, "constexpr" if n in consts else ("fp32" if n == "qk_scale" else "i32"))
        for n in fn.arg_names}
@@ -169,3 +171,19 @@ def test_regs_kernel_compiles_for_sm90(d, g, single):
     assert "cp.async" not in ptx
     # the query and P, or the epilogue's float32 o^T (a 64 x D float16 operand tile: 128 D)
     assert got["shared"] <= max(2 * n * d + 2 * 64 * n, 4 * n * d) + 256
+
+
+def test_regs_kernel_exchanged_maximum_takes_fewer_barriers():
+    """decode_int4.EXCHANGE_MAX: the tile maximum through shared memory with one barrier that
+    also stands for P.V's barrier before P's store: at least one barrier fewer in each of the
+    three tile codes, the same MMAs, conversions and loads, 256 B of shared memory at most
+    more."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from gluon_launch_fakes import compile_sm90
+
+    off, on = (compile_sm90(_COMPILE, 128, 2, 0, x) for x in (0, 1))
+    bars = [c["ptx"].count("bar.sync") for c in (off, on)]
+    assert bars[1] <= bars[0] - 3, bars
+    for pat in ("wgmma.mma_async", "prmt.b32", "fma.rn.f16x2", "ld.global"):
+        assert off["ptx"].count(pat) == on["ptx"].count(pat), pat
+    assert on["shared"] <= off["shared"] + 256

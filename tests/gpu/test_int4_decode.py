@@ -91,6 +91,28 @@ def test_int4_decode_regs_matches_reference(hq, hkv, d, splits, flip, dtype):
           f"error {err:.2e}")
 
 
+@pytest.mark.parametrize("hq,hkv,d,splits", [(9, 3, 64, 1), (16, 8, 128, 3), (8, 4, 256, 2)])
+def test_int4_decode_regs_exchanged_maximum_matches(monkeypatch, hq, hkv, d, splits):
+    """``decode_int4.EXCHANGE_MAX``: the register kernel's tile maximum through shared memory
+    with one barrier is the maximum Gluon's reduction computes, so the same seeded problem
+    gives the same error against the float64 reference, to the last bit of the float, and
+    within the kernel's tolerance."""
+    from kvfit.kernels import decode_int4
+    from kvfit.kernels.decode_int4 import REGS_TILES, gluon_available
+
+    if not gluon_available():
+        pytest.skip("the Gluon int4 decode needs a Hopper GPU and Gluon's Hopper module")
+    _, maxnreg, ahead = REGS_TILES[d]
+    errs = []
+    for on in (False, True):
+        monkeypatch.setattr(decode_int4, "EXCHANGE_MAX", on)
+        errs.append(run_check(torch.device("cuda"), torch.bfloat16, LENS, hq, hkv, d, 5e-3,
+                              num_splits=splits, gluon=True, v_layout="HDN", maxnreg=maxnreg,
+                              ks_ahead=ahead))
+        assert not decode_int4._gluon_failures
+    assert errs[0] == errs[1], errs
+
+
 @pytest.mark.parametrize("hq,hkv,d,splits", [(9, 3, 64, 2), (16, 8, 128, 3), (8, 1, 256, 1)])
 def test_int4_decode_triton_reads_token_minor_v(hq, hkv, d, splits):
     """The Triton kernel (the register kernel's fallback) over token-minor V pages."""

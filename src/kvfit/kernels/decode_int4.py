@@ -54,6 +54,11 @@ GLUON = True
 # compile: 128-d 128 registers, 53 KB of shared memory, so 4 programs an SM; 64-d 112 / 27 KB;
 # 256-d 168 / 105 KB, two an SM
 GLUON_TILES = {64: (2, 3, 128), 128: (2, 4, 128), 256: (2, 2, 168)}
+# the register kernel's tile maximum exchanged through shared memory with one barrier
+# (gluon_hopper._tile_max, as decode_8bit_gluon.EXCHANGE_MAX): built and compiled, its output
+# must equal the default's bit for bit (tests/gpu/test_int4_decode.py), not yet measured on a
+# GPU: off until it is
+EXCHANGE_MAX = False
 # the register int4 kernel (decode_int4_regs_kernel, token-minor V pages) per head size:
 # (programs per SM in the split rule, register cap, K's scales loaded a tile ahead), the fastest
 # of the H200 sweep (2026-12-06, docs/benchmarks.md); sm_90 compile (Triton 3.6): 64-d 96
@@ -226,7 +231,7 @@ def _launch_regs(args, b: int, hkv: int, group: int, d: int, cfg: Int4DecodeConf
     mma, lk, lk4, lks, lv4, lvs, lak, lav = layouts(d, bh)
     opts = dict(G=group, BLOCK_H=bh, D=d, PAGE=PAGE, SINGLE=cfg.num_splits == 1, MMA=mma, LK=lk,
                 LK4=lk4, LKS=lks, LV4=lv4, LVS=lvs, LAK=lak, LAV=lav, KS_AHEAD=cfg.ks_ahead,
-                num_warps=4)
+                XMAX=EXCHANGE_MAX, num_warps=4)
     if cfg.maxnreg:
         opts["maxnreg"] = cfg.maxnreg
     return decode_int4_regs_kernel.build(), (b, hkv, cfg.num_splits), args, opts

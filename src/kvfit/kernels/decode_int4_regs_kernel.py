@@ -189,15 +189,22 @@ def build():
                              is_async=True)
 
     @gluon.jit
-    def _attend(s_t, vt, p_s, acc, m_i, l_t, n_live, tok_r, tok_k, MASKED: gl.constexpr):
+    def _attend(s_t, vt, p_s, mx_s, acc, m_i, l_t, n_live, tok_r, tok_k, MASKED: gl.constexpr,
+                MMA: gl.constexpr, XMAX: gl.constexpr):
         # the rest of a tile (MASKED: its tokens from n_live on are dead: logits -inf, V zeroed,
         # since a page past the split's repeats its last one): the online softmax,
-        # o^T += V^T . p^T. The running sum stays per row of the tile (l_t [64, BLOCK_H])
+        # o^T += V^T . p^T. The running sum stays per row of the tile (l_t [64, BLOCK_H]).
+        # XMAX: the tile's maximum through mx_s with one barrier (_tile_max), which also
+        # orders the last tile's P.V before this tile's store of p_s
         if MASKED:
             vt = gl.where((tok_k < n_live)[None, :], vt, 0.0)
             s_t = gl.where((tok_r < n_live)[:, None], s_t, float("-inf"))
-        m_new, alpha, p_t, l_t = _online_softmax(s_t, m_i, l_t)  # noqa: F821
-        return _pv_step(p_t, vt, p_s, acc, alpha), m_new, l_t  # noqa: F821
+        if XMAX:
+            m_new, alpha, p_t, l_t = _online_softmax_to(  # noqa: F821
+                s_t, m_i, l_t, _tile_max(s_t, mx_s, MMA))  # noqa: F821
+        else:
+            m_new, alpha, p_t, l_t = _online_softmax(s_t, m_i, l_t)  # noqa: F821
+        return _pv_step(p_t, vt, p_s, acc, alpha, XMAX), m_new, l_t  # noqa: F821
 
     @gluon.jit
     def _int4_decode_regs(Q, OUT, OP, LSE, KC, VC, KS, KZ, VS, VZ, KR, VR, BT, KVLEN, RSLOT,
@@ -208,7 +215,8 @@ def build():
                           PAGE: gl.constexpr, SINGLE: gl.constexpr, MMA: gl.constexpr,
                           LK: gl.constexpr, LK4: gl.constexpr, LKS: gl.constexpr,
                           LV4: gl.constexpr, LVS: gl.constexpr, LAK: gl.constexpr,
-                          LAV: gl.constexpr, KS_AHEAD: gl.constexpr, num_warps: gl.constexpr):
+                          LAV: gl.constexpr, KS_AHEAD: gl.constexpr, XMAX: gl.constexpr,
+                          num_warps: gl.constexpr):
         gl.static_assert(num_warps == 4, "one warp group")
         gl.static_assert(PAGE == 32, "the int4 pool's pages of 32 tokens")
         b = gl.program_id(0)
@@ -231,6 +239,8 @@ def build():
         p_s = gl.allocate_shared_memory(
             gl.float16, [64, BLOCK_H], gl.NVMMASharedLayout.get_default_for([64, BLOCK_H],
                                                                             gl.float16))
+        mx_s = gl.allocate_shared_memory(gl.float32, [4, BLOCK_H],
+                                         gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         fence_async_shared()  # noqa: F821
         _cta_barrier()  # noqa: F821
 
@@ -271,20 +281,23 @@ def build():
                 ks_e, ks_o, kz_e, kz_o = _k_scales(KSh, KZh, soff, D, LKS)
             s_t = warpgroup_mma_wait(num_outstanding=0,  # noqa: F821
                                      deps=(_logits(kt, qs, BLOCK_H, MMA),))
-            acc, m_i, l_t = _attend(s_t, vt, p_s, acc, m_i, l_t, 64, tok_r, tok_k, False)
+            acc, m_i, l_t = _attend(s_t, vt, p_s, mx_s, acc, m_i, l_t, 64, tok_r, tok_k, False,
+                                    MMA, XMAX)
         if n_pages % 2 == 1:  # the split's last tile: one page (loaded by the last iteration)
             if not KS_AHEAD:
                 ks_e, ks_o, kz_e, kz_o = _k_scales(KSh, KZh, soff, D, LKS)
             s_t = _logits(_convert_k(k, ks_e, ks_o, kz_e, kz_o, D, LK4, LAK), qs, BLOCK_H, MMA)
             vt = _convert_v(v, vs, vz, D, LV4, LAV)
             s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))  # noqa: F821
-            acc, m_i, l_t = _attend(s_t, vt, p_s, acc, m_i, l_t, PAGE, tok_r, tok_k, True)
+            acc, m_i, l_t = _attend(s_t, vt, p_s, mx_s, acc, m_i, l_t, PAGE, tok_r, tok_k, True,
+                                    MMA, XMAX)
         if (tail > 0) & (s == num_splits - 1):  # the residual page, full precision
             slot = gl.maximum(gl.load(RSLOT + b), 0).to(gl.int64)  # padded rows: -1
             kt, vt = _residual(KR, VR, slot * stride_rs + h * stride_rh, tail, D, LAK, LAV)
             s_t = warpgroup_mma_wait(num_outstanding=0,  # noqa: F821
                                      deps=(_logits(kt, qs, BLOCK_H, MMA),))
-            acc, m_i, l_t = _attend(s_t, vt, p_s, acc, m_i, l_t, tail, tok_r, tok_k, True)
+            acc, m_i, l_t = _attend(s_t, vt, p_s, mx_s, acc, m_i, l_t, tail, tok_r, tok_k, True,
+                                    MMA, XMAX)
 
         # o^T = acc [D, BLOCK_H] / l, rows by _thread_rows_channel
         _split_out(acc, l_t, m_i, OUT, OP, LSE, b, h, s, num_splits, stride_ob,  # noqa: F821
