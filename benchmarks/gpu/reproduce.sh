@@ -48,6 +48,10 @@
 #                      source counters tabulated by benchmarks/kernels/ncu_stalls.py): the MLA
 #                      register kernel (e4m3, 64 x 32k), the int4 register kernel (128-d,
 #                      64 x 2k) and the 8-bit Gluon decode (64-d, 128 x 16k); needs ncu     ~3
+#   exchange           issue 14's one-barrier tile maximum in the 8-bit and int4 register
+#                      decodes (EXCHANGE_MAX, off until measured): its GPU tests (outputs equal
+#                      to the default's), the 8-bit (decode_sweep.py, 64-d and 128-d) and int4
+#                      (int4_decode_bench.py --graph --regs) kernel timings with it off and on ~6
 #   tests              the GPU tests (tests/gpu)                                            ~4
 # Groups: seed = the four seed-*; kernels = decode-page16 decode-page32 decode-page-size prefill.
 set -uo pipefail
@@ -259,11 +263,33 @@ target() {
         python3 benchmarks/kernels/int4_decode_bench.py --only 0 --regs
       ncu_stalls gluon_8bit_stalls _decode_8bit_gluon 3 \
         python3 benchmarks/kernels/int8_decode.py --quick ;;
+    exchange) gpu_env
+      run exchange_tests python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
+        tests/gpu/test_decode_8bit_gluon.py tests/gpu/test_int4_decode.py -k exchanged
+      tail -3 "$OUT/exchange_tests.log"
+      for on in False True; do
+        (export OUT_DIR="$OUT/exchange_8bit_$on"; mkdir -p "$OUT_DIR"
+         with_flag kvfit.kernels.decode_8bit_gluon "$on" "exchange_8bit_$on" \
+           benchmarks/kernels/decode_sweep.py --jobs 4 \
+           qwen3-1.7b:32x16384:fp8_e4m3:32:HDN:gluon=1 qwen3-1.7b:32x16384:int8:32:HDN:gluon=1 \
+           smollm2:128x16384:fp8_e4m3:16:HDN:gluon=1 smollm2:128x16384:int8:16:HDN:gluon=1 \
+           qwen3-1.7b:1x16384:fp8_e4m3:32:HDN:gluon=1)
+        with_flag kvfit.kernels.decode_int4 "$on" "exchange_int4_$on" \
+          benchmarks/kernels/int4_decode_bench.py --graph --regs \
+          --json "$OUT/exchange_int4_$on.json"
+      done ;;
     tests) gpu_env
       run gpu_tests python3 -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/gpu
       tail -3 "$OUT/gpu_tests.log" ;;
     *) echo "unknown target $1; see the header of $0"; exit 2 ;;
   esac
+}
+
+with_flag() {  # MODULE VALUE NAME SCRIPT ARGS...: SCRIPT run with MODULE.EXCHANGE_MAX = VALUE
+  local mod=$1 val=$2 name=$3 script=$4; shift 4
+  run "$name" python3 -c "import runpy, sys, $mod as m; m.EXCHANGE_MAX = $val; \
+sys.argv = sys.argv[1:]; sys.path.insert(0, 'benchmarks/kernels'); \
+runpy.run_path(sys.argv[0], run_name='__main__')" "$script" "$@"
 }
 
 ncu_stalls() {  # NAME KERNEL SKIP CMD...: one launch of KERNEL (after SKIP) under ncu's source
