@@ -28,6 +28,7 @@ import os
 import time
 
 from kvfit.bench.configs import config_path
+from kvfit.bench.weight_reads import bytes_read, weight_reads
 from kvfit.config import add_engine_args, config_from_args
 
 GiB = 1 << 30
@@ -185,8 +186,9 @@ def run_dtype(args, kvd: str, contexts, batches, bw: float) -> dict:
                                   f" GiB of KV per GPU, the card's budget holds {cap:,} tokens")
                 else:
                     pt["tok_s"] = decode_point(runner, b, ctx, args.steps)
-                    if b == 1:  # per GPU: its weights and its KV, read in parallel
-                        step_bytes = runner.weight_bytes + per_tok * ctx
+                    if b == 1:  # per GPU: the weights it reads (routed experts: those
+                        # chosen; embeddings: a row) and its KV, read in parallel
+                        step_bytes = bytes_read(weight_reads(runner.model), 1) + per_tok * ctx
                         pt["roofline_tok_s"] = bw / step_bytes
                         pt["pct_roofline"] = 100 * pt["tok_s"] / pt["roofline_tok_s"]
                 rec["decode"].append(pt)

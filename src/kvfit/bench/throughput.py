@@ -27,10 +27,13 @@ GPU, before the engine takes its memory (a 2 GiB device-to-device copy, read + w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import time
 from typing import Optional
+
+from kvfit.bench.weight_reads import bytes_read, weight_reads
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -98,6 +101,7 @@ def model_costs(runner) -> dict:
                  if p.dim() == 2 and "embed" not in name and "lm_head" not in name)
     hd = runner.layers[0].head_dim
     return {"weight_bytes": runner.weight_bytes,
+            "weight_reads": dataclasses.asdict(weight_reads(runner.model)),
             "kv_bytes_per_token": spec_kv_bytes_per_token(runner.layers, runner.kv_format),
             "linear_params": linear, "lm_head_params": c.vocab_size * c.hidden_size,
             "attn_flops_per_pair": 4 * c.num_attention_heads * hd * c.num_hidden_layers}
@@ -110,7 +114,9 @@ def roofline(record, costs: dict, ceilings: dict) -> dict:
     for dec, pre, kv, dkv, attn, smp in zip(record.decode_tokens, record.prefill_tokens,
                                             record.kv_tokens, record.decode_kv,
                                             record.prefill_attn, record.sampled):
-        mem.append((costs["weight_bytes"] + kv * costs["kv_bytes_per_token"]) / bw)
+        weights = (bytes_read(costs["weight_reads"], dec + pre) if "weight_reads" in costs
+                   else costs["weight_bytes"])
+        mem.append((weights + kv * costs["kv_bytes_per_token"]) / bw)
         flops = (2 * costs["linear_params"] * (dec + pre) + 2 * costs["lm_head_params"] * smp
                  + costs["attn_flops_per_pair"] * (attn + dkv))
         comp.append(flops / rate)
