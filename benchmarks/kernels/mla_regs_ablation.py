@@ -20,6 +20,9 @@ Variants (each a copy of the kernel's source with one rewrite, checked to apply)
   ld-sunk       the next tile's chunk loads placed among the logits steps, chunk j's after its
                 conversion (in the source: ptxas gathers them before the maximum's exchange)
   ld-pv         the next tile's chunk loads placed after the P . latent MMAs are issued
+  ld-split      chunks 0-3 loaded where the kernel loads them (after the exchange), 4-8 after
+                the P . latent MMAs are issued (the first chunks keep the longest window, the
+                rest leave the MIO queue to P's store and the MMAs; not yet measured)
   no-tail-barrier  the barrier after each tile's P . latent left out (timing only: whether the
                 warp-group MMA's wait alone orders the next tile's shared-memory stores is not
                 proven, so the shipped kernel keeps it)
@@ -78,10 +81,11 @@ _MMA_SYNC = [
                 num_outstanding=0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
 """, ""),
 ]
-VARIANTS = ("full", "tile-sum", "rows-in-tile", "gluon-max", "ld-sunk", "ld-pv",
+VARIANTS = ("full", "tile-sum", "rows-in-tile", "gluon-max", "ld-sunk", "ld-pv", "ld-split",
             "no-tail-barrier", "no-logits", "no-pv", "prmt-convert", "no-store", "mma-sync")
 # variants meant to be right
-EXACT = ("full", "mma-sync", "tile-sum", "rows-in-tile", "gluon-max", "ld-sunk", "ld-pv")
+EXACT = ("full", "mma-sync", "tile-sum", "rows-in-tile", "gluon-max", "ld-sunk", "ld-pv",
+         "ld-split")
 _SUM_PER_TILE = [
     ("""        l_t = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=MMA)
 """, """        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(0, MMA))
@@ -132,6 +136,11 @@ def _rewrites(name: str) -> list[tuple[str, str]]:
                  "_rescale(s_t, m_i, gl.max(s_t, axis=0))")]
     if name == "ld-sunk":
         return _loads_moved(None)
+    if name == "ld-split":
+        head = "".join(f"            x{j} = _chunk(Cw, rows, {j}, LW)\n" for j in range(4))
+        tail = "".join(f"            x{j} = _chunk(Cw, rows, {j}, LW)\n" for j in range(4, 9))
+        pv = "            o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait("
+        return [(_LOADS + _SHIPPED_LOADS, head + _SHIPPED_LOADS), (pv, tail + pv)]
     if name == "ld-pv":
         return _loads_moved("            o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(")
     if name == "no-tail-barrier":
