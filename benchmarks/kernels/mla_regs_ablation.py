@@ -132,8 +132,7 @@ def _rewrites(name: str) -> list[tuple[str, str]]:
     if name == "rows-in-tile":
         return _ROWS_IN_TILE
     if name == "gluon-max":
-        return [("_rescale(s_t, m_i, _tile_max(s_t, mx_s, MMA))",
-                 "_rescale(s_t, m_i, gl.max(s_t, axis=0))")]
+        return [("_tile_max(s_t, mx_s, MMA, True)", "_tile_max(s_t, mx_s, MMA, False)")]
     if name == "ld-sunk":
         return _loads_moved(None)
     if name == "ld-split":

@@ -178,6 +178,7 @@ def run_dtype(args, kvd: str, contexts, batches, bw: float) -> dict:
                                                    - runner.weight_bytes),
                "decode": [], "prefill_tok_s": None}
         cap = runner.pool.num_pages * ps
+        reads = weight_reads(runner.model)
         for ctx in contexts:
             for b in batches:
                 pt = {"batch": b, "context": ctx}
@@ -188,7 +189,7 @@ def run_dtype(args, kvd: str, contexts, batches, bw: float) -> dict:
                     pt["tok_s"] = decode_point(runner, b, ctx, args.steps)
                     if b == 1:  # per GPU: the weights it reads (routed experts: those
                         # chosen; embeddings: a row) and its KV, read in parallel
-                        step_bytes = bytes_read(weight_reads(runner.model), 1) + per_tok * ctx
+                        step_bytes = bytes_read(reads, 1) + per_tok * ctx
                         pt["roofline_tok_s"] = bw / step_bytes
                         pt["pct_roofline"] = 100 * pt["tok_s"] / pt["roofline_tok_s"]
                 rec["decode"].append(pt)

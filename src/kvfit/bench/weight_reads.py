@@ -34,12 +34,7 @@ def weight_reads(model: nn.Module) -> WeightReads:
     """The model's parameter bytes split by how a forward step reads them: routed experts
     (modules with ``experts``, ``num_experts`` and ``top_k``), input embeddings whose table is
     not the LM head (the model's ``lm_head`` has its own weight), the rest."""
-    seen: set[int] = set()
-    total = 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
+    total = _bytes(model.parameters())  # a tied parameter once (parameters() deduplicates)
     routed = []
     for m in model.modules():
         if all(hasattr(m, a) for a in ("experts", "num_experts", "top_k")) and m.num_experts:
@@ -47,7 +42,7 @@ def weight_reads(model: nn.Module) -> WeightReads:
     table = row = 0
     for m in model.modules():
         if isinstance(m, nn.Embedding) and not _used_as_head(model, m.weight):
-            table += m.weight.numel() * m.weight.element_size()
+            table += _bytes([m.weight])
             row += m.weight.shape[1] * m.weight.element_size()
     return WeightReads(total, tuple(routed), table, row)
 

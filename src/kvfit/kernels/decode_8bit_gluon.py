@@ -14,16 +14,15 @@ from kvfit.kernels.decode_8bit_gluon_layouts import int8_key_layouts, operand_la
 from kvfit.kernels.gluon_hopper import gluon_available, launch_or_record
 
 __all__ = ["build", "operand_layouts", "int8_key_layouts", "DEFAULT_ON", "EXCHANGE_MAX",
-           "GLUON_TILES",
-           "PAGE_CODES", "kind", "default_on", "engine_default", "fits", "available",
-           "launch_args", "launch"]
+           "GLUON_TILES", "PAGE_CODES", "kind", "default_on", "engine_default", "fits",
+           "available", "launch_args", "launch"]
 
 # the tile's maximum exchanged through shared memory with one barrier (gluon_hopper._tile_max,
 # which also stands for the barrier before P's store) instead of Gluon's reduction across the
 # warps: two barriers fewer a tile (sm_90 compile). It made the MLA register decode 1.05-1.07x
 # faster (docs/benchmarks.md, twenty-third session); here it is built and compiled, its output
-# must equal the default's bit for bit (tests/gpu/test_decode_8bit_gluon_cuda.py), and it is
-# not yet measured on a GPU: off until it is
+# must equal the default's bit for bit (tests/gpu/test_decode_8bit_gluon.py, not yet run),
+# and it is not yet measured on a GPU (reproduce.sh exchange): off until it is
 EXCHANGE_MAX = False
 
 # the launch per head size: (programs per SM in the split rule, register cap); sm_90 compile

@@ -170,11 +170,8 @@ def build():
             s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))  # noqa: F821
         if MASKED:
             s_t = gl.where((tok_r < n_live)[:, None], s_t, float("-inf"))
-        if XMAX:
-            m_new, alpha, p_t, l_t = _online_softmax_to(  # noqa: F821
-                s_t, m_i, l_t, _tile_max(s_t, mx_s, MMA))  # noqa: F821
-        else:
-            m_new, alpha, p_t, l_t = _online_softmax(s_t, m_i, l_t)  # noqa: F821
+        m_new, alpha, p_t, l_t = _online_softmax_to(  # noqa: F821
+            s_t, m_i, l_t, _tile_max(s_t, mx_s, MMA, XMAX))  # noqa: F821
         if CODE == 2:
             p_t = p_t * vs[:, None]
         return _pv_step(p_t, vt, p_s, acc, alpha, XMAX), m_new, l_t  # noqa: F821

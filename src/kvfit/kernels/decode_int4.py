@@ -55,9 +55,9 @@ GLUON = True
 # 256-d 168 / 105 KB, two an SM
 GLUON_TILES = {64: (2, 3, 128), 128: (2, 4, 128), 256: (2, 2, 168)}
 # the register kernel's tile maximum exchanged through shared memory with one barrier
-# (gluon_hopper._tile_max, as decode_8bit_gluon.EXCHANGE_MAX): built and compiled, its output
-# must equal the default's bit for bit (tests/gpu/test_int4_decode.py), not yet measured on a
-# GPU: off until it is
+# (gluon_hopper._tile_max, as decode_8bit_gluon.EXCHANGE_MAX): built and compiled, the same
+# maximum as the default's, so the same output (tests/gpu/test_int4_decode.py, not yet run);
+# not yet measured on a GPU (reproduce.sh exchange): off until it is
 EXCHANGE_MAX = False
 # the register int4 kernel (decode_int4_regs_kernel, token-minor V pages) per head size:
 # (programs per SM in the split rule, register cap, K's scales loaded a tile ahead), the fastest

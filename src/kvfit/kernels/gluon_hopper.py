@@ -102,11 +102,12 @@ def mha_decode_parts() -> dict:
     the accumulator, ``p_t``, the per-row running sums ``l_t [T, BLOCK_H]`` rescaled and
     added: summed over the rows once, at the end, so no cross-warp reduction per tile).
 
-    ``_tile_max(s_t, mx_s, MMA)``: the maximum down the rows of ``s_t [T, BLOCK_H]`` through
-    a ``[4, BLOCK_H]`` float32 shared buffer and one barrier (the same value as ``gl.max(s_t,
-    axis=0)``, bit for bit); ``_online_softmax_to(s_t, m_i, l_t, m_tile)``: ``_online_softmax``
-    with that maximum. The buffer is rewritten every tile: a barrier must separate a tile's
-    reads of it from the next tile's writes (``_pv_step``'s).
+    ``_tile_max(s_t, mx_s, MMA, EXCHANGE)``: the maximum down the rows of ``s_t [T,
+    BLOCK_H]``; ``EXCHANGE``: through a ``[4, BLOCK_H]`` float32 shared buffer and one barrier
+    (the same value as ``gl.max(s_t, axis=0)``, bit for bit; the buffer is rewritten every
+    tile: a barrier must separate a tile's reads of it from the next tile's writes, e.g.
+    ``_pv_step``'s). ``_online_softmax_to(s_t, m_i, l_t, m_tile)``: ``_online_softmax`` with
+    the tile's maximum given.
 
     ``_pv_step(p_t, vt, p_s, acc, alpha, ORDERED=False)``: P [T, BLOCK_H] through the shared
     tile ``p_s`` (after a barrier: the last tile's P.V has read it everywhere; ``ORDERED``: a
@@ -136,12 +137,14 @@ def mha_decode_parts() -> dict:
     globals().update(hopper_names())
 
     @gluon.jit
-    def _tile_max(s_t, mx_s, MMA: gl.constexpr):  # noqa: F821
+    def _tile_max(s_t, mx_s, MMA: gl.constexpr, EXCHANGE: gl.constexpr):  # noqa: F821
         # the maximum down the rows of s_t [T, H] (layout MMA: a warp-group MMA's accumulator,
-        # warp w holding rows 64 i + 16 w .. + 15): each warp reduces its rows by shuffles and
-        # writes its H maxima to mx_s [4, H] (float32), one barrier, every thread takes its
-        # columns' four values (Gluon's own reduction across warps takes two barriers and a
-        # second round of shuffles)
+        # warp w holding rows 64 i + 16 w .. + 15). EXCHANGE: each warp reduces its rows by
+        # shuffles and writes its H maxima to mx_s [4, H] (float32), one barrier, every thread
+        # takes its columns' four values; else Gluon's own reduction across warps (two
+        # barriers and a second round of shuffles), mx_s unused
+        if not EXCHANGE:
+            return gl.max(s_t, axis=0)  # noqa: F821
         T: gl.constexpr = s_t.shape[0]  # noqa: F821
         H: gl.constexpr = s_t.shape[1]  # noqa: F821
         m_w = gl.max(gl.max(gl.reshape(s_t, [T // 64, 4, 16, H]), axis=2), axis=0)  # noqa: F821

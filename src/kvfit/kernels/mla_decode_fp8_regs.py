@@ -251,7 +251,7 @@ def build():
             s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, a))[0]  # noqa: F821
             # the online softmax down the tokens (axis 0), base 2; then o^T += lat^T . p^T
             s_t = _scaled_logits(s_t, s_scale, n0, hi, BLOCK_N, MMA)  # noqa: F821
-            p_t, alpha, m_i = _rescale(s_t, m_i, _tile_max(s_t, mx_s, MMA))  # noqa: F821
+            p_t, alpha, m_i = _rescale(s_t, m_i, _tile_max(s_t, mx_s, MMA, True))  # noqa: F821
             l_t = l_t * alpha[None, :] + p_t
             # the next tile's nine chunks into the registers freed by this tile's conversions:
             # issued here, after the maximum's exchange, their 18 loads a warp do not queue

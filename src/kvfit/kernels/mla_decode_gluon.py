@@ -113,16 +113,11 @@ def build():
         return gl.exp2(s_t - m_new[None, :]), alpha, m_new
 
     @gluon.jit
-    def _softmax_p(s_t, m_i, s_scale, n0, hi, BLOCK_N: gl.constexpr, SM: gl.constexpr):
-        # logits s_t [BLOCK_N, H] against the running base-2 maximum down axis 0:
-        # (p [BLOCK_N, H], alpha, m)
-        s_t = _scaled_logits(s_t, s_scale, n0, hi, BLOCK_N, SM)
-        return _rescale(s_t, m_i, gl.max(s_t, axis=0))
-
-    @gluon.jit
     def _softmax_step(s_t, m_i, l_i, s_scale, n0, hi, BLOCK_N: gl.constexpr, SM: gl.constexpr):
-        # _softmax_p with the running sum l [H]: (p, alpha, m, l)
-        p_t, alpha, m_new = _softmax_p(s_t, m_i, s_scale, n0, hi, BLOCK_N, SM)
+        # the tile's logits into the running base-2 softmax down axis 0: (p [BLOCK_N, H],
+        # alpha, m, l)
+        s_t = _scaled_logits(s_t, s_scale, n0, hi, BLOCK_N, SM)
+        p_t, alpha, m_new = _rescale(s_t, m_i, gl.max(s_t, axis=0))
         return p_t, alpha, m_new, l_i * alpha + gl.sum(p_t, axis=0)
 
     @gluon.jit
