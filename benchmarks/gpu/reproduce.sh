@@ -44,12 +44,15 @@
 #                      tests, the sweep against the pipelined kernel, the ablation of its parts
 #                      and its mma.sync candidate (checked against it),
 #                      ncu of one launch (when ncu is there), 8 V2-Lite layers end to end     ~5
+#   mla-splits         issue 18's MLA decode at each split count (24th session): the call as a
+#                      graph replay and its decode and merge kernels' device time, e4m3 and bf16
+#                      at 4 x 32k, 8 x 16k, 32 x 16k, 64 x 32k (benchmarks/kernels/mla_splits.py)  ~2
 #   stalls             where the warps of the Hopper decode kernels wait, by instruction (ncu
 #                      source counters tabulated by benchmarks/kernels/ncu_stalls.py): the MLA
 #                      register kernel (e4m3, 64 x 32k), the int4 register kernel (128-d,
 #                      64 x 2k) and the 8-bit Gluon decode (64-d, 128 x 16k); needs ncu     ~3
 #   exchange           issue 14's one-barrier tile maximum in the 8-bit and int4 register
-#                      decodes (EXCHANGE_MAX, off until measured): its GPU tests (outputs equal
+#                      decodes (EXCHANGE_MAX, on since 2026-12-06): its GPU tests (outputs equal
 #                      to the default's), the 8-bit (decode_sweep.py, 64-d and 128-d) and int4
 #                      (int4_decode_bench.py --graph --regs) kernel timings with it off and on ~6
 #   tests              the GPU tests (tests/gpu)                                            ~4
@@ -255,6 +258,10 @@ target() {
           --kv-dtypes fp8_e4m3,int8 --contexts 16384 --batches 1,64 --steps 16 \
           --prefill-len 1024 --attention-backend triton
       done ;;
+    mla-splits) gpu_env
+      run mla_splits python3 benchmarks/kernels/mla_splits.py \
+        --points fp8_e4m3:4:32768,bfloat16:4:32768,fp8_e4m3:8:16384,bfloat16:8:16384,fp8_e4m3:32:16384,bfloat16:32:16384,fp8_e4m3:64:32768,bfloat16:64:32768 \
+        --splits 4,8,16,32,64 --json "$OUT/mla_splits.json" ;;
     stalls) gpu_env
       command -v ncu >/dev/null || { echo "stalls: ncu is not installed"; return; }
       ncu_stalls mla_regs_stalls _mla_decode_fp8_regs 2 \
@@ -262,7 +269,7 @@ target() {
       ncu_stalls int4_regs_stalls _int4_decode_regs 3 \
         python3 benchmarks/kernels/int4_decode_bench.py --only 0 --regs
       ncu_stalls gluon_8bit_stalls _decode_8bit_gluon 3 \
-        python3 benchmarks/kernels/int8_decode.py --quick ;;
+        python3 benchmarks/kernels/decode_sweep.py smollm2:128x16384:fp8_e4m3:16:HDN:gluon=1 ;;
     exchange) gpu_env
       run exchange_tests python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
         tests/gpu/test_decode_8bit_gluon.py tests/gpu/test_int4_decode.py -k exchanged

@@ -32,13 +32,14 @@ QUICK = [("smollm2", 128, 16384), ("qwen3-1.7b", 128, 16384), ("qwen3-1.7b", 32,
 
 def variants(kvd: str, d: int, group: int):
     """(label, config changes) per format: int8 with each conversion; 64-d heads with groups of
-    <= 4 also packed (4 sub-splits in the MMA rows, kernels/decode_packed.py)."""
+    <= 4 also packed (4 sub-splits in the MMA rows, kernels/decode_packed.py; one KV head a
+    program, which packing needs where the default launch takes several)."""
     out = [("int8-asm", {"i8_cvt": "asm"}), ("int8-bias", {"i8_cvt": "bias"}),
            ("int8-cast", {"i8_cvt": "cast"})] if kvd == "int8" else [(kvd, {})]
     if d <= 64 and group <= 4:
         name = "int8" if kvd == "int8" else kvd
         out += [(f"{name}-pk4" + (f"-{cvt}" if kvd == "int8" else ""),
-                 {"pack": 4, "block_n": 128, "v_t": False, "i8_cvt": cvt})
+                 {"pack": 4, "heads": 1, "block_n": 128, "v_t": False, "i8_cvt": cvt})
                 for cvt in (("asm", "bias") if kvd == "int8" else ("asm",))]
     return out
 

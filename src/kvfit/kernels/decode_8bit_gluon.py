@@ -19,11 +19,12 @@ __all__ = ["build", "operand_layouts", "int8_key_layouts", "DEFAULT_ON", "EXCHAN
 
 # the tile's maximum exchanged through shared memory with one barrier (gluon_hopper._tile_max,
 # which also stands for the barrier before P's store) instead of Gluon's reduction across the
-# warps: two barriers fewer a tile (sm_90 compile). It made the MLA register decode 1.05-1.07x
-# faster (docs/benchmarks.md, twenty-third session); here it is built and compiled, its output
-# must equal the default's bit for bit (tests/gpu/test_decode_8bit_gluon.py, not yet run),
-# and it is not yet measured on a GPU (reproduce.sh exchange): off until it is
-EXCHANGE_MAX = False
+# warps: two barriers fewer a tile (sm_90 compile). Its output equals the reduction's bit for bit
+# (tests/gpu/test_decode_8bit_gluon.py, passed on an H100); timed with it off and on in one call
+# (reproduce.sh exchange, H100, 2026-12-06): 64-d 0.6-1.4% faster, 128-d within +-0.5% (noise),
+# batch 1 equal (docs/benchmarks.md, twenty-fourth session). On: the same answer, one code path
+# with the int4 and MLA register kernels
+EXCHANGE_MAX = True
 
 # the launch per head size: (programs per SM in the split rule, register cap); sm_90 compile
 # (Triton 3.6): 64-d 76 (fp8) / 80 at the cap (int8; 85 uncapped, 5 an SM: 1.33x the time on

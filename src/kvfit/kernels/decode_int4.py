@@ -55,10 +55,11 @@ GLUON = True
 # 256-d 168 / 105 KB, two an SM
 GLUON_TILES = {64: (2, 3, 128), 128: (2, 4, 128), 256: (2, 2, 168)}
 # the register kernel's tile maximum exchanged through shared memory with one barrier
-# (gluon_hopper._tile_max, as decode_8bit_gluon.EXCHANGE_MAX): built and compiled, the same
-# maximum as the default's, so the same output (tests/gpu/test_int4_decode.py, not yet run);
-# not yet measured on a GPU (reproduce.sh exchange): off until it is
-EXCHANGE_MAX = False
+# (gluon_hopper._tile_max, as decode_8bit_gluon.EXCHANGE_MAX): the same maximum, so the same
+# output (tests/gpu/test_int4_decode.py, passed on an H100); timed off and on in one call
+# (reproduce.sh exchange, H100, 2026-12-06): 1-5% faster at every shape, the int4/fp8 ratio
+# 1.35-1.64x -> 1.35-1.67x and 256-d 1.16x -> 1.22x (docs/benchmarks.md, twenty-fourth session)
+EXCHANGE_MAX = True
 # the register int4 kernel (decode_int4_regs_kernel, token-minor V pages) per head size:
 # (programs per SM in the split rule, register cap, K's scales loaded a tile ahead), the fastest
 # of the H200 sweep (2026-12-06, docs/benchmarks.md); sm_90 compile (Triton 3.6): 64-d 96
