@@ -130,10 +130,13 @@ def _estimate_weight_bytes(c, tp_size: int = 1) -> int:
     return 2 * (c.num_hidden_layers * per_layer + emb) // tp_size
 
 
-def run_dtype(args, kvd: str, contexts, batches, bw: float) -> dict:
+def run_dtype(args, kvd: str, contexts, batches, bw: float, card_free: int) -> dict:
     """One KV dtype's column: build the runner (and, under ``--tensor-parallel-size N``, its
     workers: every figure is then the group's, the KV tokens those of each GPU's pool), fill
-    every rank's pool, time the points, close the runner."""
+    every rank's pool, time the points, close the runner. ``card_free``: the card's free bytes
+    before any runner, the base of every column's "KV tokens at ratio" (the pool built here is
+    sized from what is free now, which an earlier column's CUDA context, graphs and kernels have
+    lowered)."""
     import torch
 
     from kvfit.bench.seed_points import decode_point, fill_pool_of, prefill_point
@@ -174,7 +177,7 @@ def run_dtype(args, kvd: str, contexts, batches, bw: float) -> dict:
                "weight_bytes": runner.weight_bytes, "backend": runner.backend_name,
                "page_size": ps, "startup_s": time.time() - t0,
                "budget_tokens_fixed": budget_tokens(int(args.budget_gib * GiB)),
-               "budget_tokens_card": budget_tokens(int(free * args.memory_ratio)
+               "budget_tokens_card": budget_tokens(int(card_free * args.memory_ratio)
                                                    - runner.weight_bytes),
                "decode": [], "prefill_tok_s": None}
         cap = runner.pool.num_pages * ps
@@ -284,6 +287,7 @@ def main(argv: list[str]) -> int:
     contexts = [int(x) for x in args.contexts.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     bw = copy_bandwidth(torch.device("cuda"))
+    torch.cuda.empty_cache()  # the copy's buffers back to the card
     free, total = torch.cuda.mem_get_info()
     print(f"GPU {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, "
           f"{free / GiB:.0f} GiB free", flush=True)
@@ -293,7 +297,7 @@ def main(argv: list[str]) -> int:
            "tensor_parallel_size": args.tensor_parallel_size,
            "prefill_len": args.prefill_len, "dtypes": []}
     for kvd in args.kv_dtypes.split(","):
-        res["dtypes"].append(run_dtype(args, kvd, contexts, batches, bw))
+        res["dtypes"].append(run_dtype(args, kvd, contexts, batches, bw, free))
     if args.baseline == "hf":
         res["hf"] = hf_baseline(args.model, [min(contexts)], batches, args.steps)
         for h in res["hf"]:
