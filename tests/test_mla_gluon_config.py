@@ -254,8 +254,9 @@ def test_regs_kernel_compiles_for_sm90(cdt, single):
     (``assert_trivial``): per 64-token tile 36 m64n16k16 MMAs with A from registers for the
     logits and 32 from shared memory for P . latent; a thread's two rows of the tile loaded as
     nine 16-byte vectors each (twice: the prologue's tile 0 and the loop's next tile) and
-    converted by one hardware cvt per two latents (64 x 576 / 128 threads / 2); no cp.async;
-    84 KB of shared memory at most, so two programs fit on an SM."""
+    converted by one hardware cvt per two latents (64 x 576 / 128 threads / 2); the query
+    block (16 heads x 576 16-bit values) in nine 16-byte vectors a thread, not element by
+    element; no cp.async; 84 KB of shared memory at most, so two programs fit on an SM."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     from gluon_launch_fakes import compile_sm90
 
@@ -264,7 +265,8 @@ def test_regs_kernel_compiles_for_sm90(cdt, single):
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16") == 68
     fmt = "e4m3" if cdt == "fp8e4nv" else "e5m2"
     assert ptx.count(f"cvt.rn.f16x2.{fmt}x2") == 64 * 576 // 128 // 2
-    assert ptx.count("ld.global.v4.b32") == 2 * 2 * 9
+    assert ptx.count("ld.global.v4.b32") == 2 * 2 * 9 + 16 * 576 * 2 // 128 // 16
+    assert "ld.global.b16" not in ptx and "ld.global.u16" not in ptx
     assert "cp.async" not in ptx
     assert got["shared"] <= 86 * 1024
 

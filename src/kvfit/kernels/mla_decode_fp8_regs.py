@@ -14,7 +14,8 @@ the latency of each tile's chain, above all the softmax maximum's exchange acros
 warps (shuffles that queued behind the tile's 18 loads a warp, then shared memory and
 barriers); the twenty-third session's changes (one barrier for the maximum, the running sum
 reduced once after the loop, the loads placed after the exchange, block-table entries a tile
-ahead) made it the default for both 8-bit formats.
+ahead) made it the default for both 8-bit formats. At small batches (a few tiles a program)
+a launch's fixed cost weighs: the query's prologue (below) was cut in the twenty-fourth session.
 
 Per tile of 64 tokens (the logits MMAs' M; heads are N, 16 a program):
 
@@ -119,6 +120,29 @@ def build():
                 _chunk(Cw, rows, 6, LW), _chunk(Cw, rows, 7, LW), _chunk(Cw, rows, 8, LW))
 
     @gluon.jit
+    def _query_chunk(q_row, hq, col, J: gl.constexpr, H: gl.constexpr, BLOCK_H: gl.constexpr):
+        # query columns 64 J .. 64 J + 63 of the block's heads (heads past H read as 0), loaded
+        # in column order (16-byte loads) and relabelled into the A operand's k order as
+        # _hw_k relabels the latent chunk: [BLOCK_H, 4 c, 4 ks, 2 b3, 2 b0] -> k = 16 ks + 8 b3
+        # + 2 c + b0 (nothing moves: the store to shared memory writes each value to its k)
+        x = gl.load(q_row[:, None] + (64 * J + col)[None, :], mask=(hq < H)[:, None], other=0.0)
+        y = gl.permute(gl.reshape(x, [BLOCK_H, 4, 4, 2, 2]), (0, 2, 3, 1, 4))
+        return gl.reshape(y, [BLOCK_H, 64])
+
+    @gluon.jit
+    def _query(q_row, hq, col, H: gl.constexpr, BLOCK_H: gl.constexpr):
+        # the query's nine chunks (8: the rope columns), loads issued, nothing waited for
+        return (_query_chunk(q_row, hq, col, 0, H, BLOCK_H),
+                _query_chunk(q_row, hq, col, 1, H, BLOCK_H),
+                _query_chunk(q_row, hq, col, 2, H, BLOCK_H),
+                _query_chunk(q_row, hq, col, 3, H, BLOCK_H),
+                _query_chunk(q_row, hq, col, 4, H, BLOCK_H),
+                _query_chunk(q_row, hq, col, 5, H, BLOCK_H),
+                _query_chunk(q_row, hq, col, 6, H, BLOCK_H),
+                _query_chunk(q_row, hq, col, 7, H, BLOCK_H),
+                _query_chunk(q_row, hq, col, 8, H, BLOCK_H))
+
+    @gluon.jit
     def _to_f16(x, ASM: gl.constexpr):
         # words [64, 16] -> float16 [64, 64], column 4 w + e from byte e of word w
         o = gl.inline_asm_elementwise(ASM, "=h,=h,=h,=h,r", [x], dtype=(gl.float16,) * 4,
@@ -169,7 +193,7 @@ def build():
         req = pid // HBLK
         h0 = (pid % HBLK) * BLOCK_H
         F16: gl.constexpr = gl.float16
-        LQ: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        LQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         # the latent's eight column blocks (float16, [1, 64, 64] each: index 0 is reached
         # through _opaque_zero in the loop), the query's nine (8 + rope) and P
         LL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], F16)
@@ -191,17 +215,17 @@ def build():
                                                                            F16))
 
         # the query block, chunk j's columns in the A operand's hardware k order: k = 16 ks +
-        # 8 b3 + 2 c + b0 holds column 64 j + 16 c + 4 ks + 2 b3 + b0 (_hw_k's relabelling)
+        # 8 b3 + 2 c + b0 holds column 64 j + 16 c + 4 ks + 2 b3 + b0 (_hw_k's relabelling).
+        # Its nine chunks are loaded first (9 16-byte loads a thread) and stored after tile 0's
+        # loads are issued, so their round trip overlaps the chain split bounds -> tile 0's
+        # pages -> tile 0's loads. Loaded by the permuted column (144 2-byte loads a thread) and
+        # stored chunk by chunk, each store's barrier waiting for its loads, the prologue took
+        # ~17% of a 4 x 32k call's warp samples; this order and these loads made the kernel 10%
+        # faster at 4 x 16k and 6.5% at 4 x 32k (H100, docs/benchmarks.md, twenty-fourth session)
         hq = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LQ))
         q_row = Q + req.to(gl.int64) * stride_qt + hq * stride_qh
-        k = gl.arange(0, 64, layout=gl.SliceLayout(0, LQ))
-        col = ((k >> 1) & 3) * 16 + (k >> 4) * 4 + ((k >> 3) & 1) * 2 + (k & 1)
-        for j in gl.static_range(8):
-            qj = gl.load(q_row[:, None] + (64 * j + col)[None, :], mask=(hq < H)[:, None],
-                         other=0.0)
-            q_c.index(j).store(qj.to(F16))
-        qj = gl.load(q_row[:, None] + (RANK + col)[None, :], mask=(hq < H)[:, None], other=0.0)
-        q_r.index(0).store(qj.to(F16))
+        col = gl.arange(0, 64, layout=gl.SliceLayout(0, LQ))
+        qs = _query(q_row, hq, col, H, BLOCK_H)
         s_scale = gl.full([BLOCK_H], 1.0, gl.float32, layout=gl.SliceLayout(0, MMA)) * qk_scale
 
         lo, hi, n_tiles = _split_range(KVLEN, req, s, num_splits, BLOCK_N)  # noqa: F821
@@ -212,6 +236,9 @@ def build():
         rows = _rows(_pages(bt_row, lo, hi, PAGE, LW), lo, hi, stride_cp, SLAB, PAGE, LW)
         x0, x1, x2, x3, x4, x5, x6, x7, x8 = _chunks(Cw, rows, LW)
         pg = _pages(bt_row, lo + BLOCK_N, hi, PAGE, LW)  # tile 1's
+        for j in gl.static_range(8):
+            q_c.index(j).store(qs[j].to(F16))
+        q_r.index(0).store(qs[8].to(F16))
         fence_async_shared()  # noqa: F821
         _cta_barrier()  # noqa: F821 -- the query is in shared memory
 
