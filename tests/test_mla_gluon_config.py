@@ -275,14 +275,9 @@ def test_regs_ablation_rewrites_still_apply(tmp_path):
     """benchmarks/kernels/mla_regs_ablation.py takes the register kernel apart (and builds its
     mma.sync candidate) by rewriting its source: every rewrite must still find its line in the
     kernel as shipped."""
-    import importlib.util
-    import os
+    from bench_scripts import kernel_script
 
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kernels",
-                        "mla_regs_ablation.py")
-    spec = importlib.util.spec_from_file_location("mla_regs_ablation", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = kernel_script("mla_regs_ablation")
     names = mod.VARIANTS
     assert {"full", "tile-sum", "rows-in-tile", "mma-sync"} <= set(names)
     for v in names:

@@ -1,18 +1,13 @@
 """benchmarks/kernels/mla_splits.py: a profiled MLA call's device time split into its decode and
 merge kernels by name."""
 
-import importlib.util
-import os
 import random
+
+from bench_scripts import kernel_script
 
 
 def _tool():
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kernels",
-                        "mla_splits.py")
-    spec = importlib.util.spec_from_file_location("mla_splits", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return kernel_script("mla_splits")
 
 
 def test_split_kernels_sums_decode_and_merge_by_name():

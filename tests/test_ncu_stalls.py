@@ -1,19 +1,14 @@
 """benchmarks/kernels/ncu_stalls.py: the per-instruction stall table of an ncu source export."""
 
-import importlib.util
-import os
 import random
 
 import pytest
 
+from bench_scripts import kernel_script
+
 
 def _tool():
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kernels",
-                        "ncu_stalls.py")
-    spec = importlib.util.spec_from_file_location("ncu_stalls", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return kernel_script("ncu_stalls")
 
 
 def _write(path, rows, reasons):

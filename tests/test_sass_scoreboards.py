@@ -1,17 +1,12 @@
 """benchmarks/kernels/sass_scoreboards.py: sm_90 control bits decoded from a cuobjdump listing."""
 
-import importlib.util
-import os
 import random
+
+from bench_scripts import kernel_script
 
 
 def _tool():
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kernels",
-                        "sass_scoreboards.py")
-    spec = importlib.util.spec_from_file_location("sass_scoreboards", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return kernel_script("sass_scoreboards")
 
 
 def _listing(rows):
