@@ -21,15 +21,9 @@ def kernel_us(fns, replays: int = 20) -> dict[str, float]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    g = torch.cuda.CUDAGraph()
-    for f in fns:  # warm (compiles) outside the capture
-        f()
-    torch.cuda.synchronize()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
+    from kvfit.bench.kernels_common import capture_graph
+
+    g = capture_graph(fns)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             g.replay()

@@ -101,10 +101,9 @@ def rotating(fns):
     return call
 
 
-def graph_us(fns, iters: int = 10) -> float:
-    """Median microseconds per call of ``fns`` (each one call, e.g. one per rotating input copy)
-    captured in one CUDA graph and replayed ``iters`` times, median of 5: GPU time without the
-    host's launch work, the way the engine runs decode steps."""
+def capture_graph(fns):
+    """One CUDA graph of the calls ``fns`` (each run once on a side stream first: compiles and
+    allocates outside the capture), replayed once, synchronized."""
     import torch
 
     side = torch.cuda.Stream()
@@ -119,6 +118,16 @@ def graph_us(fns, iters: int = 10) -> float:
             f()
     g.replay()
     torch.cuda.synchronize()
+    return g
+
+
+def graph_us(fns, iters: int = 10) -> float:
+    """Median microseconds per call of ``fns`` (each one call, e.g. one per rotating input copy)
+    captured in one CUDA graph and replayed ``iters`` times, median of 5: GPU time without the
+    host's launch work, the way the engine runs decode steps."""
+    import torch
+
+    g = capture_graph(fns)
     times = []
     for _ in range(5):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

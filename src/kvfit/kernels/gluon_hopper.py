@@ -125,9 +125,10 @@ def mha_decode_parts() -> dict:
     ``(TOK/4) c + 4 ks + 2 b3 + b0`` for m = 16 ks + 8 b3 + 2 c + b0, so that a thread's share
     of P.V's k is TOK/4 contiguous tokens (the operand relabelling of the register kernels).
 
-    ``_hw_k(x, R, C, LA)``: x ``[R, C]`` in physical column order -> the float16 MMA's k order
-    in layout LA (a relabelling, checked to move nothing): column ``4 ks + 2 b3 + b0 + (C/4) c``
-    becomes k = 16 ks + 8 b3 + 2 c + b0.
+    ``_k_order(x, R, C)``: x ``[R, C]`` in physical column order -> the float16 MMA's k order
+    (a reshape and permute, in whatever layout they give): column ``4 ks + 2 b3 + b0 + (C/4) c``
+    becomes k = 16 ks + 8 b3 + 2 c + b0. ``_hw_k(x, R, C, LA)``: that, in layout LA (checked to
+    move nothing).
 
     ``_thread_rows_channel(r, D)``: the channel ``(8 w + l) D/32 + 2 i + h`` at P.V's row
     r = 64 i + 16 w + 8 h + l, where each thread's rows are D/32 consecutive channels (the
@@ -173,10 +174,13 @@ def mha_decode_parts() -> dict:
         return ((m >> 1) & 3) * (TOK // 4) + (m >> 4) * 4 + ((m >> 3) & 1) * 2 + (m & 1)
 
     @gluon.jit
-    def _hw_k(x, R: gl.constexpr, C: gl.constexpr, LA: gl.constexpr):  # noqa: F821
+    def _k_order(x, R: gl.constexpr, C: gl.constexpr):  # noqa: F821
         y = gl.reshape(x, [R, 4, C // 16, 2, 2])  # noqa: F821
-        y = gl.reshape(gl.permute(y, (0, 2, 3, 1, 4)), [R, C])  # noqa: F821
-        return gl.convert_layout(y, LA, assert_trivial=True)  # noqa: F821
+        return gl.reshape(gl.permute(y, (0, 2, 3, 1, 4)), [R, C])  # noqa: F821
+
+    @gluon.jit
+    def _hw_k(x, R: gl.constexpr, C: gl.constexpr, LA: gl.constexpr):  # noqa: F821
+        return gl.convert_layout(_k_order(x, R, C), LA, assert_trivial=True)  # noqa: F821
 
     @gluon.jit
     def _thread_rows_channel(r, D: gl.constexpr):  # noqa: F821
@@ -225,5 +229,5 @@ def mha_decode_parts() -> dict:
 
     return dict(_online_softmax=_online_softmax, _online_softmax_to=_online_softmax_to,
                 _tile_max=_tile_max, _split_out=_split_out, _pv_step=_pv_step,
-                _tile_token=_tile_token, _hw_k=_hw_k,
+                _tile_token=_tile_token, _k_order=_k_order, _hw_k=_hw_k,
                 _thread_rows_channel=_thread_rows_channel)

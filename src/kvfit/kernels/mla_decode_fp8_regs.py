@@ -81,7 +81,7 @@ def build():
     for name in ("_scaled_logits", "_rescale", "_write_out", "_split_range", "_cta_barrier", "gl",
                  "fence_async_shared", "warpgroup_mma", "warpgroup_mma_wait"):
         globals()[name] = getattr(mla_decode_gluon, name)
-    for name in ("_hw_k", "_tile_max"):
+    for name in ("_k_order", "_hw_k", "_tile_max"):
         globals()[name] = mha_decode_parts()[name]
 
     @gluon.jit
@@ -122,12 +122,11 @@ def build():
     @gluon.jit
     def _query_chunk(q_row, hq, col, J: gl.constexpr, H: gl.constexpr, BLOCK_H: gl.constexpr):
         # query columns 64 J .. 64 J + 63 of the block's heads (heads past H read as 0), loaded
-        # in column order (16-byte loads) and relabelled into the A operand's k order as
-        # _hw_k relabels the latent chunk: [BLOCK_H, 4 c, 4 ks, 2 b3, 2 b0] -> k = 16 ks + 8 b3
-        # + 2 c + b0 (nothing moves: the store to shared memory writes each value to its k)
+        # in column order (16-byte loads) and relabelled into the A operand's k order as _hw_k
+        # relabels the latent chunk (nothing moves: the store to shared memory writes each
+        # value at its k)
         x = gl.load(q_row[:, None] + (64 * J + col)[None, :], mask=(hq < H)[:, None], other=0.0)
-        y = gl.permute(gl.reshape(x, [BLOCK_H, 4, 4, 2, 2]), (0, 2, 3, 1, 4))
-        return gl.reshape(y, [BLOCK_H, 64])
+        return _k_order(x, BLOCK_H, 64)  # noqa: F821
 
     @gluon.jit
     def _query(q_row, hq, col, H: gl.constexpr, BLOCK_H: gl.constexpr):
