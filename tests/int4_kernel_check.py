@@ -64,7 +64,7 @@ def reference(q, pool, tables, kv_lens, sm_scale):
 
 def run_check(device, dtype, kv_lens, hq, hkv, d, rtol, num_splits=1, pages_per_tile=2,
               asm=True, num_warps=4, num_stages=2, fold_k=False, ks_tokens=False, gluon=False,
-              v_layout="HND", maxnreg=None, ks_ahead=False):
+              v_layout="HND", maxnreg=None, ks_ahead=False, l2_ahead=0):
     from kvfit.kernels.decode_int4 import Int4DecodeConfig, int4_decode
 
     pool, tables = filled_pool(kv_lens, hkv, d, device, dtype, v_layout=v_layout)
@@ -80,7 +80,7 @@ def run_check(device, dtype, kv_lens, hq, hkv, d, rtol, num_splits=1, pages_per_
                 torch.arange(b, dtype=torch.int32).to(device), out, sm,
                 Int4DecodeConfig(num_splits, pages_per_tile, num_warps, num_stages, asm,
                                  maxnreg=maxnreg, fold_k=fold_k, ks_tokens=ks_tokens,
-                                 gluon=gluon, ks_ahead=ks_ahead))
+                                 gluon=gluon, ks_ahead=ks_ahead, l2_ahead=l2_ahead))
     want = reference(q, pool, tables, kv_lens, sm)
     got = out.double().cpu()
     assert torch.isfinite(got).all()

@@ -128,6 +128,7 @@ from kvfit.kernels.decode_int4_regs_layouts import layouts
 
 d, g, single = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 xmax = len(sys.argv) > 4 and sys.argv[4] == "1"
+l2 = int(sys.argv[5]) if len(sys.argv) > 5 else 0
 fn = decode_int4_regs_kernel.build()
 ptrs = dict(Q="*bf16", OUT="*bf16", OP="*fp32", LSE="*fp32", KC="*u8", VC="*u8", KS="*fp16",
             KZ="*fp16", VS="*fp16", VZ="*fp16", KR="*bf16", VR="*bf16", BT="*i32",
@@ -135,6 +136,7 @@ ptrs = dict(Q="*bf16", OUT="*bf16", OP="*fp32", LSE="*fp32", KC="*u8", VC="*u8",
 bh = max(8, 1 << (g - 1).bit_length())
 names = ("MMA", "LK", "LK4", "LKS", "LV4", "LVS", "LAK", "LAV")
 consts = dict(G=g, BLOCK_H=bh, D=d, PAGE=32, SINGLE=single, KS_AHEAD=d == 256, XMAX=xmax,
+              L2_AHEAD=l2,
               num_warps=4,
               **dict(zip(names, layouts(d, bh))))
 sig = {n: ptrs.get(n, "constexpr" if n in consts else ("fp32" if n == "qk_scale" else "i32"))
@@ -187,3 +189,24 @@ def test_regs_kernel_exchanged_maximum_takes_fewer_barriers():
     for pat in ("wgmma.mma_async", "prmt.b32", "fma.rn.f16x2", "ld.global"):
         assert off["ptx"].count(pat) == on["ptx"].count(pat), pat
     assert on["shared"] <= off["shared"] + 256
+
+
+@pytest.mark.parametrize("d,ahead", [(128, 2), (64, 3), (256, 2)])
+def test_regs_kernel_asks_l2_for_tiles_ahead(d, ahead):
+    """``Int4DecodeConfig.l2_ahead``: each thread asks L2 for its lines of the tiles ``ahead``
+    tiles on (R = cdiv(5 D / 16, 64) lines a thread a tile: the codes' and scales' lines of two
+    pages over 128 threads), once per tile in the loop and once for each of tiles 1 .. ahead - 1
+    before it; the MMAs, conversions and shared memory are those of the kernel without it."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from gluon_launch_fakes import compile_sm90
+
+    g = 2
+    off, on = (compile_sm90(_COMPILE, d, g, 0, 1, a) for a in (0, ahead))
+    r = -(-5 * d // 16 // 64)
+    assert off["ptx"].count("prefetch.global.L2") == 0
+    assert on["ptx"].count("prefetch.global.L2") == r * ahead
+    # (the conversions' asm by its own register names: LLVM may use prmt for indices too)
+    for pat in ("wgmma.mma_async", "prmt.b32 a,", "prmt.b32 b,", "prmt.b32 t,", "fma.rn.f16x2",
+                "sub.f16x2", "bar.sync"):
+        assert off["ptx"].count(pat) == on["ptx"].count(pat), pat
+    assert on["shared"] == off["shared"]

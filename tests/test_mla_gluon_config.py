@@ -240,10 +240,11 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from kvfit.kernels import mla_decode_fp8_regs
 
 cdt, single = sys.argv[1], sys.argv[2] == "1"
+l2 = int(sys.argv[3]) if len(sys.argv) > 3 else 0
 fn = mla_decode_fp8_regs.build()
 mma, lw, la = mla_decode_fp8_regs.layouts(16)
 consts = dict(H=16, RANK=512, ROPE=64, SLAB=576, PAGE=32, BLOCK_H=16, BLOCK_N=64, HBLK=1,
-              SINGLE=single, MMA=mma, LW=lw, LA=la, num_warps=4,
+              SINGLE=single, MMA=mma, LW=lw, LA=la, num_warps=4, L2_AHEAD=l2,
               ASM=mla_decode_fp8_regs.WORD_ASM["e4m3" if cdt == "fp8e4nv" else "e5m2"])
 """ + _COMPILE_TAIL
 
@@ -269,6 +270,23 @@ def test_regs_kernel_compiles_for_sm90(cdt, single):
     assert "ld.global.b16" not in ptx and "ld.global.u16" not in ptx
     assert "cp.async" not in ptx
     assert got["shared"] <= 86 * 1024
+
+
+@pytest.mark.parametrize("ahead", [2, 3])
+def test_regs_kernel_asks_l2_for_tiles_ahead(ahead):
+    """``MLAConfig.l2_ahead``: each thread asks L2 for four lines of its token's slab (two
+    threads a token cover the 576 bytes' five lines and its last byte) of tile i + ahead in
+    tile i, and of tiles 1 .. ahead - 1 before the loop; the MMAs, conversions, loads of the
+    tiles and shared memory are those of the kernel without it."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from gluon_launch_fakes import compile_sm90
+
+    off, on = (compile_sm90(_COMPILE_REGS, "fp8e4nv", 0, a) for a in (0, ahead))
+    assert off["ptx"].count("prefetch.global.L2") == 0
+    assert on["ptx"].count("prefetch.global.L2") == 4 * ahead
+    for pat in ("wgmma.mma_async", "cvt.rn.f16x2.e4m3x2", "ld.global.v4.b32", "bar.sync"):
+        assert off["ptx"].count(pat) == on["ptx"].count(pat), pat
+    assert on["shared"] == off["shared"]
 
 
 def test_regs_ablation_rewrites_still_apply(tmp_path):

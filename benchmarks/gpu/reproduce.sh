@@ -55,6 +55,14 @@
 #                      decodes (EXCHANGE_MAX, on since 2026-12-06): its GPU tests (outputs equal
 #                      to the default's), the 8-bit (decode_sweep.py, 64-d and 128-d) and int4
 #                      (int4_decode_bench.py --graph --regs) kernel timings with it off and on ~6
+#   int4-l2            issue 14's L2 prefetch in the int4 register decode (REGS_L2_AHEAD, off
+#                      until timed): its GPU test (outputs equal with and without it), the
+#                      kernel table (int4_decode_bench.py --graph --regs) with 0, 2 and 3 tiles
+#                      ahead, and bench seed at 64 x 16k with 0 and 2                         ~8
+#   mla-l2             issue 18's L2 prefetch in the MLA register decode (GLUON_REGS_L2_AHEAD,
+#                      off until timed): its GPU test (the same bits with and without it) and
+#                      mla_sweep.py with 0, 2 and 3 tiles ahead at 4 x 16k .. 64 x 32k, bf16
+#                      beside it for the ratio                                                ~5
 #   tests              the GPU tests (tests/gpu)                                            ~4
 # Groups: seed = the four seed-*; kernels = decode-page16 decode-page32 decode-page-size prefill.
 set -uo pipefail
@@ -285,6 +293,29 @@ target() {
           benchmarks/kernels/int4_decode_bench.py --graph --regs \
           --json "$OUT/exchange_int4_$on.json"
       done ;;
+    int4-l2) gpu_env
+      run int4_l2_tests python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
+        tests/gpu/test_int4_decode.py -k "l2_prefetch or regs_matches"
+      tail -3 "$OUT/int4_l2_tests.log"
+      for a in 0 2 3; do
+        with_setting kvfit.kernels.decode_int4 REGS_L2_AHEAD "{64: $a, 128: $a, 256: $a}" \
+          "int4_l2_$a" benchmarks/kernels/int4_decode_bench.py --graph --regs \
+          --json "$OUT/int4_l2_$a.json"
+      done
+      for a in 0 2; do
+        run "int4_l2_seed_$a" python3 benchmarks/engine/with_knobs.py \
+          "kvfit.kernels.decode_int4:REGS_L2_AHEAD={64: $a, 128: $a, 256: $a}" - bench seed \
+          --kv-dtypes fp8_e4m3,int4 --contexts 16384 --batches 1,64 --steps 24 \
+          --prefill-len 2048 --attention-backend triton
+      done ;;
+    mla-l2) gpu_env
+      run mla_l2_tests python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
+        tests/gpu/test_mla_decode_gluon.py -k "l2_prefetch or regs_decode"
+      tail -3 "$OUT/mla_l2_tests.log"
+      run mla_l2_sweep python3 benchmarks/kernels/mla_sweep.py \
+        --points fp8_e4m3:4:16384,bfloat16:4:16384,fp8_e4m3:4:32768,bfloat16:4:32768,fp8_e4m3:8:32768,bfloat16:8:32768,fp8_e4m3:32:16384,bfloat16:32:16384,fp8_e4m3:64:32768,bfloat16:64:32768 \
+        --variants g:64:4:2 --fp8-variants gr:64:4:1:2:0,gr:64:4:1:2:2,gr:64:4:1:2:3 \
+        --rep 60 --no-default --json "$OUT/mla_l2_sweep.json" ;;
     tests) gpu_env
       run gpu_tests python3 -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/gpu
       tail -3 "$OUT/gpu_tests.log" ;;
@@ -293,8 +324,13 @@ target() {
 }
 
 with_flag() {  # MODULE VALUE NAME SCRIPT ARGS...: SCRIPT run with MODULE.EXCHANGE_MAX = VALUE
-  local mod=$1 val=$2 name=$3 script=$4; shift 4
-  run "$name" python3 -c "import runpy, sys, $mod as m; m.EXCHANGE_MAX = $val; \
+  local mod=$1 val=$2; shift 2
+  with_setting "$mod" EXCHANGE_MAX "$val" "$@"
+}
+
+with_setting() {  # MODULE ATTR VALUE NAME SCRIPT ARGS...: SCRIPT run with MODULE.ATTR = VALUE
+  local mod=$1 attr=$2 val=$3 name=$4 script=$5; shift 5
+  run "$name" python3 -c "import runpy, sys, $mod as m; m.$attr = $val; \
 sys.argv = sys.argv[1:]; sys.path.insert(0, 'benchmarks/kernels'); \
 runpy.run_path(sys.argv[0], run_name='__main__')" "$script" "$@"
 }

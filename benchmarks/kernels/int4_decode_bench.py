@@ -142,13 +142,15 @@ def variant_cfg(variant, batch, hkv, d, ctx, sms):
         return choose_config(batch, hkv, d, ctx, sms)
     if variant == "gluon":
         return choose_config(batch, hkv, d, ctx, sms, gluon=True)
-    if variant[0] == "regs":  # ("regs"[, programs per SM, register cap, K scales ahead])
+    if variant[0] == "regs":  # ("regs"[, programs per SM, register cap, K scales ahead,
+        # tiles asked of L2 ahead])
         cfg = choose_config(batch, hkv, d, ctx, sms, gluon=True, v_t=True)
         if len(variant) > 1:
-            per_sm, maxnreg, ahead = (list(variant[1:]) + [0, 0])[:3]
+            per_sm, maxnreg, ahead, l2 = (list(variant[1:]) + [0, 0, 0])[:4]
             cfg = choose_config(batch, hkv, d, ctx, sms, ctas_per_sm=per_sm, gluon=True,
                                 v_t=True)
-            cfg = dataclasses.replace(cfg, maxnreg=maxnreg or None, ks_ahead=bool(ahead))
+            cfg = dataclasses.replace(cfg, maxnreg=maxnreg or None, ks_ahead=bool(ahead),
+                                      l2_ahead=l2)
         return cfg
     if variant[0] == "gluon":  # ("gluon", stages, programs per SM[, register cap])
         stages, per_sm, maxnreg = (list(variant[1:]) + [0])[:3]
@@ -214,8 +216,9 @@ def main() -> None:
                         "of decode_int4_gluon's; the launch is chosen as for the current one")
     p.add_argument("--regs", default=None, nargs="?", const="",
                    help="time the register kernel (decode_int4_regs_kernel) over the same pages "
-                        "with token-minor V; optional PER_SM:MAXNREG[:AHEAD],... launches to "
-                        "time too (AHEAD 1: K's scales loaded a tile ahead)")
+                        "with token-minor V; optional PER_SM:MAXNREG[:AHEAD[:L2]],... launches "
+                        "to time too (AHEAD 1: K's scales loaded a tile ahead; L2: tiles ahead "
+                        "whose lines are asked of L2, 0 none)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, TRITON_INTERPRET=1: tiny shapes, every code path once, no timing")
     p.add_argument("--graph", action="store_true",
@@ -293,7 +296,8 @@ def main() -> None:
                       f"st={cfg.num_stages} {'asm' if cfg.asm else 'cast'}"
                       + (f" r{cfg.maxnreg}" if cfg.maxnreg else "")
                       + (" foldK" if cfg.fold_k else "") + (" ksT" if cfg.ks_tokens else "")
-                      + (" ksA" if cfg.ks_ahead else ""))
+                      + (" ksA" if cfg.ks_ahead else "")
+                      + (f" L2+{cfg.l2_ahead}" if cfg.l2_ahead else ""))
             row = dict(shape=name, hq=hq, hkv=hkv, d=d, batch=b, context=ctx, fp8_page=ps,
                        launch=launch, fp8_us=f_ms * 1e3, int4_us=i_ms * 1e3,
                        fp8_tbs=f_bytes / f_ms / 1e9, int4_tbs=i_bytes / i_ms / 1e9,

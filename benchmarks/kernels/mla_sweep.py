@@ -62,9 +62,12 @@ def main() -> None:
             kind = parts.pop(0) if not parts[0].isdigit() else ""
             bn, w, st = map(int, parts[:3])
             per_sm = int(parts[3]) if len(parts) > 3 and parts[3].isdigit() else None
-            if kind == "gr":  # the register-operand 8-bit kernel (mla_decode_fp8_regs)
+            if kind == "gr":  # the register-operand 8-bit kernel (mla_decode_fp8_regs); a
+                # fifth field: tiles ahead asked of L2 (gr:64:4:1:2:3)
                 cfg = decode_config(b, args.heads, 512, ctx, ls.dtype, torch.bfloat16,
                                     gluon=True, regs=True, programs_per_sm=per_sm)
+                if len(parts) > 4:
+                    cfg = dataclasses.replace(cfg, l2_ahead=int(parts[4]))
             elif kind.rstrip("8") in ("g", "gq", "gp"):  # Gluon (64:4:stages); gq fp8 logits,
                 # gp pipelined; a trailing 8: 8 values a thread in the conversion (conv_vec)
                 base = kind.rstrip("8")

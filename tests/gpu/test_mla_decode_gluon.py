@@ -143,3 +143,30 @@ def test_mla_gluon_conversion_layout_changes_no_bit(fmt, pipe):
             mla_decode(q, cache, table, cu, kv, out, 512, 0.07, cfg, scale=0.5)
             outs.append(out)
         assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("fmt,page", [("fp8_e4m3", 32), ("fp8_e5m2", 16), ("fp8_e4m3", 64)])
+def test_mla_gluon_regs_l2_prefetch_changes_no_bit(fmt, page):
+    """``MLAConfig.l2_ahead`` (``GLUON_REGS_L2_AHEAD``): asking L2 for tiles 2 or 3 ahead
+    changes what the caches hold, not a value: the same bits out as without it, split and
+    single, over requests shorter than the distance (17, 1 tokens) and longer."""
+    import dataclasses
+
+    _skip_unless_hopper()
+    from kvfit.kernels.mla import decode_config, mla_decode
+
+    kv_lens = [3000, 17, 513, 1, 4097]
+    b = len(kv_lens)
+    q, cache, table, cu, kv, _ = random_latent_batch([1] * b, kv_lens, 16, 512, 64, page, fmt,
+                                                     DEV, seed=11, scale=0.5)
+    for splits in (None, 1):
+        base = decode_config(b, 16, 512, max(kv_lens), cache.dtype, q.dtype, gluon=True,
+                             regs=True, num_splits=splits)
+        outs = []
+        for ahead in (0, 2, 3):
+            out = torch.full((b, 16, 512), float("nan"), dtype=q.dtype, device=DEV)
+            mla_decode(q, cache, table, cu, kv, out, 512, 0.07,
+                       dataclasses.replace(base, l2_ahead=ahead), scale=0.5)
+            outs.append(out)
+        assert not outs[0].isnan().any()
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

@@ -66,6 +66,13 @@ EXCHANGE_MAX = True
 # registers (5 an SM), 128-d 128 with K's scales loaded at their tile (4 an SM, no spills;
 # loaded ahead: 160, 3 an SM), 256-d 255 (2 an SM)
 REGS_TILES = {64: (5, 96, False), 128: (4, 128, False), 256: (2, None, True)}
+# the register kernel per head size: how many tiles ahead each tile's lines are asked of L2
+# (``prefetch.global.L2``, one line a thread, no registers held for it; 0: none), so that a
+# tile's loads, issued late in the tile before by ptxas, wait for L2 instead of DRAM (ncu, H100:
+# 43% of the stalls are long-scoreboard waits on those loads and on K's scales loaded at their
+# tile). sm_90 compile (Triton 3.6): 128-d 446 instructions a tile against 440, 128 registers, no
+# spills; 64-d 290 / 287; 256-d 784 / 750. Off until timed on a GPU (reproduce.sh int4-l2)
+REGS_L2_AHEAD = {64: 0, 128: 0, 256: 0}
 # per GPU (a substring of its CUDA device name): the head sizes whose int4 pools store
 # token-minor V and decode with the register kernel by default (the triton backend's choice,
 # ``regs_default``): measured 1.2-1.6x the shared-memory Gluon kernel at 64/128/256-d on the
@@ -97,6 +104,8 @@ class Int4DecodeConfig:
     # the register kernel: K's scales and zeros loaded a tile ahead with the codes (more
     # registers carried) instead of at their tile
     ks_ahead: bool = False
+    # the register kernel: each tile's lines asked of L2 this many tiles ahead (0: none)
+    l2_ahead: int = 0
 
 
 # per head size: (pages per tile, warps, stages, register cap, programs per SM in the split
@@ -131,9 +140,10 @@ def choose_config(batch: int, num_kv_heads: int, head_dim: int, max_kv_len: int,
     caller decides whether it can run (``gluon_available``, 16-bit queries); with ``v_t``
     (token-minor V pages) the register kernel's (``REGS_TILES``)."""
     npg, warps, stages, maxnreg, per_sm, asm = TILES.get(head_dim, TILES[256])
-    ks_ahead = False
+    ks_ahead, l2_ahead = False, 0
     if gluon and v_t:
         per_sm, maxnreg, ks_ahead = REGS_TILES.get(head_dim, REGS_TILES[256])
+        l2_ahead = REGS_L2_AHEAD.get(head_dim, 0)
         npg, warps, stages = 2, 4, 1
     elif gluon:
         stages, per_sm, maxnreg = GLUON_TILES.get(head_dim, GLUON_TILES[256])
@@ -152,7 +162,7 @@ def choose_config(batch: int, num_kv_heads: int, head_dim: int, max_kv_len: int,
         if cost < best[0] - 1e-12:
             best = (cost, sp)
     return Int4DecodeConfig(best[1], npg, warps, stages, asm, maxnreg, gluon=gluon,
-                            ks_ahead=ks_ahead)
+                            ks_ahead=ks_ahead, l2_ahead=l2_ahead)
 
 
 def _launch(q, pool, layer_id, block_table, kv_lens, residual_slots, out, op, lse,
@@ -232,7 +242,7 @@ def _launch_regs(args, b: int, hkv: int, group: int, d: int, cfg: Int4DecodeConf
     mma, lk, lk4, lks, lv4, lvs, lak, lav = layouts(d, bh)
     opts = dict(G=group, BLOCK_H=bh, D=d, PAGE=PAGE, SINGLE=cfg.num_splits == 1, MMA=mma, LK=lk,
                 LK4=lk4, LKS=lks, LV4=lv4, LVS=lvs, LAK=lak, LAV=lav, KS_AHEAD=cfg.ks_ahead,
-                XMAX=EXCHANGE_MAX, num_warps=4)
+                XMAX=EXCHANGE_MAX, L2_AHEAD=cfg.l2_ahead, num_warps=4)
     if cfg.maxnreg:
         opts["maxnreg"] = cfg.maxnreg
     return decode_int4_regs_kernel.build(), (b, hkv, cfg.num_splits), args, opts

@@ -20,7 +20,9 @@ The relabellings and the asm are in ``decode_int4_regs_layouts``. The split's la
 one page (the other masked); the request's residual page (its last ``kv_len % 32`` tokens, full
 precision) is the last split's extra tile, its operands loaded straight into the A layouts.
 Pages past a split's last are read as that page (in bounds, no predicated loads), and a masked
-tile sets their logits to -inf and their V values to 0.
+tile sets their logits to -inf and their V values to 0. ``L2_AHEAD`` > 0: tile i also asks L2
+for tile i + L2_AHEAD's lines (``_l2_ask``), so that its loads, which ptxas issues late in the
+tile before, wait for L2 rather than DRAM.
 
 Grid ``(batch, kv heads, splits)`` and outputs as the Triton int4 kernel's: one split writes
 ``OUT``, several write float32 partials ``OP`` and base-2 log-sum-exp ``LSE`` (every split; an
@@ -122,6 +124,46 @@ def build():
         return k, soff, v, vs, vz
 
     @gluon.jit
+    def _l2_lanes(KCh, VCh, KSh, KZh, VSh, VZh, stride_cp, stride_kp, stride_vp,
+                  D: gl.constexpr):
+        # which 128-byte line of a tile each thread asks L2 for (_l2_ask): [2 pages, 64, R]
+        # (warps 0-1 the tile's first page, 2-3 its second). A page's L = 5 D / 16 lines: its K
+        # codes (D / 8 lines), V codes (D / 8), K's scales, K's zeros, V's scales, V's zeros
+        # (D / 64 each); R = cdiv(L, 64) a thread, lanes past L repeat lines from the first.
+        # Returns the line's byte address in page 0 of the pool (int64) and the bytes from one
+        # pool page to the next (int32)
+        L: gl.constexpr = 5 * D // 16
+        R: gl.constexpr = (L + 63) // 64
+        LP: gl.constexpr = gl.BlockedLayout([1, 1, R], [1, 32, 1], [2, 2, 1], [2, 1, 0])
+        lane = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(0, LP)))
+        rr = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(0, LP)))
+        pg = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, LP)))
+        r = ((lane[:, None] * R + rr[None, :]) % L)[None, :, :] + 0 * pg[:, None, None]
+        q = r - D // 4  # the scale lines: array q // (D / 64), line q % (D / 64)
+        kind = q // (D // 64)
+        scale = (gl.where(kind == 0, KSh.to(gl.int64), gl.where(kind == 1, KZh.to(gl.int64),
+                 gl.where(kind == 2, VSh.to(gl.int64), VZh.to(gl.int64))))
+                 + (q % (D // 64)) * 128)
+        line = gl.where(r < D // 8, KCh.to(gl.int64) + r * 128, gl.where(
+            r < D // 4, VCh.to(gl.int64) + (r - D // 8) * 128, scale))
+        per_page = gl.where(r < D // 4, stride_cp, gl.where(kind < 2, 2 * stride_kp,
+                                                            2 * stride_vp))
+        return line, per_page
+
+    @gluon.jit
+    def _l2_ask(bt_row, p, last, line, per_page, D: gl.constexpr):
+        # ask L2 for the tile of pages p, p + 1 (a page past ``last``, the split's last, is
+        # that page again), one line a thread of _l2_lanes' (fire and forget: no register waits
+        # for it), so that the tile's loads, tiles later, find their lines in L2, not DRAM
+        R: gl.constexpr = (5 * D // 16 + 63) // 64
+        LP: gl.constexpr = gl.BlockedLayout([1, 1, R], [1, 32, 1], [2, 2, 1], [2, 1, 0])
+        pl = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, LP)))
+        pg = gl.load(bt_row + gl.minimum(p + pl, last)).to(gl.int64)
+        gl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+            [line + pg[:, None, None] * per_page], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _k_scales(KSh, KZh, soff, D: gl.constexpr, LKS: gl.constexpr):
         # K's scale and zero words [4, 8, D/4] of the pages at word offsets soff [4, 8]: the
         # even channels' (ks_e, kz_e), then the odd ones' (ks_o, kz_o)
@@ -213,7 +255,7 @@ def build():
                           LK: gl.constexpr, LK4: gl.constexpr, LKS: gl.constexpr,
                           LV4: gl.constexpr, LVS: gl.constexpr, LAK: gl.constexpr,
                           LAV: gl.constexpr, KS_AHEAD: gl.constexpr, XMAX: gl.constexpr,
-                          num_warps: gl.constexpr):
+                          L2_AHEAD: gl.constexpr, num_warps: gl.constexpr):
         gl.static_assert(num_warps == 4, "one warp group")
         gl.static_assert(PAGE == 32, "the int4 pool's pages of 32 tokens")
         b = gl.program_id(0)
@@ -262,6 +304,11 @@ def build():
         k, soff, v, vs, vz = _load(KCh, VCh, VSh, VZh, bt_row, p0, last, stride_cp, stride_kp,
                                    stride_vp, D, LK, LKS, LV4, LVS)
         ks_e, ks_o, kz_e, kz_o = _k_scales(KSh, KZh, soff, D, LKS)
+        if L2_AHEAD > 0:  # tiles 1 .. L2_AHEAD - 1 asked of L2 now, tile i + L2_AHEAD in i
+            l2_line, l2_page = _l2_lanes(KCh, VCh, KSh, KZh, VSh, VZh, stride_cp, stride_kp,
+                                         stride_vp, D)
+            for a in gl.static_range(1, L2_AHEAD):
+                _l2_ask(bt_row, p0 + 2 * a, last, l2_line, l2_page, D)
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
         l_t = gl.zeros([64, BLOCK_H], gl.float32, layout=MMA)
         acc = gl.zeros([D, BLOCK_H], gl.float32, layout=MMA)
@@ -269,6 +316,8 @@ def build():
         for i in range(n_pages // 2):
             if not KS_AHEAD:  # K's scales of this tile now (fewer registers carried)
                 ks_e, ks_o, kz_e, kz_o = _k_scales(KSh, KZh, soff, D, LKS)
+            if L2_AHEAD > 0:
+                _l2_ask(bt_row, p0 + 2 * (i + L2_AHEAD), last, l2_line, l2_page, D)
             kt = _convert_k(k, ks_e, ks_o, kz_e, kz_o, D, LK4, LAK)
             vt = _convert_v(v, vs, vz, D, LV4, LAV)
             # the next tile's words into registers while this one is computed

@@ -41,6 +41,11 @@ GLUON_PIPE = True
 # fp8). Both 8-bit formats since the twenty-third session's exchange of the tile maximum and
 # load placement (docs/benchmarks.md "MLA decode: one barrier for the tile maximum")
 GLUON_REGS = FP8
+# the register kernel: how many tiles ahead each tile's lines are asked of L2 (0: none; its
+# tile loads wait on DRAM: 34% of its stall samples long-scoreboard, ncu, H100). sm_90 compile:
+# 838 loop instructions against 813, 210 registers against 204, no spills. Off until timed on a
+# GPU (benchmarks/gpu/reproduce.sh l2-ahead)
+GLUON_REGS_L2_AHEAD = 0
 # 8-bit latents: values a thread converts at a time in the Gluon kernels (decode_config's
 # conv_vec). 8: [1, 8] x [1, 32] per warp, conflict-free float16 stores into the swizzled tile,
 # measured 1.10-1.13x the 16-value layout on the H200 (pipelined and plain kernels, 32 x 16k and
@@ -66,6 +71,7 @@ class MLAConfig:
     pipe: bool = False  # Gluon e4m3 decode: mla_decode_fp8_pipe (tile i + 1's work under tile i's)
     conv_vec: int = 8  # Gluon 8-bit decode: latent values a thread converts at a time (8 or 16)
     regs: bool = False  # Gluon 8-bit decode: mla_decode_fp8_regs (A operand from registers)
+    l2_ahead: int = 0  # regs: tile i + l2_ahead's lines asked of L2 in tile i (0: none)
 
 
 def _pow2(x: int) -> int:
@@ -137,7 +143,8 @@ def decode_config(batch: int, num_heads: int, rank: int, max_kv_len: int,
             regs = cache_dtype in GLUON_REGS and num_stages is None and pipe is None \
                 and qfp8 is None and conv_vec is None
         if regs and cache_dtype in FP8:
-            return _with_splits(MLAConfig(16, 64, 4, 1, gluon=True, regs=True), batch,
+            return _with_splits(MLAConfig(16, 64, 4, 1, gluon=True, regs=True,
+                                          l2_ahead=GLUON_REGS_L2_AHEAD), batch,
                                 num_heads, rank, max_kv_len, num_sms, programs_per_sm or 2,
                                 num_splits)
         e4m3 = cache_dtype == torch.float8_e4m3fn

@@ -34,7 +34,8 @@ Per tile of 64 tokens (the logits MMAs' M; heads are N, 16 a program):
         shared memory, eight [64, 16] accumulators)
 
 Tokens past the split's end are read as its last token (no predicated loads, never a NaN of
-an unused slot) and weigh 0. Grid, outputs, split scratch and merge as ``mla_decode_gluon``
+an unused slot) and weigh 0. ``L2_AHEAD`` > 0: tile i also asks L2 for the slabs of tile i +
+L2_AHEAD (``_l2_ask``; nothing waits for it). Grid, outputs, split scratch and merge as ``mla_decode_gluon``
 (``kernels.mla`` launches it for ``MLAConfig(regs=True)``). Owns nothing; writes ``OUT`` or
 ``OP``/``LSE``.
 """
@@ -103,6 +104,24 @@ def build():
         # word offsets of the slabs of tokens [n0, n0 + 64) on their pages pg
         n = _tokens(n0, hi, LW)
         return (pg.to(gl.int64) * stride_cp + (n % PAGE) * SLAB) // 4
+
+    @gluon.jit
+    def _l2_ask(C, bt_row, n0, hi, stride_cp, SLAB: gl.constexpr, PAGE: gl.constexpr):
+        # ask L2 for the slabs of tokens [n0, n0 + 64) (fire and forget: no register waits for
+        # it), so that their loads, tiles later, find the lines in L2, not DRAM; tokens past hi
+        # ask for token hi - 1's again (as _tokens reads them). A thread a token, its slab's
+        # lines at bytes 0, 128, .. and its last byte ([64, 8]: two threads a token, four
+        # addresses each; SLAB <= 7 x 128 + 1)
+        LP: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])
+        t = gl.maximum(gl.minimum(n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, LP)), hi - 1),
+                       0)
+        k = gl.arange(0, 8, layout=gl.SliceLayout(0, LP))
+        pg = gl.load(bt_row + t // PAGE).to(gl.int64)
+        row = C.to(gl.int64) + pg * stride_cp + (t % PAGE) * SLAB  # the slab's byte address
+        gl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+            [row[:, None] + gl.minimum(k * 128, SLAB - 1)[None, :]], dtype=gl.int32,
+            is_pure=False, pack=1)
 
     @gluon.jit
     def _chunk(Cw, rows, J: gl.constexpr, LW: gl.constexpr):
@@ -184,7 +203,8 @@ def build():
                              SLAB: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
                              BLOCK_N: gl.constexpr, HBLK: gl.constexpr, SINGLE: gl.constexpr,
                              MMA: gl.constexpr, LW: gl.constexpr, LA: gl.constexpr,
-                             ASM: gl.constexpr, num_warps: gl.constexpr):
+                             ASM: gl.constexpr, L2_AHEAD: gl.constexpr,
+                             num_warps: gl.constexpr):
         gl.static_assert(num_warps == 4, "one warp group")
         gl.static_assert(RANK == 512 and ROPE == 64 and BLOCK_N == 64, "DeepSeek's slab")
         pid = gl.program_id(0)
@@ -235,6 +255,8 @@ def build():
         rows = _rows(_pages(bt_row, lo, hi, PAGE, LW), lo, hi, stride_cp, SLAB, PAGE, LW)
         x0, x1, x2, x3, x4, x5, x6, x7, x8 = _chunks(Cw, rows, LW)
         pg = _pages(bt_row, lo + BLOCK_N, hi, PAGE, LW)  # tile 1's
+        for ta in gl.static_range(1, L2_AHEAD):  # tile i + L2_AHEAD is asked of L2 in tile i
+            _l2_ask(C, bt_row, lo + ta * BLOCK_N, hi, stride_cp, SLAB, PAGE)
         for j in gl.static_range(8):
             q_c.index(j).store(qs[j].to(F16))
         q_r.index(0).store(qs[8].to(F16))
@@ -261,6 +283,8 @@ def build():
             # after next issued now: nothing waits for a block-table load
             rows = _rows(pg, n0 + BLOCK_N, hi, stride_cp, SLAB, PAGE, LW)
             pg = _pages(bt_row, n0 + 2 * BLOCK_N, hi, PAGE, LW)
+            if L2_AHEAD > 0:
+                _l2_ask(C, bt_row, n0 + L2_AHEAD * BLOCK_N, hi, stride_cp, SLAB, PAGE)
             f = _to_f16(x0, ASM)
             c0.index(z).store(f)
             a = _hw_k(f, 64, 64, LA)  # noqa: F821

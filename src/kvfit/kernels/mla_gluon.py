@@ -68,7 +68,8 @@ def launch(q, cache, block_table, kv_lens, out, op, lse, rank: int, qk_scale: fl
             mma, lw, la = mla_decode_fp8_regs.layouts(cfg.block_m)
             fmt = "e4m3" if cache.dtype == torch.float8_e4m3fn else "e5m2"
             mla_decode_fp8_regs.build()[(b * hblk, cfg.num_splits)](
-                *args, **shape, MMA=mma, LW=lw, LA=la, ASM=mla_decode_fp8_regs.WORD_ASM[fmt])
+                *args, **shape, MMA=mma, LW=lw, LA=la, ASM=mla_decode_fp8_regs.WORD_ASM[fmt],
+                L2_AHEAD=cfg.l2_ahead)
         elif cfg.pipe:
             mla_decode_fp8_pipe.build()[(b * hblk, cfg.num_splits)](*args, **shape)
         else:
