@@ -192,6 +192,7 @@ from kvfit.kernels import decode_8bit_gluon
 d, g, page, kdt, single = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
                            sys.argv[5] == "1")
 xmax = len(sys.argv) > 6 and sys.argv[6] == "1"
+l2 = int(sys.argv[7]) if len(sys.argv) > 7 else 0
 fn = decode_8bit_gluon.build()
 ptrs = dict(Q="*bf16", OUT="*bf16", OP="*fp32", LSE="*fp32", KC="*" + kdt, VC="*" + kdt,
             KS="*fp16", VS="*fp16", BT="*i32", KVLEN="*i32")
@@ -202,7 +203,8 @@ if kdt == "i8":
     mma_i, lk, lak = decode_8bit_gluon.int8_key_layouts(d, bh)
 consts = dict(G=g, BLOCK_H=bh, D=d, PAGE=page,
               CODE={"fp8e4nv": 0, "fp8e5": 1, "i8": 2}[kdt], SINGLE=single, MMA=mma,
-              MMA_I=mma_i, LK=lk, LV=lv, LAK=lak, LAV=lav, XMAX=xmax, num_warps=4)
+              MMA_I=mma_i, LK=lk, LV=lv, LAK=lak, LAV=lav, XMAX=xmax, L2_AHEAD=l2,
+              num_warps=4)
 sig = {n: ptrs.get(n, "constexpr" if n in consts else
                    ("fp32" if n in ("qk_scale", "v_out") else "i32")) for n in fn.arg_names}
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -268,3 +270,21 @@ def test_gluon_kernel_exchanged_maximum_takes_fewer_barriers(d, g, page, kdt):
     for pat in ("wgmma.mma_async", "cvt.rn.f16x2", "ld.global.v4.b32"):
         assert off["ptx"].count(pat) == on["ptx"].count(pat), pat
     assert on["shared"] <= off["shared"] + 256
+
+
+@pytest.mark.parametrize("d,g,page,kdt", [(128, 2, 32, "fp8e4nv"), (64, 3, 16, "i8"),
+                                          (256, 8, 32, "fp8e5")])
+def test_gluon_kernel_asks_l2_for_tiles_ahead(d, g, page, kdt):
+    """``L2_AHEAD``: each thread asks L2 for R = max(1, D / 128) lines of the codes of tile
+    i + 2 in tile i and of tile 1 before the loop (int8: R lines of scales too); the MMAs,
+    conversions, tile loads, barriers and shared memory are those of the kernel without it."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from gluon_launch_fakes import compile_sm90
+
+    off, on = (compile_sm90(_COMPILE, d, g, page, kdt, 0, 1, a) for a in (0, 2))
+    r = max(1, d // 128) * (2 if kdt == "i8" else 1)
+    assert off["ptx"].count("prefetch.global.L2") == 0
+    assert on["ptx"].count("prefetch.global.L2") == 2 * r
+    for pat in ("wgmma.mma_async", "cvt.rn.f16x2", "ld.global.v4.b32", "bar.sync"):
+        assert off["ptx"].count(pat) == on["ptx"].count(pat), pat
+    assert on["shared"] == off["shared"]

@@ -63,6 +63,9 @@
 #                      off until timed): its GPU test (the same bits with and without it) and
 #                      mla_sweep.py with 0, 2 and 3 tiles ahead at 4 x 16k .. 64 x 32k, bf16
 #                      beside it for the ratio                                                ~5
+#   g8-l2              issue 14's L2 prefetch in the Gluon 8-bit decode (decode_8bit_gluon.L2_AHEAD,
+#                      off until timed): its GPU test (the same bits) and decode_sweep.py at
+#                      64-d and 128-d heads, fp8 and int8, with 0, 2 and 3 tiles ahead        ~6
 #   tests              the GPU tests (tests/gpu)                                            ~4
 # Groups: seed = the four seed-*; kernels = decode-page16 decode-page32 decode-page-size prefill.
 set -uo pipefail
@@ -316,6 +319,18 @@ target() {
         --points fp8_e4m3:4:16384,bfloat16:4:16384,fp8_e4m3:4:32768,bfloat16:4:32768,fp8_e4m3:8:32768,bfloat16:8:32768,fp8_e4m3:32:16384,bfloat16:32:16384,fp8_e4m3:64:32768,bfloat16:64:32768 \
         --variants g:64:4:2 --fp8-variants gr:64:4:1:2:0,gr:64:4:1:2:2,gr:64:4:1:2:3 \
         --rep 60 --no-default --json "$OUT/mla_l2_sweep.json" ;;
+    g8-l2) gpu_env
+      run g8_l2_tests python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
+        tests/gpu/test_decode_8bit_gluon.py -k "l2_prefetch"
+      tail -3 "$OUT/g8_l2_tests.log"
+      for a in 0 2 3; do  # (the sweep's compile workers do not see the setting: one job)
+        (export OUT_DIR="$OUT/g8_l2_$a"; mkdir -p "$OUT_DIR"
+         with_setting kvfit.kernels.decode_8bit_gluon L2_AHEAD "{64: $a, 128: $a, 256: $a}" \
+           "g8_l2_$a" benchmarks/kernels/decode_sweep.py --jobs 1 \
+           smollm2:128x16384:fp8_e4m3:16:HDN:gluon=1 smollm2:128x16384:int8:16:HDN:gluon=1 \
+           smollm2:32x16384:fp8_e4m3:16:HDN:gluon=1 qwen3-1.7b:32x16384:fp8_e4m3:32:HDN:gluon=1 \
+           qwen3-1.7b:32x16384:int8:32:HDN:gluon=1 qwen3-1.7b:4x16384:fp8_e4m3:32:HDN:gluon=1)
+      done ;;
     tests) gpu_env
       run gpu_tests python3 -m pytest -q -n 14 -p no:cacheprovider --tb=short -rf tests/gpu
       tail -3 "$OUT/gpu_tests.log" ;;

@@ -158,3 +158,24 @@ def test_backend_decode_through_gluon_eager_and_graph(kv_dtype, monkeypatch):
         want = (reference_attention(pool, q2, meta, d ** -0.5) if kv_dtype == "int8"
                 else reference(pool, q2, meta, d ** -0.5))
         assert rel_err(g_out, want) < BOUND[torch.bfloat16]
+
+
+@pytest.mark.parametrize("kv_dtype", list(DTYPES))
+@pytest.mark.parametrize("hq,hkv,d,page", [(9, 3, 64, 16), (32, 2, 128, 64), (8, 4, 256, 32)])
+def test_gluon_8bit_l2_prefetch_changes_no_bit(monkeypatch, kv_dtype, hq, hkv, d, page):
+    """``L2_AHEAD``: asking L2 for tiles 2 or 3 ahead changes what the caches hold, not a
+    value: the same bits out as without it, split and single, every length kind (splits
+    shorter than the distance included)."""
+    _needs_hopper()
+    for i, lens in enumerate(LENS):
+        q, pool, meta, ref, kw = _problem(kv_dtype, hq, hkv, d, page, lens, 31 + i)
+        cfg = choose_config(len(lens), hkv, hq // hkv, d, max(lens), DTYPES[kv_dtype],
+                            q.dtype, v_t=True, page_size=page, gluon=True)
+        for splits in sorted({cfg.num_splits, 1, 3}):
+            c = dataclasses.replace(cfg, num_splits=splits)
+            outs = []
+            for ahead in (0, 2, 3):
+                monkeypatch.setattr(decode_8bit_gluon, "L2_AHEAD", {d: ahead})
+                outs.append(_run(q, pool, meta, c, kw))
+            assert not outs[0].isnan().any(), (c, lens)
+            assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (c, lens)

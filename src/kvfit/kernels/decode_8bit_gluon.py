@@ -14,7 +14,7 @@ from kvfit.kernels.decode_8bit_gluon_layouts import int8_key_layouts, operand_la
 from kvfit.kernels.gluon_hopper import gluon_available, launch_or_record
 
 __all__ = ["build", "operand_layouts", "int8_key_layouts", "DEFAULT_ON", "EXCHANGE_MAX",
-           "GLUON_TILES", "PAGE_CODES", "kind", "default_on", "engine_default", "fits",
+           "L2_AHEAD", "GLUON_TILES", "PAGE_CODES", "kind", "default_on", "engine_default", "fits",
            "available", "launch_args", "launch"]
 
 # the tile's maximum exchanged through shared memory with one barrier (gluon_hopper._tile_max,
@@ -31,6 +31,11 @@ EXCHANGE_MAX = True
 # an H100) registers, 6 an SM; 128-d 119 (fp8) / 127 at the cap (int8), 4 an SM; 256-d 202-233,
 # 2 an SM; a few KB of shared memory (the query and P)
 GLUON_TILES = {64: (6, 80), 128: (4, 128), 256: (2, None)}
+# per head size: how many tiles ahead each tile's lines are asked of L2 (prefetch.global.L2, no
+# registers held; 0: none), for the H200, whose 64-d decode reads 3.3-4.0 TB/s of its 4.25 where
+# the H100's reads 99% of its copy: more bytes must be in flight there. Off until timed
+# (reproduce.sh g8-l2); sm_90 compile in docs/benchmarks.md (twenty-fifth session)
+L2_AHEAD = {64: 0, 128: 0, 256: 0}
 # per GPU (a substring of its CUDA device name): the (page kind, head size) pairs whose decode
 # runs this kernel by default (the triton backend's choice), where it measured faster than the
 # Triton kernel (docs/benchmarks.md): H100 80GB HBM3, 2026-12-06: fp8 0.87-0.99x the Triton fp8
@@ -123,7 +128,7 @@ def launch_args(q, k_cache, v_cache, block_table, kv_lens, out, op, lse, qk_scal
     code = PAGE_CODES[k_cache.dtype][1]
     consts = dict(G=hq // hkv, BLOCK_H=block_h, D=d, PAGE=k_cache.shape[2], CODE=code,
                   SINGLE=num_splits == 1, MMA=mma, MMA_I=mma_i, LK=lk, LV=lv, LAK=lak,
-                  LAV=lav, XMAX=EXCHANGE_MAX, num_warps=4)
+                  LAV=lav, XMAX=EXCHANGE_MAX, L2_AHEAD=L2_AHEAD.get(d, 0), num_warps=4)
     return (b, hkv, num_splits), args, consts
 
 

@@ -36,7 +36,8 @@ Grid ``(batch, kv heads, splits)``; one split writes ``OUT``, several write floa
 ``decode_kernels``' merge; the context is cut into splits as the Triton kernels cut it
 (``decode_common._split_span``: whole tiles), an empty split exits at once and the
 merge counts the live ones. No window, soft-cap or q bias (the Triton kernel serves those).
-Owns nothing.
+``L2_AHEAD`` > 0: tile i also asks L2 for tile i + L2_AHEAD's lines (``_l2_ask``; nothing
+waits for it). Owns nothing.
 """
 from __future__ import annotations
 
@@ -132,6 +133,35 @@ def build():
         return k, v, ks, vs
 
     @gluon.jit
+    def _l2_ask(KCh, VCh, KS, VS, bt_row, t0, n1, stride_cp, s_head, stride_sp,
+                D: gl.constexpr, PAGE: gl.constexpr, INT8: gl.constexpr):
+        # ask L2 for the tile of tokens [t0, t0 + 64) (pages from n1 on: the split's last page
+        # again), fire and forget: no register waits for it, so the tile's loads, tiles later,
+        # find their lines in L2, not DRAM. Its D lines of codes (K's pages, then V's, PAGE x D
+        # bytes a page each) over 128 threads ([128, R], R = D / 128 or 1: at 64-d two threads
+        # a line); int8: each thread also asks for the line of its page's K (V) scales
+        R: gl.constexpr = D // 128 if D >= 128 else 1
+        PL: gl.constexpr = PAGE * D // 128  # lines a page
+        SHIFT: gl.constexpr = 4 if PAGE == 16 else (5 if PAGE == 32 else 6)  # log2(P)
+        LP: gl.constexpr = gl.BlockedLayout([1, R], [32, 1], [4, 1], [1, 0])
+        e = gl.arange(0, 128, layout=gl.SliceLayout(1, LP))
+        r = gl.arange(0, R, layout=gl.SliceLayout(0, LP))
+        ln = (e[:, None] * R + r[None, :]) % D  # [128, R]
+        m = ln % (D // 2)  # the line in K's (ln < D / 2) or V's pages
+        pg = gl.load(bt_row + gl.minimum((t0 >> SHIFT) + m // PL, (n1 - 1) >> SHIFT))
+        is_k = ln < D // 2
+        code = gl.where(is_k, KCh.to(gl.int64), VCh.to(gl.int64)) + (m % PL) * 128
+        gl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+            [code + pg.to(gl.int64) * stride_cp], dtype=gl.int32, is_pure=False, pack=1)
+        if INT8:
+            off = pg * stride_sp + s_head  # < 2^31: launch_args checks
+            gl.inline_asm_elementwise(
+                "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+                [gl.where(is_k, (KS + off).to(gl.int64), (VS + off).to(gl.int64))],
+                dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _tile(k_raw, v_raw, ks, vs, qs, q_lo, p_s, mx_s, acc, m_i, l_t, n_live, tok_r, tok_k,
               D: gl.constexpr, BLOCK_H: gl.constexpr, TOK: gl.constexpr, CODE: gl.constexpr,
               MASKED: gl.constexpr, MMA: gl.constexpr, MMA_I: gl.constexpr, LK: gl.constexpr,
@@ -184,7 +214,8 @@ def build():
                            PAGE: gl.constexpr, CODE: gl.constexpr, SINGLE: gl.constexpr,
                            MMA: gl.constexpr, MMA_I: gl.constexpr, LK: gl.constexpr,
                            LV: gl.constexpr, LAK: gl.constexpr, LAV: gl.constexpr,
-                           XMAX: gl.constexpr, num_warps: gl.constexpr):
+                           XMAX: gl.constexpr, L2_AHEAD: gl.constexpr,
+                           num_warps: gl.constexpr):
         gl.static_assert(num_warps == 4, "one warp group")
         TOK: gl.constexpr = 64  # a tile's tokens: the logits MMAs' M
         gl.static_assert(TOK % PAGE == 0, "pages of 16, 32 or 64 tokens")
@@ -258,6 +289,9 @@ def build():
 
         k_raw, v_raw, ks, vs = _load(KCh, VCh, KS, VS, bt_row, n0, n1, stride_cp, s_head,
                                      stride_sp, q_f, D, PAGE, TOK, INT8, LK, LV, LR)
+        for ta in gl.static_range(1, L2_AHEAD):  # tile i + L2_AHEAD is asked of L2 in tile i
+            _l2_ask(KCh, VCh, KS, VS, bt_row, n0 + TOK * ta, n1, stride_cp, s_head, stride_sp,
+                    D, PAGE, INT8)
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
         l_t = gl.zeros([TOK, BLOCK_H], gl.float32, layout=MMA)
         acc = gl.zeros([D, BLOCK_H], gl.float32, layout=MMA)
@@ -271,6 +305,9 @@ def build():
             t1 = n0 + TOK * (i + 1)
             k_raw, v_raw, ks, vs = _load(KCh, VCh, KS, VS, bt_row, t1, n1, stride_cp, s_head,
                                          stride_sp, q_f, D, PAGE, TOK, INT8, LK, LV, LR)
+            if L2_AHEAD > 0:
+                _l2_ask(KCh, VCh, KS, VS, bt_row, n0 + TOK * (i + L2_AHEAD), n1, stride_cp,
+                        s_head, stride_sp, D, PAGE, INT8)
             acc, m_i, l_t = _tile(k_cur, v_cur, ks_c, vs_c, qs, q_lo, p_s, mx_s, acc, m_i,
                                   l_t, TOK, tok_r, tok_k, D, BLOCK_H, TOK, CODE, False, MMA,
                                   MMA_I, LK, LAK, LAV, XMAX)
