@@ -67,18 +67,26 @@ def test_gluon_8bit_exchanged_maximum_changes_no_bit(monkeypatch, kv_dtype, hq, 
     maximum Gluon's reduction computes, and its barrier stands for the one before P's store:
     the same bits out, split and single, every length kind; and the reference's values."""
     _needs_hopper()
+    for outs, ref, case in _runs_under(monkeypatch, "EXCHANGE_MAX", (False, True), kv_dtype,
+                                       hq, hkv, d, page, 21):
+        assert not outs[1].isnan().any() and torch.equal(outs[0], outs[1]), case
+        assert rel_err(outs[1], ref) < BOUND[torch.bfloat16]
+
+
+def _runs_under(monkeypatch, attr, values, kv_dtype, hq, hkv, d, page, seed):
+    """(outputs with ``decode_8bit_gluon.<attr>`` set to each of ``values``, the reference,
+    the case) for every length kind of LENS and the split counts {the default's, 1, 3}."""
     for i, lens in enumerate(LENS):
-        q, pool, meta, ref, kw = _problem(kv_dtype, hq, hkv, d, page, lens, 21 + i)
+        q, pool, meta, ref, kw = _problem(kv_dtype, hq, hkv, d, page, lens, seed + i)
         cfg = choose_config(len(lens), hkv, hq // hkv, d, max(lens), DTYPES[kv_dtype],
                             q.dtype, v_t=True, page_size=page, gluon=True)
         for splits in sorted({cfg.num_splits, 1, 3}):
             c = dataclasses.replace(cfg, num_splits=splits)
             outs = []
-            for on in (False, True):
-                monkeypatch.setattr(decode_8bit_gluon, "EXCHANGE_MAX", on)
+            for v in values:
+                monkeypatch.setattr(decode_8bit_gluon, attr, v)
                 outs.append(_run(q, pool, meta, c, kw))
-            assert not outs[1].isnan().any() and torch.equal(outs[0], outs[1]), (c, lens)
-            assert rel_err(outs[1], ref) < BOUND[torch.bfloat16]
+            yield outs, ref, (c, lens)
 
 
 @pytest.mark.parametrize("kv_dtype", list(DTYPES))
@@ -167,15 +175,8 @@ def test_gluon_8bit_l2_prefetch_changes_no_bit(monkeypatch, kv_dtype, hq, hkv, d
     value: the same bits out as without it, split and single, every length kind (splits
     shorter than the distance included)."""
     _needs_hopper()
-    for i, lens in enumerate(LENS):
-        q, pool, meta, ref, kw = _problem(kv_dtype, hq, hkv, d, page, lens, 31 + i)
-        cfg = choose_config(len(lens), hkv, hq // hkv, d, max(lens), DTYPES[kv_dtype],
-                            q.dtype, v_t=True, page_size=page, gluon=True)
-        for splits in sorted({cfg.num_splits, 1, 3}):
-            c = dataclasses.replace(cfg, num_splits=splits)
-            outs = []
-            for ahead in (0, 2, 3):
-                monkeypatch.setattr(decode_8bit_gluon, "L2_AHEAD", {d: ahead})
-                outs.append(_run(q, pool, meta, c, kw))
-            assert not outs[0].isnan().any(), (c, lens)
-            assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (c, lens)
+    for outs, ref, case in _runs_under(monkeypatch, "L2_AHEAD", ({d: 0}, {d: 2}, {d: 3}),
+                                       kv_dtype, hq, hkv, d, page, 31):
+        assert not outs[0].isnan().any(), case
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), case
+        assert rel_err(outs[0], ref) < BOUND[torch.bfloat16]
