@@ -151,15 +151,11 @@ def build():
         pg = gl.load(bt_row + gl.minimum((t0 >> SHIFT) + m // PL, (n1 - 1) >> SHIFT))
         is_k = ln < D // 2
         code = gl.where(is_k, KCh.to(gl.int64), VCh.to(gl.int64)) + (m % PL) * 128
-        gl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-            [code + pg.to(gl.int64) * stride_cp], dtype=gl.int32, is_pure=False, pack=1)
+        _l2_prefetch(code + pg.to(gl.int64) * stride_cp)  # noqa: F821
         if INT8:
             off = pg * stride_sp + s_head  # < 2^31: launch_args checks
-            gl.inline_asm_elementwise(
-                "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                [gl.where(is_k, (KS + off).to(gl.int64), (VS + off).to(gl.int64))],
-                dtype=gl.int32, is_pure=False, pack=1)
+            _l2_prefetch(gl.where(is_k, (KS + off).to(gl.int64),  # noqa: F821
+                                  (VS + off).to(gl.int64)))
 
     @gluon.jit
     def _tile(k_raw, v_raw, ks, vs, qs, q_lo, p_s, mx_s, acc, m_i, l_t, n_live, tok_r, tok_k,

@@ -159,9 +159,7 @@ def build():
         LP: gl.constexpr = gl.BlockedLayout([1, 1, R], [1, 32, 1], [2, 2, 1], [2, 1, 0])
         pl = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, LP)))
         pg = gl.load(bt_row + gl.minimum(p + pl, last)).to(gl.int64)
-        gl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-            [line + pg[:, None, None] * per_page], dtype=gl.int32, is_pure=False, pack=1)
+        _l2_prefetch(line + pg[:, None, None] * per_page)  # noqa: F821
 
     @gluon.jit
     def _k_scales(KSh, KZh, soff, D: gl.constexpr, LKS: gl.constexpr):

@@ -132,7 +132,10 @@ def mha_decode_parts() -> dict:
 
     ``_thread_rows_channel(r, D)``: the channel ``(8 w + l) D/32 + 2 i + h`` at P.V's row
     r = 64 i + 16 w + 8 h + l, where each thread's rows are D/32 consecutive channels (the
-    register int4 kernel's order, ``decode_int4_regs_layouts``)."""
+    register int4 kernel's order, ``decode_int4_regs_layouts``).
+
+    ``_l2_prefetch(addr)``: ask L2 for the 128-byte line holding each byte address of the int64
+    tensor ``addr`` (``prefetch.global.L2``: fire and forget, no register waits for it)."""
     from triton.experimental import gluon
 
     globals().update(hopper_names())
@@ -227,7 +230,13 @@ def mha_decode_parts() -> dict:
         acc = warpgroup_mma(vt, p_s, acc * alpha[None, :], is_async=True)  # noqa: F821
         return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # noqa: F821
 
+    @gluon.jit
+    def _l2_prefetch(addr):
+        gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;",  # noqa: F821
+                                  "=r,l", [addr], dtype=gl.int32, is_pure=False,  # noqa: F821
+                                  pack=1)
+
     return dict(_online_softmax=_online_softmax, _online_softmax_to=_online_softmax_to,
                 _tile_max=_tile_max, _split_out=_split_out, _pv_step=_pv_step,
                 _tile_token=_tile_token, _k_order=_k_order, _hw_k=_hw_k,
-                _thread_rows_channel=_thread_rows_channel)
+                _thread_rows_channel=_thread_rows_channel, _l2_prefetch=_l2_prefetch)

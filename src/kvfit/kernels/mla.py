@@ -44,7 +44,7 @@ GLUON_REGS = FP8
 # the register kernel: how many tiles ahead each tile's lines are asked of L2 (0: none; its
 # tile loads wait on DRAM: 34% of its stall samples long-scoreboard, ncu, H100). sm_90 compile:
 # 838 loop instructions against 813, 210 registers against 204, no spills. Off until timed on a
-# GPU (benchmarks/gpu/reproduce.sh l2-ahead)
+# GPU (benchmarks/gpu/reproduce.sh mla-l2)
 GLUON_REGS_L2_AHEAD = 0
 # 8-bit latents: values a thread converts at a time in the Gluon kernels (decode_config's
 # conv_vec). 8: [1, 8] x [1, 32] per warp, conflict-free float16 stores into the swizzled tile,

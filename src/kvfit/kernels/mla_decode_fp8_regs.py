@@ -34,10 +34,10 @@ Per tile of 64 tokens (the logits MMAs' M; heads are N, 16 a program):
         shared memory, eight [64, 16] accumulators)
 
 Tokens past the split's end are read as its last token (no predicated loads, never a NaN of
-an unused slot) and weigh 0. ``L2_AHEAD`` > 0: tile i also asks L2 for the slabs of tile i +
-L2_AHEAD (``_l2_ask``; nothing waits for it). Grid, outputs, split scratch and merge as ``mla_decode_gluon``
-(``kernels.mla`` launches it for ``MLAConfig(regs=True)``). Owns nothing; writes ``OUT`` or
-``OP``/``LSE``.
+an unused slot) and weigh 0. ``L2_AHEAD`` > 0: tile i also asks L2 for the slabs of tile
+i + L2_AHEAD (``_l2_ask``; nothing waits for it). Grid, outputs, split scratch and merge as
+``mla_decode_gluon`` (``kernels.mla`` launches it for ``MLAConfig(regs=True)``). Owns nothing;
+writes ``OUT`` or ``OP``/``LSE``.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def build():
     for name in ("_scaled_logits", "_rescale", "_write_out", "_split_range", "_cta_barrier", "gl",
                  "fence_async_shared", "warpgroup_mma", "warpgroup_mma_wait"):
         globals()[name] = getattr(mla_decode_gluon, name)
-    for name in ("_k_order", "_hw_k", "_tile_max"):
+    for name in ("_k_order", "_hw_k", "_tile_max", "_l2_prefetch"):
         globals()[name] = mha_decode_parts()[name]
 
     @gluon.jit
@@ -113,15 +113,11 @@ def build():
         # lines at bytes 0, 128, .. and its last byte ([64, 8]: two threads a token, four
         # addresses each; SLAB <= 7 x 128 + 1)
         LP: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])
-        t = gl.maximum(gl.minimum(n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, LP)), hi - 1),
-                       0)
+        t = _tokens(n0, hi, LP)
         k = gl.arange(0, 8, layout=gl.SliceLayout(0, LP))
         pg = gl.load(bt_row + t // PAGE).to(gl.int64)
         row = C.to(gl.int64) + pg * stride_cp + (t % PAGE) * SLAB  # the slab's byte address
-        gl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-            [row[:, None] + gl.minimum(k * 128, SLAB - 1)[None, :]], dtype=gl.int32,
-            is_pure=False, pack=1)
+        _l2_prefetch(row[:, None] + gl.minimum(k * 128, SLAB - 1)[None, :])  # noqa: F821
 
     @gluon.jit
     def _chunk(Cw, rows, J: gl.constexpr, LW: gl.constexpr):
