@@ -36,7 +36,8 @@ def build():
     common = build_decode_common()
     _cvt_one, _split_range = common.cvt_one, common.split_range
     _split_q_i8, _raw_logits = common.split_q_i8, common.raw_logits
-    softcap_logits = build_tile_math().softcap_logits
+    tile_math = build_tile_math()
+    softcap_logits, online_softmax = tile_math.softcap_logits, tile_math.online_softmax
     gdc_wait, gdc_launch_dependents = gdc()
 
     @triton.jit
@@ -93,12 +94,7 @@ def build():
             qk = softcap_logits(qk + qb, qk_scale, softcap)
         else:
             qk = qk * qk_scale
-        qk = tl.where(vis, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_new, l_i = online_softmax(qk, m_i, l_i, vis, True)
         if ROWS:
             p = p * vs
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="tf32")

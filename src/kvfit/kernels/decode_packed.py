@@ -35,7 +35,8 @@ def build():
 
     common = build_decode_common()
     _to_mma, _split_range, _store_split = common.to_mma, common.split_range, common.store_split
-    softcap_logits = build_tile_math().softcap_logits
+    tile_math = build_tile_math()
+    softcap_logits, online_softmax = tile_math.softcap_logits, tile_math.online_softmax
     gdc_wait, gdc_launch_dependents = gdc()
 
     @triton.jit
@@ -102,12 +103,7 @@ def build():
                 qk = softcap_logits(qk + qb, qk_scale, softcap)
             else:
                 qk = qk * qk_scale
-            qk = tl.where(vis, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(qk - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            p, alpha, m_new, l_i = online_softmax(qk, m_i, l_i, vis, True)
             if ROWS:
                 p = p * tl.load(VS + soff, mask=vis, other=0.0).to(tl.float32)
             p = p.to(v.dtype)

@@ -11,7 +11,8 @@ from kvfit.kernels.interpret import expose_for_interpreter
 @functools.cache
 def build() -> types.SimpleNamespace:
     """The shared helpers, built on first use (Triton is imported only then):
-    ``softcap_logits``, ``tile_logits`` (Q@K^T, scaled or soft-capped), ``softmax_pv`` (one tile of
+    ``softcap_logits``, ``tile_logits`` (Q@K^T, scaled or soft-capped), ``online_softmax`` (a tile into the running
+    max and sum), ``softmax_pv`` (one tile of
     online softmax + P@V) and ``request_span``."""
     import triton
     import triton.language as tl
@@ -53,12 +54,11 @@ def build() -> types.SimpleNamespace:
         return scale_logits(qk, ks, qb, qk_scale, softcap, HAS_SOFTCAP, ROWS)
 
     @triton.jit
-    def softmax_pv(qk, v, vs, acc, m_i, l_i, visible, MASKED: tl.constexpr, ROWS: tl.constexpr,
-                   PREC: tl.constexpr, VBIAS: tl.constexpr):
-        # One tile of logits qk [M, N] into a running softmax: v [N, D] in the MMA dtype, acc
-        # [M, D] f32, m_i/l_i [M] (base-2 running max and sum); visible (broadcastable to
-        # [M, N]) is read only when MASKED; ROWS: int8 values, P's column j times vs[j] (f32)
-        # before P@V. Returns the new (acc, m_i, l_i).
+    def online_softmax(qk, m_i, l_i, visible, MASKED: tl.constexpr):
+        # One tile of base-2 logits qk [M, N] into the running max and sum m_i/l_i [M]; visible
+        # (broadcastable to [M, N]) is read only when MASKED. Returns (p [M, N] f32 = exp2(qk -
+        # new max), alpha [M] = the factor that rescales the old accumulator, the new m_i, the
+        # new l_i); the caller applies p and alpha to its own P@V.
         if MASKED:
             qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -68,7 +68,16 @@ def build() -> types.SimpleNamespace:
             m_use = m_new
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+    @triton.jit
+    def softmax_pv(qk, v, vs, acc, m_i, l_i, visible, MASKED: tl.constexpr, ROWS: tl.constexpr,
+                   PREC: tl.constexpr, VBIAS: tl.constexpr):
+        # One tile of logits qk [M, N] into a running softmax: v [N, D] in the MMA dtype, acc
+        # [M, D] f32, m_i/l_i [M] (base-2 running max and sum); visible (broadcastable to
+        # [M, N]) is read only when MASKED; ROWS: int8 values, P's column j times vs[j] (f32)
+        # before P@V. Returns the new (acc, m_i, l_i).
+        p, alpha, m_new, l_i = online_softmax(qk, m_i, l_i, visible, MASKED)
         if ROWS:
             p = p * vs[None, :]
         p = p.to(v.dtype)
@@ -86,5 +95,5 @@ def build() -> types.SimpleNamespace:
 
     expose_for_interpreter(globals(), locals())
     return types.SimpleNamespace(softcap_logits=softcap_logits, scale_logits=scale_logits,
-                                 tile_logits=tile_logits,
+                                 tile_logits=tile_logits, online_softmax=online_softmax,
                                  softmax_pv=softmax_pv, request_span=request_span)
