@@ -19,8 +19,10 @@ def build():
     globals().update(triton=triton, tl=tl)  # jit signatures name tl.constexpr
 
     from kvfit.kernels.nibbles import build as build_nibbles
+    from kvfit.kernels.tile_math import build as build_tile_math
 
     nib = build_nibbles()
+    softmax_pv = build_tile_math().softmax_pv
     dequant_lo, dequant_hi, dequant_cast = nib.dequant_lo, nib.dequant_hi, nib.dequant_cast
     codes_lo, codes_hi, codes_cast = nib.codes_lo, nib.codes_hi, nib.codes_cast
 
@@ -51,17 +53,6 @@ def build():
         else:
             r = dequant_cast(x, s, z, HI, tl.float16)
         return r
-
-    @triton.jit
-    def _online(qk, v, acc, m_i, l_i, PREC: tl.constexpr):
-        # one tile of base-2 logits [G_PAD, N] (dead columns -inf, at least one live) into the
-        # running softmax and the output [G_PAD, D]
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        pr = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(pr, 1)
-        acc = tl.dot(pr.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
-        return acc, m_new, l_i
 
     @triton.jit
     def _int4_decode_kernel(Q, OUT, OP, LSE, KC, VC, KS, KZ, VS, VZ, KR, VR, BT, KVLEN, RSLOT,
@@ -145,7 +136,7 @@ def build():
                 v_e = _dequant(vb, vs, vz, False, F32, ASM)
                 v_o = _dequant(vb, vs, vz, True, F32, ASM)
                 v = tl.reshape(tl.join(v_e, v_o), (PAGE, D))  # channels back in order
-                acc, m_i, l_i = _online(qk, v, acc, m_i, l_i, PREC)
+                acc, m_i, l_i = softmax_pv(qk, v, 1.0, acc, m_i, l_i, 0, False, False, PREC, False)
         else:
             for p in range(p0, p1, NPG):
                 live = (p + ip) < p1  # [NPG]
@@ -192,7 +183,7 @@ def build():
                     v = tl.reshape(tl.join(v_e, v_o), (N, D))  # channels back in order
                 col = tl.reshape(tl.broadcast_to(live[:, None], (NPG, PAGE)), (N,))
                 qk = tl.where(col[None, :], qk * qk_scale, float("-inf"))
-                acc, m_i, l_i = _online(qk, v, acc, m_i, l_i, PREC)
+                acc, m_i, l_i = softmax_pv(qk, v, 1.0, acc, m_i, l_i, 0, False, False, PREC, False)
         if (tail > 0) & (s == num_splits - 1):  # the partial page, full precision (residual)
             slot = tl.maximum(tl.load(RSLOT + b), 0).to(tl.int64)  # padded rows: -1
             rlive = t < tail
@@ -203,7 +194,8 @@ def build():
             qk = tl.dot(q_e, tl.trans(k_e.to(q_e.dtype)), input_precision=PREC)
             qk = tl.dot(q_o, tl.trans(k_o.to(q_e.dtype)), qk, input_precision=PREC)
             qk = tl.where(rlive[None, :], qk * qk_scale, float("-inf"))
-            acc, m_i, l_i = _online(qk, v.to(q_e.dtype), acc, m_i, l_i, PREC)
+            acc, m_i, l_i = softmax_pv(qk, v.to(q_e.dtype), 1.0, acc, m_i, l_i, 0, False, False,
+                                          PREC, False)
         safe_l = tl.where(l_i > 0, l_i, 1.0)
         o = acc / safe_l[:, None]
         if SINGLE:

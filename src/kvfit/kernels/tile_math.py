@@ -11,9 +11,9 @@ from kvfit.kernels.interpret import expose_for_interpreter
 @functools.cache
 def build() -> types.SimpleNamespace:
     """The shared helpers, built on first use (Triton is imported only then):
-    ``softcap_logits``, ``tile_logits`` (Q@K^T, scaled or soft-capped), ``online_softmax`` (a tile into the running
-    max and sum), ``softmax_pv`` (one tile of
-    online softmax + P@V) and ``request_span``."""
+    ``softcap_logits``, ``tile_logits`` (Q@K^T, scaled or soft-capped), ``online_softmax`` (a
+    tile into the running max and sum), ``softmax_pv`` (one tile of online softmax + P@V) and
+    ``request_span``."""
     import triton
     import triton.language as tl
 
