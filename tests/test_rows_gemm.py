@@ -167,7 +167,7 @@ def test_decode_rows_layer_path_equals_the_batched_path(monkeypatch, dtype, path
             model(torch.tensor(sum(ps, [])), torch.cat([torch.arange(n) for n in lens]), ctx)
             if rows_on:  # the GPU path's dispatch, on the CPU under the interpreter
                 mod = rows_mod if path == "rows_gemm" else gemv_mod
-                m.setattr(mod, "supports", mod._fits)
+                m.setattr(mod, "supports", mod.fits)
             m.setattr(decode_rows, "ROWS_GEMM", rows_on and path == "rows_gemm")
             # the GEMV's rows are invariant for any M (one program per row); the engine's
             # limit of one row is a speed choice: three rows here exercise the invariance

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
+from kvfit.kernels.rows_args import ACTIVATIONS
 
 
 @functools.cache

@@ -42,9 +42,7 @@ import torch
 
 from kvfit.kernels.interpret import expose_for_interpreter
 from kvfit.kernels.pdl import launch_options
-
-ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
-GEMV_DTYPES = (torch.bfloat16, torch.float16)
+from kvfit.kernels.rows_args import ACTIVATIONS, fits, gated_width, norm_prologue
 
 
 @functools.cache
@@ -235,16 +233,10 @@ def gemv_config(n_out: int, k: int, gated: bool, block_m: int = 1) -> tuple[int,
     return (4, bk, 4, 3)
 
 
-def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.dim() == 2 and x.shape[0] >= 1 and x.dtype in GEMV_DTYPES
-            and weight.dtype == x.dtype and weight.device == x.device and weight.dim() == 2
-            and weight.stride(1) == 1 and x.shape[1] == weight.shape[1])
-
-
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when ``gemv`` runs this product on the GPU: CUDA token rows, 16-bit, the weight's
     dtype, a row-major weight."""
-    return x.is_cuda and _fits(x, weight)
+    return x.is_cuda and fits(x, weight)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -268,32 +260,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     """
     import triton
 
-    if not _fits(x, weight):
+    if not fits(x, weight):
         raise ValueError(f"gemv wants 16-bit rows x [M, K] and a row-major weight [N, K] of "
                          f"its dtype on its device, got x {tuple(x.shape)} {x.dtype} on "
                          f"{x.device}, weight {tuple(weight.shape)} {weight.dtype}")
     n, k = weight.shape
     gated = gated_act is not None
-    if gated and (n % 2 or gated_act not in ACTIVATIONS):
-        raise ValueError(f"gated gemv wants an even row count and an activation in "
-                         f"{sorted(ACTIVATIONS)}, got {n} rows and {gated_act!r}")
-    n_out = n // 2 if gated else n
+    n_out = gated_width("gemv", n, gated_act)
     m = x.shape[0]
     x = x.contiguous()
     if out_dtype not in (None, x.dtype, torch.float32):
         raise ValueError(f"gemv writes x's dtype or float32, not {out_dtype}")
     out = torch.empty((m, n_out), dtype=out_dtype or x.dtype, device=x.device)
-    add = norm is not None and residual is not None
-    if norm is None:
-        nw, eps, offset = x, 0.0, 0.0
-    else:
-        nw, eps, offset = norm
-        if nw.shape != (k,):
-            raise ValueError(f"norm weight of shape {tuple(nw.shape)} does not match K={k}")
+    nw, eps, offset, add = norm_prologue(x, k, norm, residual)
     if add:
-        if residual.shape != x.shape or residual.dtype != x.dtype:
-            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
-                             f"x {tuple(x.shape)} {x.dtype}")
         residual = residual.contiguous()
         res_out = torch.empty_like(x)
     else:

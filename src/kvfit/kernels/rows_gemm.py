@@ -34,10 +34,8 @@ import torch
 
 from kvfit.kernels.interpret import interpreting
 from kvfit.kernels.pdl import launch_options
+from kvfit.kernels.rows_args import ACTIVATIONS, fits, gated_width, norm_prologue
 from kvfit.kernels.rows_gemm_kernel import build
-
-ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
-ROWS_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class RowsConfig(NamedTuple):
@@ -116,16 +114,10 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.dim() == 2 and x.shape[0] >= 1 and x.dtype in ROWS_DTYPES
-            and weight.dtype == x.dtype and weight.device == x.device and weight.dim() == 2
-            and weight.stride(1) == 1 and x.shape[1] == weight.shape[1])
-
-
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when ``rows_gemm`` runs this product on the GPU: CUDA rows ``[M, K]``, 16-bit, the
     weight's dtype, a row-major weight."""
-    return x.is_cuda and _fits(x, weight)
+    return x.is_cuda and fits(x, weight)
 
 
 def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -144,7 +136,7 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     """
     import triton
 
-    if not _fits(x, weight) or x.stride(1) != 1:
+    if not fits(x, weight) or x.stride(1) != 1:
         raise ValueError(f"rows_gemm wants 16-bit rows x [M, K] (unit stride along K) and a "
                          f"row-major weight [N, K] of their dtype on their device, got x "
                          f"{tuple(x.shape)} {x.dtype} on {x.device}, weight "
@@ -152,24 +144,12 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     m, k = x.shape
     n = weight.shape[0]
     gated = gated_act is not None
-    if gated and (n % 2 or gated_act not in ACTIVATIONS):
-        raise ValueError(f"gated rows_gemm wants an even row count and an activation in "
-                         f"{sorted(ACTIVATIONS)}, got {n} rows and {gated_act!r}")
+    n_out = gated_width("rows_gemm", n, gated_act)
     if out_dtype not in (None, x.dtype, torch.float32):
         raise ValueError(f"rows_gemm writes x's dtype or float32, not {out_dtype}")
-    n_out = n // 2 if gated else n
     out = torch.empty((m, n_out), dtype=out_dtype or x.dtype, device=x.device)
-    add = norm is not None and residual is not None
-    if norm is None:
-        nw, eps, offset = x, 0.0, 0.0
-    else:
-        nw, eps, offset = norm
-        if nw.shape != (k,):
-            raise ValueError(f"norm weight of shape {tuple(nw.shape)} does not match K={k}")
+    nw, eps, offset, add = norm_prologue(x, k, norm, residual)
     if add:
-        if residual.shape != x.shape or residual.dtype != x.dtype:
-            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
-                             f"x {tuple(x.shape)} {x.dtype}")
         if residual.stride(1) != 1:
             residual = residual.contiguous()
         res_out = torch.empty_like(x, memory_format=torch.contiguous_format)
